@@ -1,0 +1,65 @@
+"""Shared fixtures: a tiny random Qwen3 with a byte-level BPE trained here (Qwen's special tokens, so the real
+Qwen3 chat template renders with it), and synthetic Terminus-2-style trajectories. No hub access."""
+import json
+import random
+from pathlib import Path
+
+import pytest
+
+import sft
+
+FIXTURES = Path(__file__).parent / "fixtures"
+QWEN3_TEMPLATE = (FIXTURES / "qwen3_chat_template.jinja").read_text()
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: end-to-end tests (CI runs them; `-m 'not slow'` is the quick subset)")
+
+
+def nemotron_rows():
+    """The three real Nemotron-Terminal-Corpus rows, exactly as published."""
+    return json.loads((FIXTURES / "nemotron_terminal_sample.json").read_text())
+
+
+def synthetic_trajectory(rng, turns=None):
+    """A Terminus-2-looking episode: prompt, then assistant JSON replies and terminal observations."""
+    files = [f"{rng.choice(['data', 'log', 'notes', 'conf'])}_{rng.randint(0, 99)}.{rng.choice(['txt', 'csv', 'json'])}"
+             for _ in range(rng.randint(2, 5))]
+    msgs = [{"role": "user", "content": "You are an AI assistant solving command-line tasks. Reply in JSON.\n\n"
+             f"Task Description:\nFind the file that contains 'key{rng.randint(0, 9)}' and copy it to /app/out.\n\n"
+             "Current terminal state:\nroot@box:/app# "}]
+    for t in range(turns or rng.randint(2, 4)):
+        cmd = rng.choice([f"cat {rng.choice(files)}", "ls -la", f"grep -rl key{rng.randint(0, 9)} .", "wc -l *"])
+        reply = {"analysis": f"Step {t}: inspect the directory.", "plan": f"Run {cmd}.",
+                 "commands": [{"keystrokes": cmd + "\n", "duration": 0.1}], "task_complete": False}
+        msgs.append({"role": "assistant", "content": f"<think>\nI should run {cmd}.\n</think>\n\n" + json.dumps(reply, indent=2)})
+        out = "\n".join(rng.choice(files) + f" {rng.randint(1, 999)}" for _ in range(rng.randint(1, 4)))
+        msgs.append({"role": "user", "content": f"New Terminal Output:\nroot@box:/app# {cmd}\n{out}\nroot@box:/app# "})
+    return msgs
+
+
+@pytest.fixture(scope="session")
+def synthetic():
+    rng = random.Random(0)
+    return [synthetic_trajectory(rng) for _ in range(40)]
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory, synthetic):
+    """A saved tiny random Qwen3 (+ tokenizer) dir; the tokenizer is trained on real and synthetic text."""
+    texts = [m["content"] for row in nemotron_rows() for m in row["conversations"]]
+    texts += [m["content"] for c in synthetic for m in c]
+    return sft.build_tiny(tmp_path_factory.mktemp("tiny"), texts, vocab_size=2048, hidden=64, layers=2, heads=4, kv_heads=2)
+
+
+@pytest.fixture(scope="session")
+def tokenizer(tiny_dir):
+    return sft.load_tokenizer(tiny_dir, "prefix")
+
+
+@pytest.fixture(scope="session")
+def qwen3_tokenizer(tiny_dir):
+    """The same tokenizer with the real Qwen3 chat template (not prefix-preserving)."""
+    tok = sft.load_tokenizer(tiny_dir, "native")
+    tok.chat_template = QWEN3_TEMPLATE
+    return tok
