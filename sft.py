@@ -1,0 +1,711 @@
+"""
+ActObs SFT: supervise the agent's actions AND the environment's observations in terminal trajectories.
+
+    L_lam = -[ sum_{i in A} log p(y_i | y_<i) + lam * sum_{i in O} log p(y_i | y_<i) ] / (|A| + lam |O|)
+
+per trajectory, averaged over the batch; the prompt (system + first user turn) is masked. lam=0 is ActionSFT,
+lam=1 is ActObs, `--schedule obs-then-act` trains an observation-only phase, then an action-only phase.
+
+CPU toy run (tiny random Qwen3 + a tokenizer trained on the data, no downloads):
+    python sft.py --model tiny --data data/corpus/sft.jsonl --out runs/actobs --lr 1e-3 --batch-size 8
+1 GPU:
+    python sft.py --model Qwen/Qwen3-4B --data nemotron.jsonl --out runs/q4b-actobs --max-len 16384
+8 GPUs (FSDP2 shards params, grads and optimizer state):
+    torchrun --standalone --nproc_per_node 8 sft.py --model Qwen/Qwen3-4B --data nemotron.jsonl \
+        --out runs/q4b-actobs --max-len 16384 --fsdp --grad-ckpt
+Resume an interrupted run: the same command plus --resume.
+"""
+import argparse
+import json
+import math
+import os
+import shutil
+import sys
+import time
+from contextlib import nullcontext
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+PROMPT, ACTION, OBS = 0, 1, 2  # per-token roles; only ACTION and OBS tokens carry loss
+
+
+def get_parser():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    # data
+    p.add_argument("--data", required=True, help="JSONL (or JSON array) of trajectories: {'conversations'|'messages': [{role, content}]}")
+    p.add_argument("--max-len", type=int, default=16384, help="truncate trajectories to this many tokens")
+    p.add_argument("--val-size", type=int, default=16, help="trajectories held out for evaluation")
+    p.add_argument("--skip-bad", action="store_true", help="skip (and count) malformed rows instead of stopping")
+    # model
+    p.add_argument("--model", required=True, help="HF model dir/id, or 'tiny': a random ~4M-param Qwen3 with a tokenizer trained on --data")
+    p.add_argument("--chat-template", default="prefix", help="'prefix' (prefix-preserving ChatML, Qwen family), 'native' (the tokenizer's own), or a .jinja path")
+    p.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32"], help="autocast dtype; auto = bf16 on CUDA, fp32 on CPU")
+    p.add_argument("--grad-ckpt", action="store_true", help="gradient checkpointing (recompute activations in backward)")
+    # objective
+    p.add_argument("--lam", type=float, default=1.0, help="observation weight lambda (0 = ActionSFT, 1 = ActObs)")
+    p.add_argument("--schedule", default="mixed", choices=["mixed", "obs-then-act"], help="obs-then-act: observation-only epochs, then action-only epochs (--lam ignored)")
+    # optimisation
+    p.add_argument("--epochs", type=int, default=1, help="passes over the data (per phase with obs-then-act)")
+    p.add_argument("--batch-size", type=int, default=64, help="trajectories per optimizer step (global, across ranks)")
+    p.add_argument("--micro-tokens", type=int, default=32768, help="token budget of one micro-batch per rank (padded batch x length)")
+    p.add_argument("--lr", type=float, default=1e-5, help="peak learning rate")
+    p.add_argument("--min-lr-ratio", type=float, default=0.0, help="final lr as a fraction of --lr (cosine floor)")
+    p.add_argument("--warmup-ratio", type=float, default=0.03, help="fraction of steps of linear warm-up")
+    p.add_argument("--weight-decay", type=float, default=0.0, help="AdamW decoupled weight decay")
+    p.add_argument("--grad-clip", type=float, default=1.0, help="max global grad norm (0 = off)")
+    p.add_argument("--fsdp", action="store_true", help="shard with FSDP2 (fully_shard) instead of DDP under torchrun")
+    p.add_argument("--seed", type=int, default=0, help="seeds the init of --model tiny, the split and the data order")
+    # run
+    p.add_argument("--out", required=True, help="run dir: config.json, log.jsonl, step-N/ checkpoints, final/")
+    p.add_argument("--eval-every", type=int, default=50, help="held-out action/obs NLL every N steps (0 = only at the end)")
+    p.add_argument("--save-every", type=int, default=200, help="checkpoint every N steps (0 = only at the end)")
+    p.add_argument("--keep", type=int, default=2, help="step checkpoints kept on disk (final/ is always kept)")
+    p.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint in --out")
+    p.add_argument("--stop-after", type=int, default=0, help="stop (with a checkpoint) once the run reaches this step, keeping the full run's schedule; for time-sliced jobs")
+    return p
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Data: trajectories in, (ids, roles) out
+
+VALID_ROLES = ("system", "user", "assistant", "tool")
+
+
+def _check_row(row, where):
+    if not isinstance(row, dict):
+        raise ValueError(f"{where}: expected an object with 'conversations' or 'messages', got {type(row).__name__}")
+    key = "conversations" if "conversations" in row else "messages" if "messages" in row else None
+    if key is None:
+        raise ValueError(f"{where}: missing field 'conversations' (or 'messages')")
+    msgs = row[key]
+    if not isinstance(msgs, list) or not msgs:
+        raise ValueError(f"{where}: field '{key}' must be a non-empty list")
+    for i, m in enumerate(msgs):
+        field = f"{key}[{i}]"
+        if not isinstance(m, dict):
+            raise ValueError(f"{where}: {field}: expected an object with 'role' and 'content'")
+        for k in ("role", "content"):
+            if k not in m:
+                raise ValueError(f"{where}: {field}: missing field '{k}'")
+        if m["role"] not in VALID_ROLES:
+            raise ValueError(f"{where}: {field}.role: unknown role {m['role']!r} (expected one of {', '.join(VALID_ROLES)})")
+        if not isinstance(m["content"], str):
+            raise ValueError(f"{where}: {field}.content: expected a string, got {type(m['content']).__name__}")
+    return [{"role": m["role"], "content": m["content"]} for m in msgs]
+
+
+def read_trajectories(path, skip_bad=False):
+    """-> (list of message lists, number of bad rows skipped). Errors name the file, line and field."""
+    path = str(path)
+    rows, convs, bad = [], [], 0
+    with open(path, encoding="utf-8") as f:
+        if path.endswith(".json"):  # a JSON array of rows, e.g. a dataset sample file
+            rows = [(f"{path}: row {i}", r) for i, r in enumerate(json.load(f))]
+        else:
+            for lineno, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    rows.append((f"{path}:{lineno}", json.loads(line)))
+                except json.JSONDecodeError as e:
+                    if not skip_bad:
+                        raise ValueError(f"{path}:{lineno}: invalid JSON ({e.msg} at column {e.colno})") from None
+                    bad += 1
+    for where, row in rows:
+        try:
+            convs.append(_check_row(row, where))
+        except ValueError:
+            if not skip_bad:
+                raise
+            bad += 1
+    return convs, bad
+
+
+def message_roles(messages):
+    """Label of each message: system and the first user turn are PROMPT, assistant turns are ACTION,
+    later user turns and tool turns are OBS (the environment's feedback)."""
+    out, seen_user = [], False
+    for m in messages:
+        if m["role"] == "assistant":
+            out.append(ACTION)
+        elif m["role"] == "system" or (m["role"] == "user" and not seen_user):
+            out.append(PROMPT)
+        else:
+            out.append(OBS)
+        seen_user |= m["role"] == "user"
+    return out
+
+
+# ChatML that renders every message independently and in order, assistant contents verbatim (reasoning
+# included), so render(messages[:k]) is a prefix of render(messages[:k+1]): exactly the token stream a policy
+# accumulates turn by turn at RL and evaluation time. Qwen3's own template instead strips the reasoning of
+# earlier turns and merges consecutive tool turns, which no rollout ever sees.
+PREFIX_TEMPLATE = (
+    "{%- for m in messages %}"
+    "{%- if m.role == 'tool' %}"
+    "{{- '<|im_start|>user\\n<tool_response>\\n' + m.content + '\\n</tool_response><|im_end|>\\n' }}"
+    "{%- else %}"
+    "{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+
+def load_tokenizer(path, chat_template="prefix"):
+    """The tokenizer with the chat template that training, rollouts and evaluation will all use."""
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(path)
+    if chat_template == "prefix":
+        if "<|im_start|>" not in tok.get_vocab():
+            raise ValueError(f"{path}: --chat-template prefix is ChatML (Qwen family) but this tokenizer has no "
+                             "<|im_start|> token; pass --chat-template native or a .jinja file")
+        tok.chat_template = PREFIX_TEMPLATE
+    elif chat_template != "native":
+        tok.chat_template = Path(chat_template).read_text()
+    if not tok.chat_template:
+        raise ValueError(f"{path}: the tokenizer has no chat template; pass --chat-template prefix or a .jinja file")
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def _longest_prefix_found(piece, text, start):
+    """(position, length) of the first occurrence in text[start:] of the longest prefix of `piece` found there."""
+    lo, hi = 0, len(piece)  # invariant: piece[:lo] occurs; occurrence is monotone in the prefix length
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if text.find(piece[:mid], start) >= 0:
+            lo = mid
+        else:
+            hi = mid - 1
+    return (text.find(piece[:lo], start) if lo else -1), lo
+
+
+def _message_spans(tokenizer, messages, text):
+    """Character ranges of each message in `text`: its rendered content and its end-of-turn token.
+
+    The template is rendered once more with every content replaced by a sentinel; the template text between
+    two sentinels (end-of-turn, next header) is then located in the real rendering. Decoration the template
+    inserts before a content (e.g. Qwen3's '<think>\n' on the final turn) counts as header, i.e. PROMPT. The
+    end-of-turn token is the first special token after the content, if it is one the template closes
+    messages with (found in the text after the last message) or the eos token; wrapper text in between
+    (e.g. '\n</tool_response>') stays PROMPT."""
+    sent = [f"\ue000{j}\ue001" for j in range(len(messages))]
+    skel = tokenizer.apply_chat_template([{**m, "content": s} for m, s in zip(messages, sent)], tokenize=False)
+    pieces, pos = [], 0
+    for j, s in enumerate(sent):
+        k = skel.find(s, pos)
+        if k < 0:
+            raise ValueError(f"the chat template does not render message {j} ({messages[j]['role']}); cannot label it")
+        pieces.append(skel[pos:k])
+        pos = k + len(s)
+    pieces.append(skel[pos:])
+    specials = sorted({t for t in tokenizer.all_special_tokens if t}, key=len, reverse=True)
+    closers = {t for t in specials if t in pieces[-1]} | {tokenizer.eos_token}
+
+    def eot(piece):  # (offset, length) of the end-of-turn token in the template text after a content
+        hits = [(piece.find(t), -len(t), t) for t in specials if t in piece]
+        if not hits:
+            return None
+        k, _, t = min(hits)
+        return (k, len(t)) if t in closers else None
+
+    start = len(os.path.commonprefix([pieces[0], text]))
+    spans = []
+    for j in range(1, len(pieces)):
+        piece = pieces[j]
+        if j == len(messages):  # the template text after the last content closes the rendering
+            q, n = (text.rfind(piece), len(piece)) if piece else (len(text), 0)
+            if q < start or q + n != len(text):
+                q = -1
+        else:
+            q, n = _longest_prefix_found(piece, text, start)
+        if q < 0 or (n == 0 and j < len(messages)):
+            raise ValueError(f"cannot find where message {j - 1} ({messages[j - 1]['role']}) ends in the rendered text")
+        ranges = [(start, q)]
+        e = eot(piece[:n])
+        if e:
+            ranges.append((q + e[0], q + e[0] + e[1]))
+        spans.append(ranges)
+        start = q + n
+    return spans
+
+
+def render(tokenizer, messages, max_len=None):
+    """-> (ids, roles): the conversation as the tokenizer's chat template renders it, one role per token.
+
+    A message's role covers its rendered content and its end-of-turn token; headers are PROMPT. A token that a
+    BPE merge makes straddle two segments takes the highest-priority role among its characters,
+    ACTION > OBS > PROMPT: every character the model must produce stays supervised (at the cost of a few
+    template characters in such rare merged tokens)."""
+    text = tokenizer.apply_chat_template(messages, tokenize=False)
+    char_role = np.zeros(len(text) + 1, dtype=np.int8)  # +1: a sentinel slot for empty offsets at the end
+    for ranges, r in zip(_message_spans(tokenizer, messages, text), message_roles(messages)):
+        for s, e in ranges:
+            char_role[s:e] = r
+    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    ids = enc["input_ids"]
+    off = np.asarray(enc["offset_mapping"], dtype=np.int64).reshape(-1, 2)  # (T, 2) char [start, end)
+    off[:, 1] = np.maximum(off[:, 1], off[:, 0] + 1)  # a token with an empty span takes the char at its start
+    roles = np.zeros(len(ids), dtype=np.int8)
+    for r in (OBS, ACTION):  # later assignment wins: ACTION > OBS > PROMPT
+        csum = np.concatenate([[0], np.cumsum(char_role == r)])
+        roles[csum[off[:, 1]] - csum[off[:, 0]] > 0] = r
+    if max_len is not None:
+        ids, roles = ids[:max_len], roles[:max_len]
+    return list(ids), roles.tolist()
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Batching and the loss
+
+def collate(examples, pad_id):
+    """[(ids, roles)] -> right-padded batch: input_ids, roles (PROMPT on padding), attention_mask; all (B, T)."""
+    T = max(len(ids) for ids, _ in examples)
+    B = len(examples)
+    input_ids = torch.full((B, T), pad_id, dtype=torch.long)
+    roles = torch.full((B, T), PROMPT, dtype=torch.long)
+    attention_mask = torch.zeros((B, T), dtype=torch.long)
+    for b, (ids, r) in enumerate(examples):
+        input_ids[b, : len(ids)] = torch.as_tensor(ids)
+        roles[b, : len(r)] = torch.as_tensor(r)
+        attention_mask[b, : len(ids)] = 1
+    return {"input_ids": input_ids, "roles": roles, "attention_mask": attention_mask}
+
+
+def loss_denominator(roles, lam, w_act=1.0):
+    """w_act |A| + lam |O| of one trajectory; token 0 is never predicted, so it never counts."""
+    r = np.asarray(roles[1:])
+    return w_act * int((r == ACTION).sum()) + lam * int((r == OBS).sum())
+
+
+def micro_batches(lengths, token_budget, n_micro=0):
+    """Length-grouped micro-batches: longest first, each with (rows x longest) <= token_budget (a single
+    longer trajectory gets its own). With n_micro, split further (or add empty groups) to exactly that many,
+    so all ranks run the same number of forward passes (FSDP's collectives require it)."""
+    groups = []
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        if groups and (len(groups[-1]) + 1) * lengths[groups[-1][0]] <= token_budget:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    while len(groups) < n_micro:
+        big = max(range(len(groups)), key=lambda g: len(groups[g])) if groups else None
+        if big is None or len(groups[big]) < 2:
+            groups.append([])
+        else:
+            g = groups.pop(big)
+            groups[big:big] = [g[: len(g) // 2], g[len(g) // 2:]]
+    return groups
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    """sum_i w_i * NLL_i of rows h_i through the output head W, one row-chunk at a time: a chunk's (c, V)
+    logits are the only vocabulary-sized tensor alive. The weights w are known in the forward pass, so the
+    gradients are formed there, chunk by chunk, and backward only scales them: no recomputation."""
+
+    @staticmethod
+    def forward(ctx, h, W, targets, w, chunk, dtype):
+        N = h.shape[0]
+        nll = torch.empty(N, dtype=torch.float32, device=h.device)  # (N,)
+        need_h, need_W = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        ctx.w_dtype = W.dtype
+        grad_h = torch.empty_like(h) if need_h else None  # (N, H)
+        grad_W = torch.zeros(W.shape, dtype=torch.float32, device=W.device) if need_W else None  # (V, H)
+        Wc = W.to(dtype)
+        for s in range(0, N, chunk):
+            hc, tc = h[s: s + chunk].to(dtype), targets[s: s + chunk]  # (c, H), (c,)
+            logits = (hc @ Wc.T).float()  # (c, V)
+            lse = torch.logsumexp(logits, dim=-1)  # (c,)
+            nll[s: s + chunk] = lse - logits.gather(1, tc[:, None]).squeeze(1)
+            if need_h or need_W:
+                g = logits.sub_(lse[:, None]).exp_()  # softmax in place, (c, V)
+                g[torch.arange(len(tc), device=g.device), tc] -= 1.0
+                g = g.mul_(w[s: s + chunk, None]).to(dtype)  # d(sum w*nll)/d logits
+                if need_h:
+                    grad_h[s: s + chunk] = (g @ Wc).to(h.dtype)
+                if need_W:
+                    grad_W += (g.T @ hc).float()
+        ctx.save_for_backward(grad_h if need_h else None, grad_W if need_W else None)
+        ctx.mark_non_differentiable(nll)
+        return (nll * w).sum(), nll
+
+    @staticmethod
+    def backward(ctx, grad_loss, _grad_nll):
+        grad_h, grad_W = ctx.saved_tensors
+        gh = grad_h * grad_loss if grad_h is not None else None
+        gW = (grad_W * grad_loss).to(ctx.w_dtype) if grad_W is not None else None
+        return gh, gW, None, None, None, None
+
+
+def linear_cross_entropy(h, W, targets, w, chunk=1024):
+    """-> (sum_i w_i NLL_i, NLL (N,) detached) for hidden rows h (N, H), head W (V, H), targets (N,), w (N,).
+    Matmuls run in the autocast dtype when autocast is on; softmax and the NLL in fp32."""
+    dev = h.device.type
+    dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else h.dtype
+    with torch.autocast(dev, enabled=False):
+        return _LinearCrossEntropy.apply(h, W, targets, w.float(), chunk, dtype)
+
+
+def actobs_loss(model, batch, lam, w_act=1.0, n_traj=None, chunk=1024):
+    """-> (loss, stats). loss = sum over the batch's trajectories of
+    -[w_act sum_A log p + lam sum_O log p] / (w_act |A| + lam |O|), divided by n_traj (default: the number of
+    trajectories with a non-zero denominator here; pass the whole step's count when accumulating). Log-probs
+    come from the final hidden states in chunks: the (tokens, vocab) logits are never materialised.
+    stats: per-token action and observation NLL (sums, counts, means), whatever lam is."""
+    ids, roles = batch["input_ids"], batch["roles"]  # (B, T)
+    B = ids.shape[0]
+    hidden = model.base_model(input_ids=ids, attention_mask=batch["attention_mask"], use_cache=False).last_hidden_state  # (B, T, H)
+    tgt_roles = roles[:, 1:]  # (B, T-1): role of the token each position predicts
+    sel = tgt_roles != PROMPT  # (B, T-1)
+    h = hidden[:, :-1][sel]  # (N, H): only supervised positions reach the head
+    targets = ids[:, 1:][sel]  # (N,)
+    r = tgt_roles[sel]  # (N,)
+    traj = torch.arange(B, device=ids.device)[:, None].expand_as(sel)[sel]  # (N,) trajectory of each token
+    is_act, is_obs = r == ACTION, r == OBS
+    n_act = torch.bincount(traj[is_act], minlength=B).float()  # (B,)
+    n_obs = torch.bincount(traj[is_obs], minlength=B).float()
+    denom = w_act * n_act + lam * n_obs  # (B,)
+    valid = denom > 0
+    n = float(n_traj) if n_traj is not None else max(int(valid.sum()), 1)
+    tok_w = torch.where(is_act, w_act, lam) / denom.clamp(min=1e-12)[traj] / n  # (N,); 0 where denom = 0
+    loss, nll = linear_cross_entropy(h, model.get_output_embeddings().weight, targets, tok_w, chunk)
+    stats = {"act_nll_sum": nll[is_act].sum().item(), "act_tokens": int(is_act.sum()),
+             "obs_nll_sum": nll[is_obs].sum().item(), "obs_tokens": int(is_obs.sum()), "n_traj": int(valid.sum())}
+    stats["act_nll"] = stats["act_nll_sum"] / max(stats["act_tokens"], 1)
+    stats["obs_nll"] = stats["obs_nll_sum"] / max(stats["obs_tokens"], 1)
+    return loss, stats
+
+
+# ----------------------------------------------------------------------------------------------------------
+# A tiny random Qwen3 for laptops and tests: no hub access needed
+
+QWEN_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+              r"|\s*[\r\n]+|\s+(?!\S)|\s+")  # Qwen2/3's pre-tokenizer split pattern
+QWEN_SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+QWEN_ADDED = ["<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
+
+
+def build_tiny(out_dir, texts, vocab_size=4096, hidden=256, layers=4, heads=4, kv_heads=2, seed=0):
+    """Train a byte-level BPE with Qwen's special tokens on `texts`, build a random Qwen3 around it, and
+    save both (with the prefix-preserving chat template) to out_dir. Returns out_dir."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(QWEN_SPLIT), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size - len(QWEN_SPECIAL) - len(QWEN_ADDED), show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    bpe.train_from_iterator(texts, trainer)
+    bpe.add_special_tokens(QWEN_SPECIAL)
+    bpe.add_tokens(QWEN_ADDED)
+    tok = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                  additional_special_tokens=["<|im_start|>"])
+    tok.chat_template = PREFIX_TEMPLATE
+    torch.manual_seed(seed)
+    cfg = Qwen3Config(vocab_size=len(tok), hidden_size=hidden, intermediate_size=3 * hidden, num_hidden_layers=layers,
+                      num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=hidden // heads,
+                      tie_word_embeddings=True, max_position_embeddings=32768,
+                      eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, bos_token_id=None)
+    Qwen3ForCausalLM(cfg).save_pretrained(out_dir)
+    tok.save_pretrained(out_dir)
+    return str(out_dir)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Training loop helpers
+
+def lr_at(step, total, warmup, max_lr, min_ratio):
+    """Linear warm-up to max_lr over `warmup` steps, then cosine decay to min_ratio * max_lr at `total`."""
+    if step < warmup:
+        return max_lr * (step + 1) / warmup
+    t = (step - warmup) / max(total - warmup, 1)
+    return max_lr * (min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * t)))
+
+
+def phase_weights(args, step, steps_per_phase):
+    """(w_act, lam) of this step: the paper's mix, or obs-only then action-only phases."""
+    if args.schedule == "mixed":
+        return 1.0, args.lam
+    return (0.0, 1.0) if step < steps_per_phase else (1.0, 0.0)
+
+
+def step_indices(n, batch_size, step, steps_per_epoch, seed):
+    """Trajectory indices of one optimizer step: a seeded permutation per epoch, so a resumed run sees the same."""
+    epoch, k = divmod(step, steps_per_epoch)
+    perm = np.random.default_rng(seed + epoch).permutation(n)
+    return perm[k * batch_size: (k + 1) * batch_size].tolist()
+
+
+class LossModule(torch.nn.Module):
+    """actobs_loss as a module forward, so DDP / FSDP2 hooks see the whole computation."""
+
+    def __init__(self, lm):
+        super().__init__()
+        self.lm = lm
+
+    def forward(self, batch, lam, w_act, n_traj):
+        return actobs_loss(self.lm, batch, lam, w_act, n_traj)
+
+
+def all_reduce_sum(values, device):
+    """Sum a list of floats across ranks (no-op when not distributed)."""
+    if not dist.is_initialized():
+        return list(values)
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(t)
+    return t.tolist()
+
+
+def run_micro_batches(loss_mod, examples, args, pad_id, lam, w_act, n_traj, device, ctx, world, train):
+    """Forward (and backward when train) over this rank's examples in length-grouped micro-batches.
+    Returns summed stats. All ranks run the same number of micro-batches."""
+    groups = micro_batches([len(ids) for ids, _ in examples], args.micro_tokens)
+    n_micro = int(all_reduce_max(len(groups), device))
+    groups = micro_batches([len(ids) for ids, _ in examples], args.micro_tokens, n_micro)
+    tot = dict.fromkeys(["loss", "act_nll_sum", "act_tokens", "obs_nll_sum", "obs_tokens", "n_traj", "tokens"], 0.0)
+    for k, g in enumerate(groups):
+        # an empty group (this rank has fewer trajectories) still runs a 1-token pass to keep collectives in step
+        batch = collate([examples[i] for i in g] or [([pad_id], [PROMPT])], pad_id)
+        batch = {key: v.to(device) for key, v in batch.items()}
+        last = k == len(groups) - 1
+        sync = nullcontext()
+        if train and world > 1 and not args.fsdp and not last:
+            sync = loss_mod.no_sync()  # DDP: all-reduce grads once, after the last micro-batch
+        if train and args.fsdp:
+            loss_mod.set_requires_gradient_sync(last)
+        with sync, ctx, (nullcontext() if train else torch.no_grad()):
+            loss, st = loss_mod(batch, lam, w_act, n_traj)
+            if train:
+                (loss * world).backward()  # DDP / FSDP average grads over ranks; the loss is already global
+        st.update(loss=loss.item(), tokens=int(batch["attention_mask"].sum()) if g else 0)
+        for key in tot:
+            tot[key] += st[key]
+    return tot
+
+
+def all_reduce_max(x, device):
+    if not dist.is_initialized():
+        return x
+    t = torch.tensor([x], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
+
+
+def checkpoint_dirs(out):
+    """Complete step checkpoints in out, oldest first (a dir is complete once renamed from its .tmp name)."""
+    return sorted((p for p in Path(out).glob("step-*") if p.is_dir() and not p.name.endswith(".tmp")
+                   and (p / "trainer_state.pt").exists()), key=lambda p: int(p.name.split("-")[1]))
+
+
+def save_checkpoint(path, model, raw, tok, opt, step, args, rank):
+    """HF model + tokenizer (chat template included) + optimizer / RNG state, written to path.tmp then renamed:
+    a crash mid-write never leaves a checkpoint that looks complete."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    if args.fsdp:  # gather full (unsharded) states onto rank 0's CPU
+        from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                             get_optimizer_state_dict)
+        opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        sd = get_model_state_dict(raw, options=opts)
+        osd = get_optimizer_state_dict(model, opt, options=opts) if opt is not None else None
+    else:
+        sd, osd = raw.state_dict(), opt.state_dict() if opt is not None else None
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raw.save_pretrained(tmp, state_dict=sd)
+        tok.save_pretrained(tmp)
+        if opt is not None:
+            torch.save({"optimizer": osd, "step": step, "args": vars(args)}, tmp / "optimizer.pt")
+    barrier()
+    rng = {"torch": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
+    if opt is not None:
+        torch.save(rng, tmp / f"rng-{rank}.pt")
+    barrier()
+    if rank == 0:
+        if opt is not None:  # the marker of a complete checkpoint, written last
+            os.replace(tmp / "optimizer.pt", tmp / "trainer_state.pt")
+        shutil.rmtree(path, ignore_errors=True)
+        os.rename(tmp, path)
+    barrier()
+
+
+def barrier():
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def run_config(args):
+    """What reproduces this run: the flags, the code version and the library versions."""
+    import subprocess
+    import transformers
+    try:
+        git = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent).stdout.strip()
+    except OSError:
+        git = ""
+    return {"args": vars(args), "git": git, "argv": sys.argv, "python": sys.version.split()[0],
+            "torch": torch.__version__, "transformers": transformers.__version__}
+
+
+def reduce_stats(tot, device):
+    keys = sorted(tot)
+    tot = dict(zip(keys, all_reduce_sum([tot[k] for k in keys], device)))
+    tot["act_nll"] = tot["act_nll_sum"] / max(tot["act_tokens"], 1)
+    tot["obs_nll"] = tot["obs_nll_sum"] / max(tot["obs_tokens"], 1)
+    return tot
+
+
+# ----------------------------------------------------------------------------------------------------------
+
+def main(argv=None):
+    args = get_parser().parse_args(argv)
+    from tqdm import tqdm
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+    hf_logging.disable_progress_bar()  # one line per step is the log; no per-save bars
+
+    # distributed: torchrun sets RANK / WORLD_SIZE / LOCAL_RANK; plain `python` runs one process
+    distributed = "RANK" in os.environ
+    if distributed:
+        dist.init_process_group(backend="nccl" if torch.cuda.is_available() else "gloo")
+    rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
+    device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if torch.cuda.is_available() else "cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    print0 = print if rank == 0 else (lambda *a, **k: None)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(args.seed)
+
+    # data -> (ids, roles), held-out split
+    convs, bad = read_trajectories(args.data, args.skip_bad)
+    ckpts = checkpoint_dirs(out) if args.resume else []
+    model_path = args.model
+    if args.model == "tiny":
+        model_path = out / "init"
+        if rank == 0 and not (model_path / "config.json").exists():
+            build_tiny(model_path, [m["content"] for c in convs for m in c], seed=args.seed)
+        barrier()
+    # a checkpoint carries the chat template it was trained with: resume with exactly that one
+    tok = load_tokenizer(ckpts[-1], "native") if ckpts else load_tokenizer(model_path, args.chat_template)
+    examples, empty = [], 0
+    for c in convs:
+        ids, roles = render(tok, c, args.max_len)
+        if not any(r != PROMPT for r in roles[1:]):
+            empty += 1  # nothing to learn from once truncated: counted, never a NaN
+            continue
+        examples.append((ids, roles))
+    if len(examples) <= args.val_size:
+        raise ValueError(f"{args.data}: {len(examples)} usable trajectories, need more than --val-size {args.val_size}")
+    perm = np.random.default_rng(args.seed).permutation(len(examples))
+    val, train = [examples[i] for i in perm[: args.val_size]], [examples[i] for i in perm[args.val_size:]]
+    if args.batch_size < world:
+        raise ValueError(f"--batch-size {args.batch_size} is smaller than the {world} ranks")
+    steps_per_epoch = math.ceil(len(train) / args.batch_size)
+    steps_per_phase = steps_per_epoch * args.epochs
+    total = steps_per_phase * (2 if args.schedule == "obs-then-act" else 1)
+    warmup = int(args.warmup_ratio * total)
+    stop = min(args.stop_after, total) if args.stop_after else total
+
+    # model, optimizer, resume
+    use_bf16 = args.dtype == "bf16" or (args.dtype == "auto" and device.type == "cuda")
+    ctx = torch.autocast(device.type, dtype=torch.bfloat16) if use_bf16 else nullcontext()
+    raw = AutoModelForCausalLM.from_pretrained(ckpts[-1] if ckpts else model_path, dtype=torch.float32).to(device)
+    if args.grad_ckpt:
+        raw.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model = LossModule(raw)
+    if distributed and args.fsdp:
+        from torch.distributed.fsdp import fully_shard
+        for layer in raw.base_model.layers:
+            fully_shard(layer)
+        fully_shard(model)
+    elif distributed:
+        model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay)
+    start = 0
+    if ckpts:
+        state = torch.load(ckpts[-1] / "trainer_state.pt", weights_only=False)
+        if args.fsdp:
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+            set_optimizer_state_dict(model, opt, state["optimizer"], options=StateDictOptions(full_state_dict=True))
+        else:
+            opt.load_state_dict(state["optimizer"])
+        start = state["step"]
+        rng = torch.load(ckpts[-1] / f"rng-{rank}.pt", weights_only=False)
+        torch.set_rng_state(rng["torch"])
+        if rng["cuda"] is not None:
+            torch.cuda.set_rng_state_all(rng["cuda"])
+    n_params = sum(p.numel() for p in raw.parameters())
+    print0(f"{len(train)} train / {len(val)} val trajectories ({bad} bad rows, {empty} with nothing to learn skipped) | "
+           f"{n_params / 1e6:.1f}M params | {total} steps x {args.batch_size} traj | warmup {warmup} | "
+           f"{'bf16' if use_bf16 else 'fp32'} | world {world} | " + (f"resumed at step {start}" if start else "fresh start"))
+    if rank == 0:
+        (out / "config.json").write_text(json.dumps(run_config(args), indent=2))
+    log = open(out / "log.jsonl", "a") if rank == 0 else None
+
+    def record(rec):
+        if log:
+            log.write(json.dumps(rec) + "\n")
+            log.flush()
+
+    def evaluate(step):
+        model.eval()
+        tot = run_micro_batches(model, val[rank::world], args, tok.pad_token_id, 1.0, 1.0, None, device, ctx, world, train=False)
+        tot = reduce_stats(tot, device)
+        model.train()
+        record({"step": step, "eval/act_nll": tot["act_nll"], "eval/obs_nll": tot["obs_nll"]})
+        tqdm.write(f"step {step}/{total} | eval | act {tot['act_nll']:.4f} | obs {tot['obs_nll']:.4f}") if rank == 0 else None
+
+    def save(step):
+        save_checkpoint(out / f"step-{step:06d}", model, raw, tok, opt, step, args, rank)
+        for old in checkpoint_dirs(out)[: -args.keep] if rank == 0 else []:
+            shutil.rmtree(old)
+
+    model.train()
+    pbar = tqdm(range(start, stop), initial=start, total=total, disable=rank != 0, dynamic_ncols=True)
+    for step in pbar:
+        t0 = time.time()
+        w_act, lam = phase_weights(args, step, steps_per_phase)
+        lr = lr_at(step, total, warmup, args.lr, args.min_lr_ratio)
+        for g in opt.param_groups:
+            g["lr"] = lr
+        idx = step_indices(len(train), args.batch_size, step, steps_per_epoch, args.seed)
+        n_traj = max(sum(loss_denominator(train[i][1], lam, w_act) > 0 for i in idx), 1)  # global: same on all ranks
+        tot = run_micro_batches(model, [train[i] for i in idx[rank::world]], args, tok.pad_token_id, lam, w_act, n_traj,
+                                device, ctx, world, train=True)
+        gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip if args.grad_clip > 0 else float("inf"))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        tot = reduce_stats(tot, device)
+        dt = time.time() - t0
+        gnorm = float(gnorm.full_tensor() if hasattr(gnorm, "full_tensor") else gnorm)
+        record({"step": step + 1, "train/loss": tot["loss"], "train/act_nll": tot["act_nll"], "train/obs_nll": tot["obs_nll"],
+                "train/lr": lr, "train/grad_norm": gnorm, "train/w_act": w_act, "train/lam": lam,
+                "train/tokens": tot["tokens"], "train/tok_per_s": tot["tokens"] / dt, "train/step_s": dt})
+        if rank == 0:
+            tqdm.write(f"step {step + 1}/{total} | loss {tot['loss']:.4f} | act {tot['act_nll']:.4f} | obs {tot['obs_nll']:.4f} | "
+                       f"lr {lr:.2e} | gnorm {gnorm:.3f} | {tot['tokens'] / dt:.0f} tok/s | {dt * 1000:.0f} ms")
+        done = step + 1
+        if args.eval_every and done % args.eval_every == 0 and done != total:
+            evaluate(done)
+        if (args.save_every and done % args.save_every == 0) or done == stop < total:
+            save(done)
+    pbar.close()
+    if stop == total:
+        evaluate(total)
+        save_checkpoint(out / "final", model, raw, tok, None, total, args, rank)
+        print0(f"final model: {out / 'final'}")
+    if log:
+        log.close()
+    if distributed:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

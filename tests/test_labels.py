@@ -1,0 +1,208 @@
+"""Exact action/observation labels. Each template here has a hand-written mirror that says, piece by piece,
+which text the template emits and which role that text must get; render() never sees the mirror."""
+import json
+import random
+
+import numpy as np
+import pytest
+
+import sft
+from conftest import QWEN3_TEMPLATE, nemotron_rows, synthetic_trajectory
+
+P, A, O = sft.PROMPT, sft.ACTION, sft.OBS
+EOT = "<|im_end|>"
+
+
+def mirror_prefix(msgs):
+    roles = sft.message_roles(msgs)
+    out = []
+    for m, r in zip(msgs, roles):
+        if m["role"] == "tool":
+            out += [("<|im_start|>user\n<tool_response>\n", P), (m["content"], r), ("\n</tool_response>", P), (EOT, r), ("\n", P)]
+        else:
+            out += [(f"<|im_start|>{m['role']}\n", P), (m["content"], r), (EOT, r), ("\n", P)]
+    return out
+
+
+def mirror_qwen3(msgs):
+    """Qwen3's template for conversations without tool calls; its '<think>\\n' decoration on turns after the
+    last user query is header (PROMPT), by render()'s documented rule."""
+    roles = sft.message_roles(msgs)
+    last_query = max(i for i, m in enumerate(msgs) if m["role"] == "user")
+    out = []
+    for i, (m, r) in enumerate(zip(msgs, roles)):
+        if m["role"] in ("user", "system"):
+            out += [(f"<|im_start|>{m['role']}\n", P), (m["content"], r), (EOT, r), ("\n", P)]
+        elif m["role"] == "assistant":
+            c = m["content"]
+            reasoning = ""
+            if "</think>" in c:
+                reasoning = c.split("</think>")[0].rstrip("\n").split("<think>")[-1].lstrip("\n")
+                c = c.split("</think>")[-1].lstrip("\n")
+            if i > last_query and (i == len(msgs) - 1 or reasoning):
+                out += [("<|im_start|>assistant\n<think>\n", P), (reasoning.strip("\n") + "\n</think>\n\n" + c.lstrip("\n"), r)]
+            else:
+                out += [("<|im_start|>assistant\n", P), (c, r)]
+            out += [(EOT, r), ("\n", P)]
+        else:  # tool: consecutive tool turns share one user turn
+            if i == 0 or msgs[i - 1]["role"] != "tool":
+                out.append(("<|im_start|>user", P))
+            out += [("\n<tool_response>\n", P), (m["content"], r), ("\n</tool_response>", P)]
+            if i == len(msgs) - 1 or msgs[i + 1]["role"] != "tool":
+                out += [(EOT, r), ("\n", P)]
+    return out
+
+
+PLAIN_TEMPLATE = "{%- for m in messages %}{{- '### ' + m.role + ':\\n' + m.content + '\\n\\n' }}{%- endfor %}"
+
+
+def mirror_plain(msgs):  # no special tokens at all: BPE merges straddle content and template text
+    return [x for m, r in zip(msgs, sft.message_roles(msgs)) for x in [(f"### {m['role']}:\n", P), (m["content"], r), ("\n\n", P)]]
+
+
+def expected_roles(tok, text, pieces):
+    """Per-token roles by the straddle rule, from the mirror's character roles and the tokenizer's offsets."""
+    char = np.concatenate([np.full(len(t), r, dtype=np.int8) for t, r in pieces] + [np.zeros(1, np.int8)])
+    enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)
+    out = []
+    for a, b in enc["offset_mapping"]:
+        seg = set(char[a: max(b, a + 1)].tolist())
+        out.append(A if A in seg else O if O in seg else P)
+    return out
+
+
+def conversations():
+    rng = random.Random(1)
+    convs = [row["conversations"] for row in nemotron_rows()] + [synthetic_trajectory(rng) for _ in range(5)]
+    convs.append([{"role": "system", "content": "You run shell commands."}, {"role": "user", "content": "List /tmp."},
+                  {"role": "assistant", "content": "<think>\nls it\n</think>\n\n{\"commands\": []}"},
+                  {"role": "tool", "content": "a.txt"}, {"role": "tool", "content": "b.txt"},
+                  {"role": "assistant", "content": "Done."}, {"role": "user", "content": "New Terminal Output:\n$ "},
+                  {"role": "assistant", "content": "<think>\nfinal\n</think>\n\nok"}])
+    return convs
+
+
+TEMPLATES = {"prefix": (sft.PREFIX_TEMPLATE, mirror_prefix), "qwen3": (QWEN3_TEMPLATE, mirror_qwen3),
+             "plain": (PLAIN_TEMPLATE, mirror_plain)}
+
+
+@pytest.fixture(params=list(TEMPLATES))
+def templated(request, tokenizer):
+    template, mirror = TEMPLATES[request.param]
+    tok = sft.load_tokenizer(tokenizer.name_or_path, "native")
+    tok.chat_template = template
+    return request.param, tok, mirror
+
+
+def test_roles_match_mirror_for_every_template(templated):
+    name, tok, mirror = templated
+    straddle = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "ok}"},
+                {"role": "tool", "content": "x\n"}, {"role": "tool", "content": "y$\n"}]
+    for msgs in conversations() + [straddle]:
+        pieces = mirror(msgs)
+        text = tok.apply_chat_template(msgs, tokenize=False)
+        assert text == "".join(t for t, _ in pieces), f"{name}: the test's mirror of the template is off"
+        ids, roles = sft.render(tok, msgs)
+        assert tok.decode(ids) == text
+        assert roles == expected_roles(tok, text, pieces)
+
+
+@pytest.mark.parametrize("name", ["prefix", "qwen3"])
+def test_decoded_action_and_obs_tokens_are_the_contents_as_rendered(name, tokenizer):
+    template, mirror = TEMPLATES[name]
+    tok = sft.load_tokenizer(tokenizer.name_or_path, "native")
+    tok.chat_template = template
+    for msgs in conversations():
+        ids, roles = sft.render(tok, msgs)
+        pieces = mirror(msgs)
+        for r in (A, O):
+            want = "".join(t for t, pr in pieces if pr == r)
+            assert tok.decode([i for i, x in zip(ids, roles) if x == r]) == want
+        assert tok.decode([i for i, x in zip(ids, roles) if x == P]) == "".join(t for t, pr in pieces if pr == P)
+
+
+def test_straddling_token_takes_highest_priority_role(tokenizer):
+    tok = sft.load_tokenizer(tokenizer.name_or_path, "native")
+    tok.chat_template = PLAIN_TEMPLATE
+    msgs = [{"role": "user", "content": "go"}, {"role": "assistant", "content": '{"a": 1}'},
+            {"role": "user", "content": "out: $"}]
+    ids, roles = sft.render(tok, msgs)
+    text = tok.apply_chat_template(msgs, tokenize=False)
+    pieces = [(text[a:b], r) for (a, b), r in zip(tok(text, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"], roles)]
+    # '}' ends the action and '\n\n' is template text: the pre-tokenizer keeps them in one token
+    assert ("}\n\n", A) in pieces
+    assert [t for t, r in pieces if r == A] == ['{', '"', 'a', '":', ' ', '1', '}\n\n']
+    assert "".join(t for t, r in pieces if r == O) == "out: $"  # '$' and '\n\n' are separate tokens here
+
+
+@pytest.mark.parametrize("cut", [1, 5, 40, 97])
+def test_max_len_truncation_keeps_roles_aligned(tokenizer, cut):
+    msgs = nemotron_rows()[1]["conversations"]
+    ids, roles = sft.render(tokenizer, msgs)
+    tids, troles = sft.render(tokenizer, msgs, max_len=cut)
+    assert tids == ids[:cut] and troles == roles[:cut]
+
+
+def test_prefix_template_is_prefix_preserving(tokenizer):
+    for msgs in conversations():
+        for k in range(1, len(msgs)):
+            a, ra = sft.render(tokenizer, msgs[:k])
+            b, rb = sft.render(tokenizer, msgs[: k + 1])
+            assert b[: len(a)] == a and rb[: len(ra)] == ra
+            if msgs[k]["role"] == "assistant":  # what a policy sees before generating this turn
+                g = tokenizer.apply_chat_template(msgs[:k], tokenize=False, add_generation_prompt=True)
+                assert tokenizer.apply_chat_template(msgs[: k + 1], tokenize=False).startswith(g)
+
+
+def test_native_qwen3_template_is_not_prefix_preserving(qwen3_tokenizer):
+    msgs = nemotron_rows()[0]["conversations"]
+    a, _ = sft.render(qwen3_tokenizer, msgs[:2])
+    b, _ = sft.render(qwen3_tokenizer, msgs[:4])
+    assert b[: len(a)] != a  # earlier reasoning is stripped: why 'prefix' is the default
+
+
+def test_template_choice_is_saved_with_the_tokenizer(tokenizer, tmp_path):
+    tokenizer.save_pretrained(tmp_path)
+    again = sft.load_tokenizer(tmp_path, "native")
+    assert again.chat_template == sft.PREFIX_TEMPLATE
+
+
+def test_message_roles():
+    msgs = [{"role": r, "content": ""} for r in ["system", "user", "assistant", "user", "assistant", "tool", "user"]]
+    assert sft.message_roles(msgs) == [P, P, A, O, A, O, O]
+
+
+def test_nemotron_rows_load_as_is(tmp_path):
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in nemotron_rows()))
+    convs, bad = sft.read_trajectories(path)
+    assert bad == 0 and len(convs) == 3 and [len(c) for c in convs] == [16, 12, 10]
+    convs_json, _ = sft.read_trajectories(_as_json(tmp_path))
+    assert convs_json == convs
+
+
+def _as_json(tmp_path):
+    p = tmp_path / "rows.json"
+    p.write_text(json.dumps(nemotron_rows()))
+    return p
+
+
+BAD = [
+    ('{"conversations": [{"role": "user", "content": "hi"}', "rows.jsonl:2: invalid JSON"),
+    ('{"conversations": [{"content": "hi"}]}', "rows.jsonl:2: conversations[0]: missing field 'role'"),
+    ('{"messages": [{"role": "user"}]}', "rows.jsonl:2: messages[0]: missing field 'content'"),
+    ('{"conversations": [{"role": "robot", "content": "hi"}]}', "rows.jsonl:2: conversations[0].role: unknown role 'robot'"),
+    ('{"conversations": [{"role": "user", "content": 3}]}', "rows.jsonl:2: conversations[0].content: expected a string, got int"),
+    ('{"text": "hi"}', "rows.jsonl:2: missing field 'conversations'"),
+]
+
+
+@pytest.mark.parametrize("line,msg", BAD)
+def test_bad_rows_name_file_line_and_field(tmp_path, line, msg):
+    good = json.dumps({"conversations": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]})
+    path = tmp_path / "rows.jsonl"
+    path.write_text(good + "\n" + line + "\n" + good + "\n")
+    with pytest.raises(ValueError, match=msg.replace("[", r"\[").replace("]", r"\]")):
+        sft.read_trajectories(path)
+    convs, bad = sft.read_trajectories(path, skip_bad=True)
+    assert (len(convs), bad) == (2, 1)

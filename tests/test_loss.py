@@ -1,0 +1,125 @@
+"""The lambda-weighted loss: exact against a naive full-logits reference, gradient accumulation, stats."""
+import random
+
+import pytest
+import torch
+
+import sft
+from conftest import synthetic_trajectory
+
+P, A, O = sft.PROMPT, sft.ACTION, sft.OBS
+
+
+@pytest.fixture(scope="module")
+def model(tiny_dir):
+    from transformers import AutoModelForCausalLM
+    torch.manual_seed(0)
+    m = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32)
+    with torch.no_grad():  # a random init predicts near-uniformly; perturb so the loss terms differ visibly
+        for p in m.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    return m
+
+
+@pytest.fixture(scope="module")
+def examples(tokenizer):
+    rng = random.Random(3)
+    return [sft.render(tokenizer, synthetic_trajectory(rng), max_len=300) for _ in range(6)]
+
+
+def reference_loss(model, batch, lam, w_act=1.0):
+    """The paper's formula written plainly: full logits, log-softmax, per-trajectory normalisation."""
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits.float()  # (B, T, V)
+    logp = torch.log_softmax(logits[:, :-1], -1).gather(-1, batch["input_ids"][:, 1:, None]).squeeze(-1)  # (B, T-1)
+    r = batch["roles"][:, 1:]
+    losses = []
+    for b in range(len(r)):
+        a, o = r[b] == A, r[b] == O
+        den = w_act * a.sum() + lam * o.sum()
+        if den > 0:
+            losses.append(-(w_act * logp[b][a].sum() + lam * logp[b][o].sum()) / den)
+    return torch.stack(losses).mean()
+
+
+@pytest.mark.parametrize("lam,w_act", [(1.0, 1.0), (0.0, 1.0), (0.3, 1.0), (1.0, 0.0)])
+def test_loss_and_grads_match_reference(model, examples, tokenizer, lam, w_act):
+    batch = sft.collate(examples, tokenizer.pad_token_id)
+    model.zero_grad()
+    loss, stats = sft.actobs_loss(model, batch, lam, w_act, chunk=37)  # a chunk that does not divide N
+    loss.backward()
+    got = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    ref = reference_loss(model, batch, lam, w_act)
+    ref.backward()
+    torch.testing.assert_close(loss, ref, rtol=1e-5, atol=1e-6)
+    for g, p in zip(got, model.parameters()):
+        torch.testing.assert_close(g, p.grad, rtol=1e-4, atol=1e-7)
+
+
+def test_stats_report_both_nlls_whatever_lambda(model, examples, tokenizer):
+    batch = sft.collate(examples, tokenizer.pad_token_id)
+    with torch.no_grad():
+        _, s0 = sft.actobs_loss(model, batch, 0.0)
+        _, s1 = sft.actobs_loss(model, batch, 1.0)
+        act_only = reference_loss(model, batch, 0.0)
+    assert s0["obs_tokens"] > 0 and s0["act_tokens"] > 0
+    assert s0["obs_nll"] == pytest.approx(s1["obs_nll"]) and s0["act_nll"] == pytest.approx(s1["act_nll"])
+    r = batch["roles"][:, 1:]
+    assert s0["act_tokens"] == int((r == A).sum()) and s0["obs_tokens"] == int((r == O).sum())
+    # with lam = 1 every token weighs the same within a trajectory: loss is the mean of per-trajectory NLLs
+    assert act_only.item() > 0
+
+
+def test_gradient_accumulation_equals_one_big_batch(model, examples, tokenizer):
+    lam = 0.5
+    whole = sft.collate(examples, tokenizer.pad_token_id)
+    model.zero_grad()
+    sft.actobs_loss(model, whole, lam)[0].backward()
+    ref = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    n = sum(sft.loss_denominator(r, lam) > 0 for _, r in examples)
+    for group in sft.micro_batches([len(i) for i, _ in examples], token_budget=700):
+        batch = sft.collate([examples[i] for i in group], tokenizer.pad_token_id)
+        sft.actobs_loss(model, batch, lam, n_traj=n)[0].backward()
+    assert len(sft.micro_batches([len(i) for i, _ in examples], token_budget=700)) > 2
+    for g, p in zip(ref, model.parameters()):
+        torch.testing.assert_close(p.grad, g, rtol=1e-4, atol=1e-7)
+
+
+def test_trajectory_without_supervised_tokens_gives_no_nan(model, tokenizer):
+    # lam = 0 and a trajectory with observations only: its denominator is 0, it must not count or NaN
+    only_obs = ([1, 2, 3, 4], [P, O, O, O])
+    normal = ([5, 6, 7, 8], [P, P, A, A])
+    batch = sft.collate([only_obs, normal], tokenizer.pad_token_id)
+    loss, stats = sft.actobs_loss(model, batch, 0.0)
+    ref = sft.actobs_loss(model, sft.collate([normal], tokenizer.pad_token_id), 0.0)[0]
+    assert torch.isfinite(loss) and stats["n_traj"] == 1
+    torch.testing.assert_close(loss, ref)
+    empty = sft.actobs_loss(model, sft.collate([([1, 2], [P, P])], tokenizer.pad_token_id), 1.0)[0]
+    assert empty.item() == 0.0
+
+
+def test_bf16_autocast_close_to_fp32(model, examples, tokenizer):
+    batch = sft.collate(examples, tokenizer.pad_token_id)
+    with torch.no_grad():
+        ref = sft.actobs_loss(model, batch, 1.0)[0]
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            low = sft.actobs_loss(model, batch, 1.0)[0]
+    assert abs(low.item() - ref.item()) < 0.05 * ref.item()
+
+
+def test_micro_batches_respect_budget_and_cover_everything():
+    lengths = [500, 20, 300, 301, 40, 999, 1200, 7]
+    groups = sft.micro_batches(lengths, token_budget=1000)
+    assert sorted(i for g in groups for i in g) == list(range(len(lengths)))
+    for g in groups:
+        assert len(g) == 1 or len(g) * max(lengths[i] for i in g) <= 1000
+    more = sft.micro_batches(lengths, 1000, n_micro=len(groups) + 3)
+    assert len(more) == len(groups) + 3 and sorted(i for g in more for i in g) == list(range(len(lengths)))
+    assert sft.micro_batches([5], 1000, n_micro=3) == [[0], [], []]
+
+
+def test_lr_schedule():
+    lrs = [sft.lr_at(s, 100, 10, 1.0, 0.1) for s in range(100)]
+    assert lrs[0] == pytest.approx(0.1) and lrs[9] == pytest.approx(1.0)
+    assert all(a >= b for a, b in zip(lrs[10:], lrs[11:])) and lrs[-1] == pytest.approx(0.1, abs=1e-3)
