@@ -64,6 +64,7 @@ def get_parser():
     p.add_argument("--save-every", type=int, default=200, help="checkpoint every N steps (0 = only at the end)")
     p.add_argument("--keep", type=int, default=2, help="step checkpoints kept on disk (final/ is always kept)")
     p.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint in --out")
+    p.add_argument("--probe-every", type=int, default=0, help="log the action/obs gradient cosine and norm ratio (probes.py) on held-out batches every N steps; single process")
     p.add_argument("--stop-after", type=int, default=0, help="stop (with a checkpoint) once the run reaches this step, keeping the full run's schedule; for time-sliced jobs")
     return p
 
@@ -303,6 +304,9 @@ def micro_batches(lengths, token_budget, n_micro=0):
     return groups
 
 
+CHUNK_BYTES = 256 * 2**20  # fp32 logits of one chunk: 441 rows at Qwen3's 151,936-token vocabulary
+
+
 class _LinearCrossEntropy(torch.autograd.Function):
     """sum_i w_i * NLL_i of rows h_i through the output head W, one row-chunk at a time: a chunk's (c, V)
     logits are the only vocabulary-sized tensor alive. The weights w are known in the forward pass, so the
@@ -317,13 +321,17 @@ class _LinearCrossEntropy(torch.autograd.Function):
         grad_h = torch.empty_like(h) if need_h else None  # (N, H)
         grad_W = torch.zeros(W.shape, dtype=torch.float32, device=W.device) if need_W else None  # (V, H)
         Wc = W.to(dtype)
+        chunk = chunk or max(1, CHUNK_BYTES // (4 * W.shape[0]))
         for s in range(0, N, chunk):
             hc, tc = h[s: s + chunk].to(dtype), targets[s: s + chunk]  # (c, H), (c,)
-            logits = (hc @ Wc.T).float()  # (c, V)
-            lse = torch.logsumexp(logits, dim=-1)  # (c,)
-            nll[s: s + chunk] = lse - logits.gather(1, tc[:, None]).squeeze(1)
+            logits = (hc @ Wc.T).float()  # (c, V): the one vocabulary-sized buffer; all below is in place
+            mx = logits.max(dim=-1, keepdim=True).values  # (c, 1)
+            tgt = logits.gather(1, tc[:, None]).squeeze(1)  # (c,)
+            z = logits.sub_(mx).exp_()  # (c, V) exp(logit - max)
+            total = z.sum(dim=-1)  # (c,)
+            nll[s: s + chunk] = mx.squeeze(1) + total.log() - tgt
             if need_h or need_W:
-                g = logits.sub_(lse[:, None]).exp_()  # softmax in place, (c, V)
+                g = z.div_(total[:, None])  # softmax, (c, V)
                 g[torch.arange(len(tc), device=g.device), tc] -= 1.0
                 g = g.mul_(w[s: s + chunk, None]).to(dtype)  # d(sum w*nll)/d logits
                 if need_h:
@@ -342,16 +350,16 @@ class _LinearCrossEntropy(torch.autograd.Function):
         return gh, gW, None, None, None, None
 
 
-def linear_cross_entropy(h, W, targets, w, chunk=1024):
-    """-> (sum_i w_i NLL_i, NLL (N,) detached) for hidden rows h (N, H), head W (V, H), targets (N,), w (N,).
-    Matmuls run in the autocast dtype when autocast is on; softmax and the NLL in fp32."""
+def linear_cross_entropy(h, W, targets, w, chunk=None):
+    """-> (sum_i w_i NLL_i, NLL (N,) detached) for hidden rows h (N, H), head W (V, H), targets (N,), w (N,);
+    `chunk` rows at a time (default: CHUNK_BYTES of fp32 logits). Matmuls run in the autocast dtype when autocast is on; softmax and the NLL in fp32."""
     dev = h.device.type
     dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else h.dtype
     with torch.autocast(dev, enabled=False):
         return _LinearCrossEntropy.apply(h, W, targets, w.float(), chunk, dtype)
 
 
-def actobs_loss(model, batch, lam, w_act=1.0, n_traj=None, chunk=1024):
+def actobs_loss(model, batch, lam, w_act=1.0, n_traj=None, chunk=None):
     """-> (loss, stats). loss = sum over the batch's trajectories of
     -[w_act sum_A log p + lam sum_O log p] / (w_act |A| + lam |O|), divided by n_traj (default: the number of
     trajectories with a non-zero denominator here; pass the whole step's count when accumulating). Log-probs
@@ -421,6 +429,17 @@ def build_tiny(out_dir, texts, vocab_size=4096, hidden=256, layers=4, heads=4, k
 # ----------------------------------------------------------------------------------------------------------
 # Training loop helpers
 
+def load_model(path, device):
+    """fp32 master weights (autocast does the bf16 math). A dir with a config but no weights is a random init
+    of that architecture: train from scratch, or benchmark a large config without downloading it."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    p = Path(path)
+    if p.is_dir() and not any(p.glob("*.safetensors")) and not any(p.glob("*.bin")):
+        with torch.device(device):
+            return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(p), dtype=torch.float32)
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device)
+
+
 def lr_at(step, total, warmup, max_lr, min_ratio):
     """Linear warm-up to max_lr over `warmup` steps, then cosine decay to min_ratio * max_lr at `total`."""
     if step < warmup:
@@ -454,12 +473,12 @@ class LossModule(torch.nn.Module):
         return actobs_loss(self.lm, batch, lam, w_act, n_traj)
 
 
-def all_reduce_sum(values, device):
-    """Sum a list of floats across ranks (no-op when not distributed)."""
+def all_reduce(values, device, op=dist.ReduceOp.SUM):
+    """Reduce a list of floats across ranks (identity when not distributed)."""
     if not dist.is_initialized():
         return list(values)
     t = torch.tensor(values, dtype=torch.float64, device=device)
-    dist.all_reduce(t)
+    dist.all_reduce(t, op=op)
     return t.tolist()
 
 
@@ -467,7 +486,7 @@ def run_micro_batches(loss_mod, examples, args, pad_id, lam, w_act, n_traj, devi
     """Forward (and backward when train) over this rank's examples in length-grouped micro-batches.
     Returns summed stats. All ranks run the same number of micro-batches."""
     groups = micro_batches([len(ids) for ids, _ in examples], args.micro_tokens)
-    n_micro = int(all_reduce_max(len(groups), device))
+    n_micro = int(all_reduce([len(groups)], device, dist.ReduceOp.MAX)[0])
     groups = micro_batches([len(ids) for ids, _ in examples], args.micro_tokens, n_micro)
     tot = dict.fromkeys(["loss", "act_nll_sum", "act_tokens", "obs_nll_sum", "obs_tokens", "n_traj", "tokens"], 0.0)
     for k, g in enumerate(groups):
@@ -488,14 +507,6 @@ def run_micro_batches(loss_mod, examples, args, pad_id, lam, w_act, n_traj, devi
         for key in tot:
             tot[key] += st[key]
     return tot
-
-
-def all_reduce_max(x, device):
-    if not dist.is_initialized():
-        return x
-    t = torch.tensor([x], dtype=torch.float64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.item()
 
 
 def checkpoint_dirs(out):
@@ -555,7 +566,7 @@ def run_config(args):
 
 def reduce_stats(tot, device):
     keys = sorted(tot)
-    tot = dict(zip(keys, all_reduce_sum([tot[k] for k in keys], device)))
+    tot = dict(zip(keys, all_reduce([tot[k] for k in keys], device)))
     tot["act_nll"] = tot["act_nll_sum"] / max(tot["act_tokens"], 1)
     tot["obs_nll"] = tot["obs_nll_sum"] / max(tot["obs_tokens"], 1)
     return tot
@@ -566,7 +577,6 @@ def reduce_stats(tot, device):
 def main(argv=None):
     args = get_parser().parse_args(argv)
     from tqdm import tqdm
-    from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
     hf_logging.disable_progress_bar()  # one line per step is the log; no per-save bars
 
@@ -605,6 +615,8 @@ def main(argv=None):
         raise ValueError(f"{args.data}: {len(examples)} usable trajectories, need more than --val-size {args.val_size}")
     perm = np.random.default_rng(args.seed).permutation(len(examples))
     val, train = [examples[i] for i in perm[: args.val_size]], [examples[i] for i in perm[args.val_size:]]
+    if args.probe_every and distributed:
+        raise ValueError("--probe-every runs in a single process; under torchrun, run `probes.py geometry` on the step checkpoints")
     if args.batch_size < world:
         raise ValueError(f"--batch-size {args.batch_size} is smaller than the {world} ranks")
     steps_per_epoch = math.ceil(len(train) / args.batch_size)
@@ -616,7 +628,7 @@ def main(argv=None):
     # model, optimizer, resume
     use_bf16 = args.dtype == "bf16" or (args.dtype == "auto" and device.type == "cuda")
     ctx = torch.autocast(device.type, dtype=torch.bfloat16) if use_bf16 else nullcontext()
-    raw = AutoModelForCausalLM.from_pretrained(ckpts[-1] if ckpts else model_path, dtype=torch.float32).to(device)
+    raw = load_model(ckpts[-1] if ckpts else model_path, device)
     if args.grad_ckpt:
         raw.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model = LossModule(raw)
@@ -667,7 +679,18 @@ def main(argv=None):
         for old in checkpoint_dirs(out)[: -args.keep] if rank == 0 else []:
             shutil.rmtree(old)
 
+    def probe(step):  # gradient geometry on a few held-out batches (the paper's cos and r curves)
+        import probes
+        groups = micro_batches([len(ids) for ids, _ in val], args.micro_tokens)
+        batches = [{k: v.to(device) for k, v in collate([val[i] for i in g], tok.pad_token_id).items()} for g in groups]
+        with ctx:
+            geo = probes.grad_geometry(raw, batches)
+        record({"step": step, **{f"probe/{k}": v for k, v in geo.items()}})
+        tqdm.write(f"step {step}/{total} | probe | cos {geo['cos']:.4f} | r {geo['r']:.3f}")
+
     model.train()
+    if args.probe_every and start == 0:
+        probe(0)
     pbar = tqdm(range(start, stop), initial=start, total=total, disable=rank != 0, dynamic_ncols=True)
     for step in pbar:
         t0 = time.time()
@@ -687,16 +710,22 @@ def main(argv=None):
         gnorm = float(gnorm.full_tensor() if hasattr(gnorm, "full_tensor") else gnorm)
         record({"step": step + 1, "train/loss": tot["loss"], "train/act_nll": tot["act_nll"], "train/obs_nll": tot["obs_nll"],
                 "train/lr": lr, "train/grad_norm": gnorm, "train/w_act": w_act, "train/lam": lam,
-                "train/tokens": tot["tokens"], "train/tok_per_s": tot["tokens"] / dt, "train/step_s": dt})
+                "train/tokens": tot["tokens"], "train/tok_per_s": tot["tokens"] / dt, "train/step_s": dt,
+                **({"train/peak_mem_gb": torch.cuda.max_memory_allocated() / 2**30} if device.type == "cuda" else {})})
         if rank == 0:
             tqdm.write(f"step {step + 1}/{total} | loss {tot['loss']:.4f} | act {tot['act_nll']:.4f} | obs {tot['obs_nll']:.4f} | "
                        f"lr {lr:.2e} | gnorm {gnorm:.3f} | {tot['tokens'] / dt:.0f} tok/s | {dt * 1000:.0f} ms")
         done = step + 1
         if args.eval_every and done % args.eval_every == 0 and done != total:
             evaluate(done)
+        if args.probe_every and done % args.probe_every == 0:
+            probe(done)
         if (args.save_every and done % args.save_every == 0) or done == stop < total:
             save(done)
     pbar.close()
+    if args.probe_every:
+        import probes
+        probes.plot_geometry(out / "log.jsonl", out / "probe_geometry.png")
     if stop == total:
         evaluate(total)
         save_checkpoint(out / "final", model, raw, tok, None, total, args, rank)
