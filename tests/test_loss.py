@@ -123,3 +123,19 @@ def test_lr_schedule():
     lrs = [sft.lr_at(s, 100, 10, 1.0, 0.1) for s in range(100)]
     assert lrs[0] == pytest.approx(0.1) and lrs[9] == pytest.approx(1.0)
     assert all(a >= b for a, b in zip(lrs[10:], lrs[11:])) and lrs[-1] == pytest.approx(0.1, abs=1e-3)
+
+
+def test_gradient_checkpointing_gives_the_same_gradients(tiny_dir, examples, tokenizer):
+    from transformers import AutoModelForCausalLM
+    batch = sft.collate(examples, tokenizer.pad_token_id)
+    grads = []
+    for ckpt in (False, True):
+        m = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32)
+        if ckpt:
+            m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        m.train()
+        assert m.is_gradient_checkpointing == ckpt
+        sft.actobs_loss(m, batch, 1.0)[0].backward()
+        grads.append([p.grad for p in m.parameters()])
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-8)
