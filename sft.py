@@ -186,7 +186,7 @@ def _longest_prefix_found(piece, text, start):
     return (text.find(piece[:lo], start) if lo else -1), lo
 
 
-def _message_spans(tokenizer, messages, text):
+def message_spans(tokenizer, messages, text):
     """Character ranges of each message in `text`: its rendered content and its end-of-turn token.
 
     The template is rendered once more with every content replaced by a sentinel; the template text between
@@ -245,7 +245,7 @@ def render(tokenizer, messages, max_len=None):
     template characters in such rare merged tokens)."""
     text = tokenizer.apply_chat_template(messages, tokenize=False)
     char_role = np.zeros(len(text) + 1, dtype=np.int8)  # +1: a sentinel slot for empty offsets at the end
-    for ranges, r in zip(_message_spans(tokenizer, messages, text), message_roles(messages)):
+    for ranges, r in zip(message_spans(tokenizer, messages, text), message_roles(messages)):
         for s, e in ranges:
             char_role[s:e] = r
     enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
