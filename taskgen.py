@@ -1,0 +1,577 @@
+"""
+The pure half of ActObs's environments (envs.py runs everything in Docker):
+
+1. The Terminus-2 protocol as text: the default system prompt, parsing a model reply into keystrokes,
+   the observation strings (terminal output diffs, truncation, parse errors, the completion check).
+2. The embedded task world: a seeded generator of small terminal tasks (files to set up, an instruction, a bash
+   verifier, a reference solution), written out as Harbor folders when needed.
+3. A scripted expert policy that solves them the way an agent would: it looks first (ls, cat, grep, head),
+   decides from the observation, sometimes mistypes a path and recovers.
+
+No Docker here: `python envs.py corpus ...` runs the tasks and the expert in sandboxes.
+
+Splits: SFT, RL and evaluation tasks are generated from separate seeds and are disjoint by parameters (task
+names are hashes of the parameters, duplicates are redrawn). The kind `archive` is held out of SFT and RL and
+only appears in evaluation, so evaluation also measures a task kind never seen in training.
+"""
+import dataclasses
+import hashlib
+import json
+import random
+import re
+import shlex
+from pathlib import Path
+
+# ----------------------------------------------------------------------------------------------------------
+# Terminus-2 protocol
+
+MAX_OBS_BYTES = 10_000  # observations keep head and tail within this size
+MAX_DURATION = 60.0  # longest wait one command may ask for
+
+DEFAULT_PROMPT = """\
+You are an agent working in a Linux shell. You get a task and the terminal's state, and you answer with \
+keystrokes to type, one batch per reply, until the task is done.
+
+Reply with a single JSON object of this form:
+
+{
+  "analysis": "What the terminal shows, what is done, what is left.",
+  "plan": "What the next keystrokes do and why.",
+  "commands": [
+    {"keystrokes": "ls -la\\n", "duration": 0.1},
+    {"keystrokes": "grep -rn error /var/log/app\\n", "duration": 1.0}
+  ],
+  "task_complete": false
+}
+
+Fields:
+- "analysis" (string, required) and "plan" (string, required).
+- "commands" (array, required, may be empty to just wait): each item has "keystrokes" (string, required),
+  typed verbatim into the terminal, and "duration" (number of seconds to wait before the next command,
+  1.0 if absent, at most 60).
+- "task_complete" (boolean, optional, false if absent): true when you believe the task is solved; you will be
+  asked to confirm once.
+
+Keystrokes are sent exactly as written: end a command with "\\n" to run it. Control keys are written as
+tmux key names on their own: "C-c" interrupts, "C-d" sends end-of-file. Use short durations for quick
+commands (0.1 for ls, cat, cd) and longer ones for builds or downloads; to wait more, send
+{"keystrokes": "", "duration": 10.0}. Text outside the JSON object is ignored with a warning.
+
+Task:
+{instruction}
+
+Current terminal state:
+{terminal_state}"""
+
+
+def decode(raw):
+    """Terminal bytes -> str; bytes that are not UTF-8 become U+FFFD instead of raising."""
+    return raw.decode("utf-8", errors="replace")
+
+
+def truncate_output(text, limit=MAX_OBS_BYTES):
+    """Keep the first and last limit/2 bytes with a marker between, cutting on UTF-8 character boundaries."""
+    raw = text.encode("utf-8")
+    if len(raw) <= limit:
+        return text
+    half = limit // 2
+    head, tail = decode(raw[:half]).rstrip("\ufffd"), decode(raw[-half:]).lstrip("\ufffd")
+    return f"{head}\n[... {len(raw) - 2 * half} bytes of output omitted ...]\n{tail}"
+
+
+def pane_diff(lines, start, anchor):
+    """New output since the last read: from the line that was last (the prompt the keys were typed at) to the
+    end. Returns None when that line is gone (cleared screen, history overflow), i.e. no diff can be found."""
+    if start >= len(lines) or not lines[start].startswith(anchor):
+        return None
+    new = [ln.rstrip() for ln in lines[start:]]
+    while new and not new[-1]:
+        new.pop()
+    # The first read after the initial screen starts at the top; later ones start after a line break.
+    return ("\n" if start > 0 else "") + "\n".join(new)
+
+
+def visible_screen(lines, rows):
+    screen = [ln.rstrip() for ln in lines[-rows:]]
+    while screen and not screen[-1]:
+        screen.pop()
+    return "\n".join(screen) + "\n"
+
+
+@dataclasses.dataclass
+class Reply:
+    analysis: str
+    plan: str
+    commands: list  # [(keystrokes, duration)]
+    task_complete: bool
+
+
+def parse_reply(text):
+    """Parse a reply: an optional <think>...</think> block, then one JSON object (text around it is tolerated
+    with a warning). Returns (Reply or None, error or None, warnings)."""
+    warnings = []
+    body = text.rsplit("</think>", 1)[1] if "</think>" in text else text
+    if "<think>" in body:
+        return None, "<think> block is not closed with </think>", warnings
+    decoder, obj, first_error = json.JSONDecoder(), None, None
+    for m in list(re.finditer(r"\{", body))[:50]:  # the object may follow prose that itself contains braces
+        try:
+            obj, end = decoder.raw_decode(body, m.start())
+        except json.JSONDecodeError as e:
+            first_error = first_error or e
+            continue
+        if isinstance(obj, dict):
+            break
+        obj = None
+    if obj is None:
+        return None, (f"Invalid JSON: {first_error}" if first_error else "No valid JSON found in response"), warnings
+    if body[:m.start()].strip():
+        warnings.append("Extra text detected before JSON object")
+    if body[end:].strip():
+        warnings.append("Extra text detected after JSON object")
+    missing = [k for k in ("analysis", "plan", "commands") if k not in obj]
+    if missing:
+        return None, f"Missing required fields: {', '.join(missing)}", warnings
+    if not isinstance(obj["commands"], list):
+        return None, "Field 'commands' must be an array", warnings
+    commands = []
+    for i, cmd in enumerate(obj["commands"], 1):
+        if not isinstance(cmd, dict) or not isinstance(cmd.get("keystrokes"), str):
+            return None, f"Command {i} must be an object with a string 'keystrokes' field", warnings
+        duration = cmd.get("duration", 1.0)
+        if isinstance(duration, bool) or not isinstance(duration, (int, float)):
+            warnings.append(f"Command {i}: 'duration' is not a number, using 1.0")
+            duration = 1.0
+        commands.append((cmd["keystrokes"], min(max(float(duration), 0.0), MAX_DURATION)))
+    done = obj.get("task_complete", False)
+    if isinstance(done, str):  # "true"/"false" are common enough to accept
+        warnings.append("Field 'task_complete' should be a boolean")
+        done = done.strip().lower() == "true"
+    return Reply(str(obj["analysis"]), str(obj["plan"]), commands, bool(done)), None, warnings
+
+
+def parse_error_message(error, warnings):
+    text = f"Previous response had parsing errors:\nERROR: {error}"
+    if warnings:
+        text += "\nWARNINGS: - " + "\n- ".join(warnings)
+    return text + "\n\nPlease reply again with one valid JSON object in the required format."
+
+
+def with_warnings(observation, warnings):
+    if not warnings:
+        return observation
+    return "Previous response had warnings:\nWARNINGS: - " + "\n- ".join(warnings) + "\n\n" + observation
+
+
+def confirm_message(observation):
+    return (f"Current terminal state:\n{observation}\n\nAre you sure the task is complete? Your solution will be "
+            'graded and you will not be able to change it afterwards. If so, include "task_complete": true in '
+            "your JSON response again.")
+
+
+def load_template(path=None):
+    """The system prompt template; a user's own corpus prompt keeps RL and evaluation on the SFT format."""
+    if path is None:
+        return DEFAULT_PROMPT
+    text = Path(path).read_text()
+    for field in ("{instruction}", "{terminal_state}"):
+        if field not in text:
+            raise ValueError(f"{path}: prompt template lacks the {field} placeholder")
+    return text
+
+
+def fill_prompt(template, instruction, terminal_state):
+    # str.replace, not str.format: templates hold JSON examples full of braces.
+    return template.replace("{instruction}", instruction.strip()).replace("{terminal_state}", terminal_state)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Task world
+
+WORDS = ("amber basil cedar delta ember fjord garnet harbor indigo juniper kelp lumen maple nectar onyx pepper "
+         "quartz raven sierra tundra umber violet willow xenon yarrow zephyr").split()
+HELDOUT_KINDS = ("archive",)
+
+
+@dataclasses.dataclass
+class Spec:
+    name: str
+    kind: str
+    instruction: str
+    files: list  # [(absolute path, text, mode)]
+    test: str  # tests/test.sh: writes 1 or 0 to /logs/verifier/reward.txt
+    solve: str  # solution/solve.sh
+    params: dict
+
+
+def _verifier(condition):
+    """A test.sh that writes 1 if the bash condition holds, else 0."""
+    return f"#!/bin/bash\nif {condition}; then\n  echo 1 > /logs/verifier/reward.txt\nelse\n  echo 0 > /logs/verifier/reward.txt\nfi\n"
+
+
+def _py_verifier(code):
+    """A test.sh whose check is a python3 snippet that exits 0 on success."""
+    return _verifier(f"python3 /dev/stdin <<'PY'\n{code}\nPY\n[ $? -eq 0 ]")
+
+
+def _sentence(rng, n=8):
+    return " ".join(rng.choice(WORDS) for _ in range(n))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Generators: rng -> (instruction, files, test, solve, params)
+
+def gen_find_copy(rng):
+    token = f"TOKEN-{rng.randrange(16**6):06x}"
+    dirs = [f"/app/notes/{rng.choice(WORDS)}" for _ in range(3)]
+    paths = sorted({f"{rng.choice(dirs)}/{rng.choice(WORDS)}-{i}.txt" for i in range(rng.randint(5, 9))})
+    target = rng.choice(paths)
+    files = [(p, "\n".join(_sentence(rng) for _ in range(3)) + (f"\nref {token}\n" if p == target else "\n"), 0o644)
+             for p in paths]
+    instr = (f"Exactly one file under /app/notes contains the string {token}. "
+             f"Copy that file to /app/found.txt (same content).")
+    return instr, files, _verifier(f"cmp -s /app/found.txt {target}"), f"cp {target} /app/found.txt\n", {
+        "token": token, "target": target}
+
+
+def gen_fix_config(rng):
+    port, level = rng.randrange(2000, 9000), rng.choice(["debug", "info", "warning", "error"])
+    name = rng.choice(WORDS)
+    keep = {"name": name, "workers": str(rng.randint(2, 16)), "root": f"/srv/{rng.choice(WORDS)}"}
+    lines = ["[service]", f"name = {name}", f"port = {rng.choice(['eighty', 'none', str(port) + 'x'])}",
+             f"workers = {keep['workers']}", f"log_level = {rng.choice(['verbose', 'loud', 'LOTS'])}",
+             f"root = {keep['root']}"]
+    instr = (f"The service will not start: /app/config/service.ini is invalid. Set port to {port} and log_level to "
+             f"{level} in the [service] section; keep every other setting unchanged.")
+    check = (f"import configparser\nc = configparser.ConfigParser()\nc.read('/app/config/service.ini')\n"
+             f"s = c['service']\nexpect = {json.dumps(keep | {'port': str(port), 'log_level': level})}\n"
+             f"assert dict(s) == expect, dict(s)")
+    solve = (f"sed -i -e 's/^port = .*/port = {port}/' -e 's/^log_level = .*/log_level = {level}/' "
+             f"/app/config/service.ini\n")
+    return instr, [("/app/config/service.ini", "\n".join(lines) + "\n", 0o644)], _py_verifier(check), solve, {
+        "port": port, "level": level}
+
+
+def gen_csv_summary(rng):
+    cols = ["region", "product", "units", "price"]
+    rng.shuffle(cols)  # the expert must read the header to know the column order
+    regions = rng.sample(["north", "south", "east", "west", "central"], rng.randint(2, 4))
+    rows, totals = [], {r: 0.0 for r in regions}
+    for _ in range(rng.randint(6, 14)):
+        row = {"region": rng.choice(regions), "product": rng.choice(WORDS), "units": rng.randint(1, 20),
+               "price": round(rng.uniform(1, 50), 2)}
+        totals[row["region"]] += row["units"] * row["price"]
+        rows.append(",".join(str(row[c]) for c in cols))
+    totals = {r: round(v, 2) for r, v in totals.items() if v}
+    instr = ("Summarise /app/data/sales.csv into /app/summary.json: a JSON object that maps each region to its "
+             "total revenue (sum of units * price), rounded to 2 decimals.")
+    check = (f"import json\ngot = json.load(open('/app/summary.json'))\nexpect = {json.dumps(totals)}\n"
+             f"assert set(got) == set(expect) and all(abs(got[k] - v) < 0.011 for k, v in expect.items()), got")
+    solve = ("python3 - <<'PY'\nimport csv, json\nt = {}\nfor r in csv.DictReader(open('/app/data/sales.csv')):\n"
+             "    t[r['region']] = t.get(r['region'], 0) + int(r['units']) * float(r['price'])\n"
+             "json.dump({k: round(v, 2) for k, v in t.items()}, open('/app/summary.json', 'w'))\nPY\n")
+    return instr, [("/app/data/sales.csv", ",".join(cols) + "\n" + "\n".join(rows) + "\n", 0o644)], \
+        _py_verifier(check), solve, {"columns": cols}
+
+
+def gen_permissions(rng):
+    script, key = f"/app/bin/{rng.choice(WORDS)}.sh", f"/app/secrets/{rng.choice(WORDS)}.key"
+    instr = ("Fix the permissions under /app: every .sh file in /app/bin must be executable by everyone "
+             "(mode 755) and every .key file in /app/secrets readable and writable by its owner only (mode 600).")
+    files = [(script, "#!/bin/sh\necho ok\n", 0o644), (key, f"{rng.randrange(16**16):016x}\n", 0o666)]
+    test = _verifier(f'[ "$(stat -c %a {script})" = 755 ] && [ "$(stat -c %a {key})" = 600 ]')
+    return instr, files, test, f"chmod 755 {script}\nchmod 600 {key}\n", {"script": script, "key": key}
+
+
+def gen_log_extract(rng):
+    code, out = rng.choice([500, 502, 503, 404]), f"/app/{rng.choice(['failed', 'errors', 'bad'])}_requests.txt"
+    lines, want = [], []
+    for i in range(rng.randint(15, 30)):
+        rid, status = f"req-{rng.randrange(16**6):06x}", rng.choice([200, 200, 200, 201, 304, code])
+        level = "ERROR" if status >= 500 else "INFO"
+        lines.append(f"2024-05-{rng.randint(1, 28):02d}T{i % 24:02d}:{rng.randint(0, 59):02d}:00 {level} [{rid}] "
+                     f"{rng.choice(['GET', 'POST'])} /api/{rng.choice(WORDS)} status={status}")
+        want += [rid] if status == code else []
+    if not want:  # the task must have at least one answer
+        lines[-1] = re.sub(r"status=\d+", f"status={code}", lines[-1])
+        want.append(re.search(r"\[(req-\w+)\]", lines[-1]).group(1))
+    instr = (f"Write the request ids (like req-0a1b2c) of all requests in /app/logs/server.log that ended with "
+             f"status {code} to {out}, one per line, in the order they appear in the log.")
+    test = _verifier(f"[ \"$(cat {out})\" = {shlex.quote(chr(10).join(want))} ]")
+    solve = f"grep 'status={code}$' /app/logs/server.log | grep -o 'req-[0-9a-f]*' > {out}\n"
+    return instr, [("/app/logs/server.log", "\n".join(lines) + "\n", 0o644)], test, solve, {"code": code, "out": out}
+
+
+def gen_word_count(rng):
+    word = rng.choice(WORDS)
+    files, count = [], 0
+    for i in range(rng.randint(2, 5)):
+        text = "\n".join(_sentence(rng, 10) for _ in range(rng.randint(3, 8)))
+        text = " ".join(w.upper() if rng.random() < 0.2 else w for w in text.split(" "))
+        count += sum(w.lower() == word for w in text.split())
+        files.append((f"/app/texts/{rng.choice(WORDS)}_{i}.txt", text + "\n", 0o644))
+    instr = (f"Count how many times the word \"{word}\" occurs in the .txt files in /app/texts (whole words, any "
+             f"letter case) and write just the number to /app/count.txt.")
+    test = _verifier(f"[ \"$(tr -d ' \\n' < /app/count.txt)\" = {count} ]")
+    return instr, files, test, f"cat /app/texts/*.txt | grep -oiw {word} | wc -l > /app/count.txt\n", {"word": word}
+
+
+def gen_rename(rng):
+    old, new = rng.choice([("jpeg", "jpg"), ("txt", "md"), ("htm", "html"), ("yml", "yaml")])
+    names = sorted({rng.choice(WORDS) + str(rng.randint(1, 99)) for _ in range(rng.randint(3, 7))})
+    files = [(f"/app/photos/{n}.{old}", f"{n}\n", 0o644) for n in names] + [("/app/photos/README", "keep\n", 0o644)]
+    want = " ".join(sorted([f"{n}.{new}" for n in names] + ["README"]))
+    instr = f"Rename every file ending in .{old} in /app/photos so that it ends in .{new} instead. Leave other files alone."
+    test = _verifier(f"[ \"$(cd /app/photos && ls | sort | tr '\\n' ' ' | sed 's/ $//')\" = '{want}' ]")
+    solve = f"cd /app/photos && for f in *.{old}; do mv \"$f\" \"${{f%.{old}}}.{new}\"; done\n"
+    return instr, files, test, solve, {"old": old, "new": new}
+
+
+def gen_replace_host(rng):
+    old, new = f"db-{rng.choice(WORDS)}.internal", f"db-{rng.choice(WORDS)}-{rng.randint(2, 9)}.internal"
+    files, n = [], 0
+    for name in sorted(set(rng.sample(WORDS, rng.randint(2, 4)))):
+        k = rng.randint(0, 2)
+        n += k
+        body = [f"# {name}", f"timeout = {rng.randint(1, 60)}"] + [f"host{i} = {old}" for i in range(k)]
+        files.append((f"/app/conf/{name}.conf", "\n".join(body) + "\n", 0o644))
+    if n == 0:
+        files[0] = (files[0][0], files[0][1] + f"host = {old}\n", 0o644)
+        n = 1
+    instr = f"The database moved from {old} to {new}. Update every file in /app/conf that mentions the old host."
+    test = _verifier(f"! grep -rq {old} /app/conf && [ \"$(cat /app/conf/*.conf | grep -c {new})\" = {n} ]")
+    return instr, files, test, f"sed -i 's/{old}/{new}/g' /app/conf/*.conf\n", {"old": old, "new": new}
+
+
+def gen_archive(rng):
+    names = sorted(set(rng.sample(WORDS, rng.randint(2, 5))))
+    files = [(f"/app/docs/{n}.md", f"# {n}\n{_sentence(rng)}\n", 0o644) for n in names]
+    files.append(("/app/docs/draft.tmp", "scratch\n", 0o644))
+    want = " ".join(f"{n}.md" for n in names)
+    instr = ("Create /app/backup.tar.gz, a gzip-compressed tar archive of the .md files in /app/docs, stored with "
+             "paths relative to /app/docs (e.g. notes.md, not app/docs/notes.md).")
+    test = _verifier(f"[ \"$(tar -tzf /app/backup.tar.gz | sed 's|^./||' | sort | tr '\\n' ' ' | sed 's/ $//')\" = '{want}' ]")
+    return instr, files, test, "cd /app/docs && tar -czf /app/backup.tar.gz *.md\n", {"names": names}
+
+
+GENERATORS = {"find_copy": gen_find_copy, "fix_config": gen_fix_config, "csv_summary": gen_csv_summary,
+              "permissions": gen_permissions, "log_extract": gen_log_extract, "word_count": gen_word_count,
+              "rename": gen_rename, "replace_host": gen_replace_host, "archive": gen_archive}
+
+
+def generate(kind, rng):
+    instr, files, test, solve, params = GENERATORS[kind](rng)
+    digest = hashlib.sha256(json.dumps([instr, files], sort_keys=True).encode()).hexdigest()[:10]
+    return Spec(f"{kind}-{digest}", kind, instr, files, test, "#!/bin/bash\nset -e\n" + solve, params)
+
+
+def make_splits(n_sft, n_rl, n_eval, seed=0):
+    """Disjoint task lists {"sft", "rl", "eval"}; kinds cycle for balance, held-out kinds only in eval."""
+    train_kinds = [k for k in GENERATORS if k not in HELDOUT_KINDS]
+    seen, splits = set(), {}
+    eval_kinds = list(HELDOUT_KINDS) + train_kinds  # held-out kinds first, so even a small eval set has them
+    for split, n, kinds in (("sft", n_sft, train_kinds), ("rl", n_rl, train_kinds), ("eval", n_eval, eval_kinds)):
+        rng, out = random.Random(f"{seed}/{split}"), []
+        while len(out) < n:
+            spec = generate(kinds[len(out) % len(kinds)], rng)
+            if spec.name not in seen:  # a redraw keeps splits disjoint even for tiny parameter spaces
+                seen.add(spec.name)
+                out.append(spec)
+        splits[split] = out
+    return splits
+
+
+def write_harbor(spec, path, base_image="actobs-base:bookworm"):
+    """Write a spec as a Harbor task folder; the environment copies the task's files onto the base image."""
+    path = Path(path)
+    for rel, text, mode in [("instruction.md", spec.instruction + "\n", 0o644), ("tests/test.sh", spec.test, 0o755),
+                            ("solution/solve.sh", spec.solve, 0o755),
+                            ("environment/Dockerfile", f"FROM {base_image}\nCOPY files/ /\nWORKDIR /app\n", 0o644)] + \
+            [("environment/files" + p, text, mode) for p, text, mode in spec.files]:
+        (path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (path / rel).write_text(text)
+        (path / rel).chmod(mode)
+    (path / "task.toml").write_text(
+        f'version = "1.0"\n\n[task]\nname = "actobs/{spec.name}"\n\n[metadata]\nkind = "{spec.kind}"\n\n'
+        f"[verifier]\ntimeout_sec = 60.0\n\n[agent]\ntimeout_sec = 300.0\n\n"
+        f"[environment]\ncpus = 1\nmemory_mb = 1024\nallow_internet = false\n")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Scripted expert: a policy(states) -> replies in the Terminus-2 JSON format. Each kind has a look step, an act
+# step that decides from what the look showed, and a check step; then it claims completion and confirms.
+
+def _lines(obs, pattern):
+    return [m.group(1) for m in re.finditer(pattern, obs, re.M)]
+
+
+def _find_copy(m, obs):
+    token = m.group(1)
+    look = ("Nothing has been done yet. I need the one file under /app/notes that contains " + token + ".",
+            "List the notes tree, then grep recursively for the token to get the file name.",
+            ["ls -R /app/notes\n", f"grep -rl {token} /app/notes\n"])
+    hits = _lines(obs, r"^(/app/notes/\S+)$")
+    src = hits[-1] if hits else f"$(grep -rl {token} /app/notes | head -n 1)"
+    act = (f"grep reports the token in {src}." if hits else "The grep output was not conclusive.",
+           "Copy that file to /app/found.txt.", [f"cp {src} /app/found.txt\n"])
+    check = ("The copy ran without errors.", "Confirm the copy has the token and the same size as the source.",
+             [f"grep -c {token} /app/found.txt\n", "ls -l /app/found.txt\n"])
+    return look, act, check
+
+
+def _fix_config(m, obs):
+    port, level = m.group(1), m.group(2)
+    look = ("The config file has to be repaired; I have not seen it yet.", "Print /app/config/service.ini.",
+            ["cat /app/config/service.ini\n"])
+    bad_port, bad_level = (_lines(obs, r"^port = (.*)$") or ["?"])[-1], (_lines(obs, r"^log_level = (.*)$") or ["?"])[-1]
+    act = (f"port is '{bad_port}' and log_level is '{bad_level}'; both are invalid. The other keys look fine.",
+           f"Rewrite just those two lines with sed: port = {port}, log_level = {level}.",
+           [f"sed -i -e 's/^port = .*/port = {port}/' -e 's/^log_level = .*/log_level = {level}/' "
+            f"/app/config/service.ini\n"])
+    check = ("sed finished.", "Print the file again to check the two lines and that nothing else changed.",
+             ["cat /app/config/service.ini\n"])
+    return look, act, check
+
+
+def _csv_summary(m, obs):
+    look = ("I need to know the CSV's columns before writing the summary.", "Show the header and size of the file.",
+            ["head -n 5 /app/data/sales.csv\n", "wc -l /app/data/sales.csv\n"])
+    header = next((ln.split(",") for ln in _lines(obs, r"^([a-z,]+)$") if "region" in ln and "units" in ln), None)
+    if header:  # columns by position, as read from the header
+        get = {c: f"row[{header.index(c)}]" for c in ("region", "units", "price")}
+        reader, seen = "csv.reader(f)\n    next(rows)", f"The header is {','.join(header)}."
+    else:  # the header was not on screen: look the columns up by name
+        get = {c: f"row['{c}']" for c in ("region", "units", "price")}
+        reader, seen = "csv.DictReader(f)", "The header did not show up; I will read the columns by name."
+    script = ("cat > /app/summarise.py << 'EOF'\nimport csv, json\n\ntotals = {}\nwith open('/app/data/sales.csv') as f:\n"
+              f"    rows = {reader}\n    for row in rows:\n        region = {get['region']}\n"
+              f"        totals[region] = totals.get(region, 0) + int({get['units']}) * float({get['price']})\n"
+              "with open('/app/summary.json', 'w') as f:\n"
+              "    json.dump({k: round(v, 2) for k, v in sorted(totals.items())}, f, indent=2)\nEOF\n")
+    act = (seen, "Write a small Python script that sums units*price per region, run it.",
+           [script, "python3 /app/summarise.py\n"])
+    check = ("The script ran.", "Look at the JSON it wrote.", ["cat /app/summary.json\n"])
+    return look, act, check
+
+
+def _permissions(m, obs):
+    look = ("I have to see the current modes first.", "List /app/bin and /app/secrets with ls -l.",
+            ["ls -l /app/bin /app/secrets\n"])
+    scripts, keys = _lines(obs, r"(\S+\.sh)$"), _lines(obs, r"(\S+\.key)$")
+    act = (f"Scripts: {', '.join(scripts) or 'none seen'}; keys: {', '.join(keys) or 'none seen'}. Their modes are wrong.",
+           "chmod 755 the scripts and 600 the keys.",
+           [f"chmod 755 {' '.join('/app/bin/' + s for s in scripts) or '/app/bin/*.sh'}\n",
+            f"chmod 600 {' '.join('/app/secrets/' + k for k in keys) or '/app/secrets/*.key'}\n"])
+    check = ("chmod done.", "List again to check the modes.", ["ls -l /app/bin /app/secrets\n"])
+    return look, act, check
+
+
+def _log_extract(m, obs):
+    code, out = m.group(1), m.group(2)
+    look = ("I need the log's line format.", f"Show the first lines and count lines with status={code}.",
+            ["head -n 5 /app/logs/server.log\n", f"grep -c 'status={code}' /app/logs/server.log\n"])
+    counts = _lines(obs, r"^(\d+)$")
+    act = (f"Each line ends with status=NNN and carries the id in brackets; {counts[-1] if counts else 'some'} lines "
+           f"have status {code}.", f"Keep lines ending in status={code}, extract the ids with grep -o, write {out}.",
+           [f"grep 'status={code}$' /app/logs/server.log | grep -o 'req-[0-9a-f]*' > {out}\n", f"wc -l {out}\n"])
+    check = (f"{out} was written.", "Print it to check the ids.", [f"cat {out}\n"])
+    return look, act, check
+
+
+def _word_count(m, obs):
+    word = m.group(1)
+    look = ("I should see which files there are.", f"List /app/texts and preview matches of '{word}'.",
+            ["ls /app/texts\n", f"grep -oiw {word} /app/texts/*.txt | head -n 5\n"])
+    act = ("grep -o -i -w prints one line per whole-word match, in any case.", "Count those lines over all files.",
+           [f"cat /app/texts/*.txt | grep -oiw {word} | wc -l > /app/count.txt\n"])
+    check = ("The count was written.", "Print /app/count.txt.", ["cat /app/count.txt\n"])
+    return look, act, check
+
+
+def _rename(m, obs):
+    old, new = m.group(1), m.group(2)
+    look = ("I need to see the files in /app/photos.", "List the folder.", ["ls -la /app/photos\n"])
+    seen = _lines(obs, rf"(\S+\.{old})$")
+    act = (f"There are {len(seen)} .{old} files ({', '.join(seen[:4])}{'...' if len(seen) > 4 else ''}).",
+           f"Loop over them in /app/photos and mv each to the .{new} name.",
+           ["cd /app/photos\n", f"for f in *.{old}; do mv -- \"$f\" \"${{f%.{old}}}.{new}\"; done\n"])
+    check = ("The loop finished.", "List the folder again.", ["ls -la\n"])
+    return look, act, check
+
+
+def _replace_host(m, obs):
+    old, new = m.group(1), m.group(2)
+    look = (f"I need the files that mention {old}.", "grep for the old host with file names and line numbers.",
+            [f"grep -rn {old} /app/conf\n"])
+    files = sorted(set(_lines(obs, r"^(/app/conf/[^:\s]+):\d+:")))
+    act = (f"The old host appears in {', '.join(files) or 'no file I could see'}.",
+           f"Replace it with {new} in place with sed.",
+           [f"sed -i 's/{re.escape(old)}/{new}/g' {' '.join(files) or '/app/conf/*.conf'}\n"])
+    check = ("sed finished.", "grep for both hosts to check.", [f"grep -rn -e {old} -e {new} /app/conf\n"])
+    return look, act, check
+
+
+def _archive(m, obs):
+    look = ("I need the list of documents.", "List /app/docs.", ["ls -la /app/docs\n"])
+    mds = _lines(obs, r"(\S+\.md)$")
+    act = (f"The markdown files are {', '.join(mds) or 'not visible'}; draft.tmp must stay out.",
+           "tar them from inside /app/docs so the paths are relative.",
+           ["cd /app/docs\n", f"tar -czf /app/backup.tar.gz {' '.join(mds) or '*.md'}\n"])
+    check = ("The archive was written.", "List its contents.", ["tar -tzf /app/backup.tar.gz\n"])
+    return look, act, check
+
+
+EXPERTS = [  # (instruction pattern, expert); the pattern also recovers the task's parameters from the prompt
+    (r"contains the string (TOKEN-\w+)", _find_copy), (r"Set port to (\d+) and log_level to (\w+)", _fix_config),
+    (r"Summarise /app/data/sales\.csv", _csv_summary), (r"Fix the permissions under /app", _permissions),
+    (r"ended with status (\d+) to (\S+), one per line", _log_extract),
+    (r'Count how many times the word "(\w+)"', _word_count),
+    (r"ending in \.(\w+) in /app/photos so that it ends in \.(\w+)", _rename),
+    (r"The database moved from (\S+) to (\S+)\.", _replace_host), (r"Create /app/backup\.tar\.gz", _archive)]
+
+
+def _duration(keystrokes):
+    # As Terminus-2 agents do: 0.1 s for quick looks, 1.0 s for anything that loops, pipes or writes.
+    return 1.0 if re.search(r"\bfor\b|python3|\btar\b|<<|sed -i|\||>", keystrokes) else 0.1
+
+
+def _reply(analysis, plan, commands, done=False):
+    body = json.dumps({"analysis": analysis, "plan": plan,
+                       "commands": [{"keystrokes": k, "duration": _duration(k)} for k in commands],
+                       "task_complete": done},
+                      indent=2)
+    return f"<think>\n{analysis}\n{plan}\n</think>\n\n{body}"
+
+
+def expert_reply(messages):
+    prompt, obs = messages[0]["content"], messages[-1]["content"]
+    turn = sum(x["role"] == "assistant" for x in messages)
+    for pattern, expert in EXPERTS:
+        m = re.search(pattern, prompt)
+        if m:
+            break
+    else:
+        return _reply("I do not recognise this task.", "Stop here.", [], done=True)
+    if turn and obs.startswith("Current terminal state:") and '"task_complete": true' in obs:
+        return _reply("The checks passed; nothing is left to do.", "Confirm completion.", [], done=True)
+    # One episode in four first mistypes the path of its first look and has to recover from the error.
+    clumsy = int(hashlib.sha256(prompt.encode()).hexdigest(), 16) % 4 == 0
+    step = turn - clumsy
+    look, act, check = expert(m, obs)
+    if step < 0:
+        return _reply(look[0], look[1], [look[2][0].replace("/app/", "/ap/", 1)])
+    if step == 0:
+        if clumsy:
+            seen = "the path was mistyped (/ap/ instead of /app/)" if "No such file" in obs else "that was not useful"
+            return _reply(f"The last command failed: {seen}. {look[0]}", look[1], look[2])
+        return _reply(*look)
+    if step == 1:
+        return _reply(*act)
+    if step == 2:
+        return _reply(*check)
+    return _reply(f"The check output looks right. {check[0]}", "The task is complete.", [], done=True)
+
+
+def expert_policy(states):
+    """A policy: a batch of conversations -> one reply each."""
+    return [expert_reply(messages) for messages in states]

@@ -1,0 +1,206 @@
+"""envs.py against a real Docker daemon: the terminal, Harbor tasks (oracle 1, nothing 0), the episode runner,
+the scripted expert and the corpus command. Every test must leave no container of this process behind."""
+import json
+import random
+import socket
+import time
+from pathlib import Path
+
+import pytest
+
+import envs
+import taskgen
+
+HARBOR = Path(__file__).parent / "fixtures" / "harbor-tasks"
+
+
+@pytest.fixture(scope="session")
+def base_image():
+    """The project's base image, also tagged ubuntu:24.04 so Harbor Dockerfiles build offline."""
+    envs.build_base_image(extra_tags=["ubuntu:24.04"], with_uv=True)
+    return envs.BASE_IMAGE
+
+
+@pytest.fixture(autouse=True)
+def no_leftovers(base_image):
+    yield
+    assert envs.my_containers() == []
+
+
+@pytest.fixture
+def sb(base_image):
+    with envs.Sandbox(base_image, memory_mb=512) as sandbox:
+        sandbox.screen()
+        yield sandbox
+
+
+def scripted(*turns):
+    """A policy replaying fixed commands, one reply per turn, then claiming completion twice."""
+    def policy(states):
+        replies = []
+        for msgs in states:
+            i = sum(m["role"] == "assistant" for m in msgs)
+            cmds = [{"keystrokes": k, "duration": d} for k, d in turns[i]] if i < len(turns) else []
+            replies.append(json.dumps({"analysis": "", "plan": "", "commands": cmds, "task_complete": i >= len(turns)}))
+        return replies
+    return policy
+
+
+def echo_task(instruction="Write hi to /app/out.txt.", **kw):
+    return envs.Task("echo", instruction, tests={"test.sh": b'grep -qx hi /app/out.txt && echo 1 > '
+                     b'/logs/verifier/reward.txt || echo 0 > /logs/verifier/reward.txt\n'}, **kw)
+
+
+# ---------------------------------------------------------------------------------------------- terminal
+
+def test_first_screen_and_prompt(base_image):
+    with envs.Sandbox(base_image) as s:
+        host = s.container.attrs["Config"]["Hostname"]
+        assert s.screen() == f"Current Terminal Screen:\nroot@{host}:/app#\n"
+        assert s.send("echo hi\n", 5) == f"New Terminal Output:\nroot@{host}:/app# echo hi\nhi\nroot@{host}:/app#"
+        assert s.last_idle  # returned on the prompt, well before 5 s
+        assert s.send("echo again\n") == f"New Terminal Output:\n\nroot@{host}:/app# echo again\nagain\nroot@{host}:/app#"
+
+
+def test_heredoc_interactive_program_and_keys(sb):
+    obs = sb.send("cat > /tmp/f << 'EOF'\nline one\nline two\nEOF\n", 2)
+    assert "\n> line one\n> line two\n> EOF\n" in obs
+    prompt = sb.send("", 0).split("\n")[-1]  # nothing typed: the diff is the prompt line, root@<host>:/app#
+    assert prompt.endswith(":/app#") and sb.send("cat /tmp/f\n").endswith(f"\nline one\nline two\n{prompt}")
+    assert ">>>" in sb.send("python3\n", 2.5) and not sb.last_idle  # python's prompt is not the shell's
+    assert "\n4\n>>>" in sb.send("print(2 + 2)\n", 1.5)
+    obs = sb.send("C-d", 2)
+    assert sb.last_idle and obs.rstrip().endswith(":/app#")
+    assert sb.send("cd /tmp\n").endswith(":/tmp#")
+    sb.send("cd /app\n")
+
+
+def test_reply_commands_are_read_once(sb):
+    sb.send("", 0)
+    assert sb.send("echo one\n", 1, read=False) is None
+    obs = sb.send("echo two\n", 1)
+    assert "echo one\none\n" in obs and "echo two\ntwo\n" in obs
+
+
+def test_files_round_trip(sb):
+    sb.put_files([("/app/data/x.bin", b"\x00\x01abc", 0o640)])
+    assert sb.get_file("/app/data/x.bin") == b"\x00\x01abc"
+    assert sb.get_file("/app/nope") is None
+    assert sb.exec("stat -c %a /app/data/x.bin") == (0, b"640\n")
+
+
+# ---------------------------------------------------------------------------------------------- Harbor tasks
+
+@pytest.mark.parametrize("name", ["hello-user", "hello-workdir", "hello-world"])
+def test_harbor_oracle_scores_1_and_nothing_scores_0(name):
+    task = envs.load_task(HARBOR / name)
+    solved, idle = envs.run_oracle([task]) + envs.run_oracle([task], noop=True)
+    assert (solved.reward, solved.failure) == (1.0, None), solved.error
+    assert (idle.reward, idle.failure) == (0.0, None), idle.error
+
+
+def test_harbor_task_image_is_cached_and_settings_applied():
+    t0 = time.time()
+    task = envs.load_task(HARBOR / "hello-user")
+    assert time.time() - t0 < 10 and task.image == envs.load_task(HARBOR / "hello-user").image
+    assert (task.user, task.workdir) == ("agent", "/app")
+    assert envs.load_task(HARBOR / "hello-workdir").workdir == "/custom-workdir"
+    with envs.open_sandbox(task) as s:
+        assert s.screen().endswith("agent@" + s.container.attrs["Config"]["Hostname"] + ":/app$\n")
+
+
+def test_harbor_build_failure_explains_offline_from(tmp_path):
+    (tmp_path / "Dockerfile").write_text("FROM actobs-missing/image:1\n")
+    with pytest.raises(RuntimeError, match=r"(?s)Dockerfile: build failed.*python envs.py base-image --tag"):
+        envs.build_task_image("missing", tmp_path)
+
+
+def test_generated_harbor_folder_runs_oracle(tmp_path):
+    spec = taskgen.generate("replace_host", random.Random(5))
+    taskgen.write_harbor(spec, tmp_path / spec.name)
+    task = envs.load_task(tmp_path / spec.name)
+    assert [e.reward for e in envs.run_oracle([task]) + envs.run_oracle([task], noop=True)] == [1.0, 0.0]
+
+
+def test_verifier_errors_are_not_failures(base_image):
+    silent = envs.Task("silent", "x", tests={"test.sh": b"exit 0\n"})
+    slow = envs.Task("slow", "x", verifier_timeout=1, tests={"test.sh": b"sleep 30\n"})
+    bad = envs.Task("bad", "x", tests={"test.sh": b"echo yes > /logs/verifier/reward.txt\n"})
+    js = envs.Task("json", "x", tests={"test.sh": b'echo \'{"reward": 0.5}\' > /logs/verifier/reward.json\n'})
+    eps = envs.run_oracle([silent, slow, bad, js], noop=True)
+    assert [e.failure for e in eps] == ["verifier_error"] * 3 + [None]
+    assert "no /logs/verifier/reward.txt" in eps[0].error and "timed out" in eps[1].error
+    assert "unreadable reward" in eps[2].error and eps[3].reward == 0.5
+
+
+# ---------------------------------------------------------------------------------------------- episodes
+
+def test_episode_messages_and_completion_needs_confirming(base_image):
+    ep, = envs.run_episodes([echo_task()], scripted([("echo hi > /app/out.txt\n", 0.5)]), max_turns=5)
+    assert (ep.reward, ep.failure, ep.turns) == (1.0, None, 3)
+    roles = [m["role"] for m in ep.messages]
+    assert roles == ["user", "assistant", "user", "assistant", "user", "assistant"]
+    assert "Task:\nWrite hi to /app/out.txt." in ep.messages[0]["content"]
+    assert ep.messages[2]["content"].startswith("New Terminal Output:\nroot@")
+    assert ep.messages[4]["content"].startswith("Current terminal state:\n")
+    assert set(ep.timings) == {"start_s", "env_s", "policy_s", "verify_s", "total_s"}
+
+
+def test_episode_failures(base_image):
+    def policy(states):  # by task: garbage replies, a command longer than the agent timeout, never finishing
+        by_task = {"A": "not json", "B": scripted(*[[("sleep 100\n", 60)]] * 9)([states[0]])[0],
+                   "C": scripted(*[[("echo more\n", 0.1)]] * 9)([states[0]])[0]}
+        return [by_task[msgs[0]["content"].split("Task:\n")[1][0]] for msgs in states]
+    tasks = [echo_task(instruction="A"), echo_task(instruction="B", agent_timeout=3), echo_task(instruction="C")]
+    eps = envs.run_episodes(tasks, policy, max_turns=4, concurrency=3)
+    assert [e.failure for e in eps] == ["parse_errors", "timeout", "max_turns"]
+    assert eps[0].messages[2]["content"].startswith("Previous response had parsing errors:\nERROR: No valid JSON")
+    assert eps[0].turns == 3 and eps[1].timings["total_s"] < 15 and eps[2].turns == 4
+    assert all(e.reward == 0.0 and e.messages[-1]["role"] == "assistant" for e in eps)
+
+
+def test_sandbox_error_is_recorded(base_image):
+    ep, = envs.run_episodes([echo_task(image="actobs-missing/image:1")], scripted(), max_turns=2)
+    assert ep.failure == "sandbox_error" and "actobs-missing" in ep.error
+
+
+@pytest.mark.slow
+def test_expert_solves_every_kind(base_image):
+    specs = [taskgen.generate(k, random.Random(11)) for k in taskgen.GENERATORS]
+    eps = envs.run_episodes([envs.task_from_spec(s) for s in specs], taskgen.expert_policy, max_turns=10, concurrency=5)
+    assert [(e.task, e.reward, e.failure) for e in eps] == [(s.name, 1.0, None) for s in specs]
+    assert all(e.messages[-1]["role"] == "assistant" and 4 <= e.turns <= 6 for e in eps)
+
+
+@pytest.mark.slow
+def test_corpus_command_end_to_end(tmp_path, base_image):
+    envs.main(["corpus", "--out", str(tmp_path), "--n-sft", "4", "--n-rl", "2", "--n-eval", "2", "--seed", "1",
+               "--concurrency", "4"])
+    rows = [json.loads(line) for line in (tmp_path / "sft.jsonl").read_text().splitlines()]
+    assert len(rows) == 4 and all(r["reward"] == 1.0 for r in rows)
+    for r in rows:
+        roles = [m["role"] for m in r["conversations"]]
+        assert roles[0] == "user" and roles[1::2] == ["assistant"] * (len(roles) // 2) and set(roles[2::2]) == {"user"}
+        assert r["conversations"][1]["content"].startswith("<think>\n")
+    rl = sorted(p.name for p in (tmp_path / "rl").iterdir())
+    assert len(rl) == 2 and not set(rl) & {r["task"] for r in rows}
+    assert sorted(json.loads(x)["name"] for x in (tmp_path / "rl.jsonl").read_text().splitlines()) == rl
+    task = envs.load_task(tmp_path / "eval" / sorted((tmp_path / "eval").iterdir())[0].name)
+    assert envs.run_oracle([task])[0].reward == 1.0
+
+
+def test_sweep_removes_sandboxes_of_dead_processes(base_image, capsys):
+    envs.main(["base-image"])
+    assert "exists, reused" in capsys.readouterr().out
+    dead = envs.docker_client().containers.run(base_image, ["sleep", "60"], detach=True, network_mode="none",
+                                               labels={envs.LABEL: f"{socket.gethostname()}:999999999"})
+    try:
+        mine = envs.Sandbox(base_image)
+        mine.start()
+        assert envs.sweep() == 1
+        ids = {c.id for c in envs.docker_client().containers.list(all=True)}
+        assert dead.id not in ids and mine.container.id in ids  # live owners keep their sandboxes
+    finally:
+        mine.close()
+        if dead.id in {c.id for c in envs.docker_client().containers.list(all=True)}:
+            dead.remove(force=True)

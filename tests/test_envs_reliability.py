@@ -1,0 +1,123 @@
+"""Reliability of the sandboxes under hostile commands and load (real Docker). Each test also checks that no
+container of this process is left behind."""
+import json
+import socket
+import time
+
+import pytest
+
+import envs
+import taskgen
+
+
+@pytest.fixture(scope="session")
+def base_image():
+    envs.build_base_image(extra_tags=["ubuntu:24.04"], with_uv=True)
+    return envs.BASE_IMAGE
+
+
+@pytest.fixture(autouse=True)
+def no_leftovers(base_image):
+    yield
+    assert envs.my_containers() == []
+
+
+def timed_send(sb, keys, duration):
+    t0 = time.time()
+    obs = sb.send(keys, duration)
+    return obs, time.time() - t0
+
+
+def test_fork_bomb_is_contained_by_the_pids_limit(base_image):
+    with envs.Sandbox(base_image, pids=64) as sb:
+        sb.screen()
+        t0 = time.time()
+        try:  # the step itself needs to fork: when the bomb wins that race the step fails, it does not hang
+            assert "fork" in sb.send(":(){ :|:& };:\n", 1)
+        except envs.SandboxError as e:
+            assert "terminal step failed" in str(e)
+        assert time.time() - t0 < 1 + 5 + 5
+        assert sb.container.stats(stream=False)["pids_stats"]["current"] <= 64
+    with envs.Sandbox(base_image) as fresh:  # the host still starts sandboxes
+        assert "\nok\n" in fresh.send("echo ok\n", 2)
+
+
+def test_memory_hog_is_killed_and_the_shell_survives(base_image):
+    with envs.Sandbox(base_image, memory_mb=256) as sb:
+        sb.screen()
+        obs, took = timed_send(sb, "python3 -c \"a = ['x' * 10**6 for _ in range(10**4)]\"\n", 30)
+        assert "Killed" in obs and took < 30
+        assert "\nstill here\n" in sb.send("echo still here\n", 2)
+
+
+def test_endless_output_is_truncated_and_bounded_in_time(base_image):
+    with envs.Sandbox(base_image) as sb:
+        sb.screen()
+        obs, took = timed_send(sb, "yes\n", 2)
+        assert 2 <= took < 2 + 5 and not sb.last_idle
+        assert obs.startswith("New Terminal Output:\n") and "bytes of output omitted" in obs
+        assert len(obs.encode()) <= taskgen.MAX_OBS_BYTES + 100
+        sb.send("C-c", 2)
+        assert "\nback\n" in sb.send("echo back\n", 2)
+
+
+def test_sleep_is_interrupted_and_the_shell_is_usable(base_image):
+    with envs.Sandbox(base_image) as sb:
+        sb.screen()
+        obs, took = timed_send(sb, "sleep 1000\n", 0.5)
+        assert obs.rstrip().endswith("# sleep 1000") and not sb.last_idle
+        obs, took = timed_send(sb, "C-c", 5)
+        assert "^C" in obs and sb.last_idle and took < 5
+        assert "\n42\n" in sb.send("echo $((6 * 7))\n", 2)
+
+
+def test_no_network_inside(base_image):
+    probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    probe.connect(("10.255.255.255", 1))  # no packet is sent; this only picks the host's outgoing address
+    host_ip = probe.getsockname()[0]
+    with envs.Sandbox(base_image) as sb:
+        code, out = sb.exec(["python3", "-c", f"import socket; socket.create_connection(('{host_ip}', 22), timeout=3)"])
+        assert code != 0 and b"unreachable" in out
+        assert sb.exec("cat /proc/net/dev")[1].count(b":") == 1  # only the loopback interface
+
+
+def test_non_utf8_output_is_decoded_with_replacement(base_image):
+    with envs.Sandbox(base_image) as sb:
+        sb.screen()
+        obs = sb.send("printf 'caf\\xe9 \\xff\\xfe ok\\n'\n", 2)
+        assert isinstance(obs, str) and "ok\n" in obs
+        code, out = sb.exec("printf 'caf\\xe9\\n'")
+        assert taskgen.decode(out) == "caf\ufffd\n"
+
+
+def test_exception_among_16_concurrent_episodes_leaves_no_container(base_image):
+    calls = []
+
+    def policy(states):
+        calls.append(len(states))
+        if len(calls) == 2:
+            raise RuntimeError("policy crashed")
+        return [json.dumps({"analysis": "", "plan": "", "commands": [{"keystrokes": "ls\n", "duration": 0.1}]})] * len(states)
+
+    tasks = [envs.Task(f"t{i}", "Do nothing.", tests={"test.sh": b"echo 0 > /logs/verifier/reward.txt\n"})
+             for i in range(16)]
+    with pytest.raises(RuntimeError, match="policy crashed"):
+        envs.run_episodes(tasks, policy, max_turns=5, concurrency=16)
+    assert calls == [16, 16]
+
+
+@pytest.mark.slow
+def test_32_concurrent_sandboxes_complete(base_image):
+    reply = {"analysis": "", "plan": "", "commands": [{"keystrokes": "echo hi > /app/out.txt\n", "duration": 1}],
+             "task_complete": True}
+    test = b"grep -qx hi /app/out.txt && echo 1 > /logs/verifier/reward.txt || echo 0 > /logs/verifier/reward.txt\n"
+    tasks = [envs.Task(f"t{i}", "Write hi to /app/out.txt.", memory_mb=256, tests={"test.sh": test}) for i in range(32)]
+    live = []
+
+    def policy(states):
+        live.append(len(states))
+        return [json.dumps(reply)] * len(states)
+
+    eps = envs.run_episodes(tasks, policy, max_turns=3, concurrency=32)
+    assert live == [32, 32]
+    assert [(e.reward, e.failure, e.turns) for e in eps] == [(1.0, None, 2)] * 32
