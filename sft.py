@@ -46,7 +46,7 @@ def get_parser():
     p.add_argument("--grad-ckpt", action="store_true", help="gradient checkpointing (recompute activations in backward)")
     # objective
     p.add_argument("--lam", type=float, default=1.0, help="observation weight lambda (0 = ActionSFT, 1 = ActObs)")
-    p.add_argument("--schedule", default="mixed", choices=["mixed", "obs-then-act"], help="obs-then-act: observation-only epochs, then action-only epochs (--lam ignored)")
+    p.add_argument("--schedule", default="mixed", choices=["mixed", "obs-then-act"], help="obs-then-act: observation-only epochs, then action-only epochs, each phase with its own warm-up, cosine and fresh Adam moments (--lam ignored)")
     # optimisation
     p.add_argument("--epochs", type=int, default=1, help="passes over the data (per phase with obs-then-act)")
     p.add_argument("--batch-size", type=int, default=64, help="trajectories per optimizer step (global, across ranks)")
@@ -95,11 +95,15 @@ def _check_row(row, where):
             raise ValueError(f"{where}: {field}.role: unknown role {m['role']!r} (expected one of {', '.join(VALID_ROLES)})")
         if not isinstance(m["content"], str):
             raise ValueError(f"{where}: {field}.content: expected a string, got {type(m['content']).__name__}")
+        for k in ("tool_calls", "reasoning_content"):  # dropping them would silently lose the action
+            if m.get(k):
+                raise ValueError(f"{where}: {field}.{k}: not supported; put the whole turn in 'content'")
     return [{"role": m["role"], "content": m["content"]} for m in msgs]
 
 
-def read_trajectories(path, skip_bad=False):
-    """-> (list of message lists, number of bad rows skipped). Errors name the file, line and field."""
+def read_trajectories(path, skip_bad=False, where=None):
+    """-> (list of message lists, number of bad rows skipped). Errors name the file, line and field; a list
+    passed as `where` receives each kept trajectory's location ('file:line') for later errors."""
     path = str(path)
     rows, convs, bad = [], [], 0
     with open(path, encoding="utf-8") as f:
@@ -115,13 +119,16 @@ def read_trajectories(path, skip_bad=False):
                     if not skip_bad:
                         raise ValueError(f"{path}:{lineno}: invalid JSON ({e.msg} at column {e.colno})") from None
                     bad += 1
-    for where, row in rows:
+    for loc, row in rows:
         try:
-            convs.append(_check_row(row, where))
+            convs.append(_check_row(row, loc))
         except ValueError:
             if not skip_bad:
                 raise
             bad += 1
+            continue
+        if where is not None:
+            where.append(loc)
     return convs, bad
 
 
@@ -243,6 +250,11 @@ def render(tokenizer, messages, max_len=None):
     BPE merge makes straddle two segments takes the highest-priority role among its characters,
     ACTION > OBS > PROMPT: every character the model must produce stays supervised (at the cost of a few
     template characters in such rare merged tokens)."""
+    specials = [t for t in tokenizer.all_special_tokens if t]
+    for j, m in enumerate(messages):
+        hit = next((t for t in specials if t in m["content"]), None)
+        if hit:  # it would tokenise as a real turn boundary, and its labels would be ambiguous
+            raise ValueError(f"messages[{j}] ({m['role']}) contains the special token {hit!r}")
     text = tokenizer.apply_chat_template(messages, tokenize=False)
     char_role = np.zeros(len(text) + 1, dtype=np.int8)  # +1: a sentinel slot for empty offsets at the end
     for ranges, r in zip(message_spans(tokenizer, messages, text), message_roles(messages)):
@@ -304,7 +316,7 @@ def micro_batches(lengths, token_budget, n_micro=0):
     return groups
 
 
-CHUNK_BYTES = 256 * 2**20  # fp32 logits of one chunk: 441 rows at Qwen3's 151,936-token vocabulary
+CHUNK_BYTES = 512 * 2**20  # fp32 logits of one chunk: 883 rows at Qwen3's 151,936-token vocabulary
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
@@ -336,8 +348,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 g = g.mul_(w[s: s + chunk, None]).to(dtype)  # d(sum w*nll)/d logits
                 if need_h:
                     grad_h[s: s + chunk] = (g @ Wc).to(h.dtype)
-                if need_W:
-                    grad_W += (g.T @ hc).float()
+                if need_W:  # accumulate in fp32 without a (V, H) fp32 temporary
+                    grad_W.addmm_(g.T, hc) if g.dtype == grad_W.dtype else grad_W.add_(g.T @ hc)
         ctx.save_for_backward(grad_h if need_h else None, grad_W if need_W else None)
         ctx.mark_non_differentiable(nll)
         return (nll * w).sum(), nll
@@ -355,6 +367,8 @@ def linear_cross_entropy(h, W, targets, w, chunk=None):
     `chunk` rows at a time (default: CHUNK_BYTES of fp32 logits). Matmuls run in the autocast dtype when autocast is on; softmax and the NLL in fp32."""
     dev = h.device.type
     dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else h.dtype
+    if not torch.is_grad_enabled():  # a parameter W would still ask for its (V, H) gradient inside forward
+        h, W = h.detach(), W.detach()
     with torch.autocast(dev, enabled=False):
         return _LinearCrossEntropy.apply(h, W, targets, w.float(), chunk, dtype)
 
@@ -449,7 +463,7 @@ def lr_at(step, total, warmup, max_lr, min_ratio):
 
 
 def phase_weights(args, step, steps_per_phase):
-    """(w_act, lam) of this step: the paper's mix, or obs-only then action-only phases."""
+    """(w_act, lam) of this step: the paper's mix, or obs-only then action-only phases (each a full SFT run)."""
     if args.schedule == "mixed":
         return 1.0, args.lam
     return (0.0, 1.0) if step < steps_per_phase else (1.0, 0.0)
@@ -495,10 +509,10 @@ def run_micro_batches(loss_mod, examples, args, pad_id, lam, w_act, n_traj, devi
         batch = {key: v.to(device) for key, v in batch.items()}
         last = k == len(groups) - 1
         sync = nullcontext()
+        # DDP: all-reduce grads once, after the last micro-batch. FSDP2 reduce-scatters after every micro-batch:
+        # skipping that would keep a full unsharded gradient on every rank
         if train and world > 1 and not args.fsdp and not last:
-            sync = loss_mod.no_sync()  # DDP: all-reduce grads once, after the last micro-batch
-        if train and args.fsdp:
-            loss_mod.set_requires_gradient_sync(last)
+            sync = loss_mod.no_sync()
         with sync, ctx, (nullcontext() if train else torch.no_grad()):
             loss, st = loss_mod(batch, lam, w_act, n_traj)
             if train:
@@ -507,6 +521,11 @@ def run_micro_batches(loss_mod, examples, args, pad_id, lam, w_act, n_traj, devi
         for key in tot:
             tot[key] += st[key]
     return tot
+
+
+# flags that fix the data, the objective and the schedule: a resumed run must keep them
+RESUME_KEYS = ("data", "max_len", "val_size", "model", "chat_template", "lam", "schedule", "epochs", "batch_size",
+               "lr", "min_lr_ratio", "warmup_ratio", "weight_decay", "seed")
 
 
 def checkpoint_dirs(out):
@@ -535,15 +554,19 @@ def save_checkpoint(path, model, raw, tok, opt, step, args, rank):
         if opt is not None:
             torch.save({"optimizer": osd, "step": step, "args": vars(args)}, tmp / "optimizer.pt")
     barrier()
-    rng = {"torch": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
+    rng = {"torch": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None}
     if opt is not None:
         torch.save(rng, tmp / f"rng-{rank}.pt")
     barrier()
     if rank == 0:
         if opt is not None:  # the marker of a complete checkpoint, written last
             os.replace(tmp / "optimizer.pt", tmp / "trainer_state.pt")
-        shutil.rmtree(path, ignore_errors=True)
+        old = path.with_name(path.name + ".old")
+        if path.exists():  # move aside first: at every moment a complete `path` or `path.old` exists
+            shutil.rmtree(old, ignore_errors=True)
+            os.rename(path, old)
         os.rename(tmp, path)
+        shutil.rmtree(old, ignore_errors=True)
     barrier()
 
 
@@ -589,13 +612,38 @@ def main(argv=None):
     if device.type == "cuda":
         torch.cuda.set_device(device)
     print0 = print if rank == 0 else (lambda *a, **k: None)
+    for bad_flag, msg in ((args.keep < 1, "--keep must be at least 1"), (args.lam < 0, "--lam must be >= 0"),
+                          (args.fsdp and not distributed, "--fsdp shards across ranks: launch with torchrun"),
+                          (args.probe_every and distributed, "--probe-every runs in a single process; under torchrun, "
+                           "run `probes.py geometry` on the step checkpoints")):
+        if bad_flag:
+            raise ValueError(msg)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(args.seed)
 
-    # data -> (ids, roles), held-out split
-    convs, bad = read_trajectories(args.data, args.skip_bad)
-    ckpts = checkpoint_dirs(out) if args.resume else []
+    # never mix two runs in one dir: a fresh start needs an unused --out, a resume continues the newest checkpoint
+    ckpts, state = checkpoint_dirs(out), None
+    if not args.resume and (ckpts or (out / "final").exists() or (out / "log.jsonl").exists()):
+        raise ValueError(f"{out} already holds a run: pass --resume to continue it, or choose another --out")
+    if args.resume and (out / "final").exists():
+        print0(f"{out} is finished (final/ exists); nothing to resume")
+        return
+    if args.resume and not ckpts:
+        print0(f"--resume: no checkpoint in {out} yet; starting fresh")
+    if ckpts:
+        state = torch.load(ckpts[-1] / "trainer_state.pt", map_location="cpu", mmap=True, weights_only=False)
+        changed = [f"--{k.replace('_', '-')} {state['args'].get(k)!r} -> {v!r}" for k, v in vars(args).items()
+                   if k in RESUME_KEYS and state["args"].get(k) != v]
+        if changed:
+            raise ValueError(f"--resume from {ckpts[-1]} with other settings than it was trained with: {', '.join(changed)}")
+        saved_ranks = len(list(ckpts[-1].glob("rng-*.pt")))
+        if saved_ranks != world:
+            raise ValueError(f"{ckpts[-1]} was written by {saved_ranks} ranks; resume with as many")
+
+    # data -> (ids, roles), rendered a share per rank, held-out split
+    where = []
+    convs, bad = read_trajectories(args.data, args.skip_bad, where)
     model_path = args.model
     if args.model == "tiny":
         model_path = out / "init"
@@ -604,25 +652,34 @@ def main(argv=None):
         barrier()
     # a checkpoint carries the chat template it was trained with: resume with exactly that one
     tok = load_tokenizer(ckpts[-1], "native") if ckpts else load_tokenizer(model_path, args.chat_template)
-    examples, empty = [], 0
-    for c in convs:
-        ids, roles = render(tok, c, args.max_len)
-        if not any(r != PROMPT for r in roles[1:]):
-            empty += 1  # nothing to learn from once truncated: counted, never a NaN
+    mine, failed = [], 0
+    for i in range(rank, len(convs), world):
+        try:
+            ids, roles = render(tok, convs[i], args.max_len)
+        except ValueError as e:
+            if not args.skip_bad:
+                raise ValueError(f"{where[i]}: {e}") from None
+            failed += 1
             continue
-        examples.append((ids, roles))
+        mine.append((i, np.asarray(ids, dtype=np.int32), np.asarray(roles, dtype=np.int8)))  # 5 bytes a token
+    if distributed:
+        parts = [None] * world
+        dist.all_gather_object(parts, (mine, failed))
+        mine, failed = sorted((x for p, _ in parts for x in p), key=lambda x: x[0]), sum(f for _, f in parts)
+    bad += failed
+    examples = [(ids, roles) for _, ids, roles in mine if (roles[1:] != PROMPT).any()]
+    empty = len(mine) - len(examples)  # nothing to learn from once truncated: counted, never a NaN
     if len(examples) <= args.val_size:
         raise ValueError(f"{args.data}: {len(examples)} usable trajectories, need more than --val-size {args.val_size}")
     perm = np.random.default_rng(args.seed).permutation(len(examples))
     val, train = [examples[i] for i in perm[: args.val_size]], [examples[i] for i in perm[args.val_size:]]
-    if args.probe_every and distributed:
-        raise ValueError("--probe-every runs in a single process; under torchrun, run `probes.py geometry` on the step checkpoints")
     if args.batch_size < world:
         raise ValueError(f"--batch-size {args.batch_size} is smaller than the {world} ranks")
     steps_per_epoch = math.ceil(len(train) / args.batch_size)
     steps_per_phase = steps_per_epoch * args.epochs
     total = steps_per_phase * (2 if args.schedule == "obs-then-act" else 1)
-    warmup = int(args.warmup_ratio * total)
+    phase_len = steps_per_phase if args.schedule == "obs-then-act" else total  # the lr schedule restarts per phase
+    warmup = int(args.warmup_ratio * phase_len)
     stop = min(args.stop_after, total) if args.stop_after else total
 
     # model, optimizer, resume
@@ -632,7 +689,7 @@ def main(argv=None):
     if args.grad_ckpt:
         raw.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model = LossModule(raw)
-    if distributed and args.fsdp:
+    if args.fsdp:
         from torch.distributed.fsdp import fully_shard
         for layer in raw.base_model.layers:
             fully_shard(layer)
@@ -641,8 +698,7 @@ def main(argv=None):
         model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay)
     start = 0
-    if ckpts:
-        state = torch.load(ckpts[-1] / "trainer_state.pt", weights_only=False)
+    if state is not None:
         if args.fsdp:
             from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
             set_optimizer_state_dict(model, opt, state["optimizer"], options=StateDictOptions(full_state_dict=True))
@@ -652,7 +708,10 @@ def main(argv=None):
         rng = torch.load(ckpts[-1] / f"rng-{rank}.pt", weights_only=False)
         torch.set_rng_state(rng["torch"])
         if rng["cuda"] is not None:
-            torch.cuda.set_rng_state_all(rng["cuda"])
+            torch.cuda.set_rng_state(rng["cuda"])
+    if rank == 0 and args.resume:  # drop log rows past the checkpoint: those steps run again
+        rows = (out / "log.jsonl").read_text().splitlines() if (out / "log.jsonl").exists() else []
+        (out / "log.jsonl").write_text("".join(r + "\n" for r in rows if json.loads(r)["step"] <= start))
     n_params = sum(p.numel() for p in raw.parameters())
     print0(f"{len(train)} train / {len(val)} val trajectories ({bad} bad rows, {empty} with nothing to learn skipped) | "
            f"{n_params / 1e6:.1f}M params | {total} steps x {args.batch_size} traj | warmup {warmup} | "
@@ -676,7 +735,7 @@ def main(argv=None):
 
     def save(step):
         save_checkpoint(out / f"step-{step:06d}", model, raw, tok, opt, step, args, rank)
-        for old in checkpoint_dirs(out)[: -args.keep] if rank == 0 else []:
+        for old in checkpoint_dirs(out)[: -args.keep] if rank == 0 else []:  # args.keep >= 1, checked at start
             shutil.rmtree(old)
 
     def probe(step):  # gradient geometry on a few held-out batches (the paper's cos and r curves)
@@ -694,8 +753,12 @@ def main(argv=None):
     pbar = tqdm(range(start, stop), initial=start, total=total, disable=rank != 0, dynamic_ncols=True)
     for step in pbar:
         t0 = time.time()
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        if step == steps_per_phase < total:  # obs-then-act: the action phase starts like a new run, with fresh moments
+            opt.state.clear()
         w_act, lam = phase_weights(args, step, steps_per_phase)
-        lr = lr_at(step, total, warmup, args.lr, args.min_lr_ratio)
+        lr = lr_at(step % phase_len, phase_len, warmup, args.lr, args.min_lr_ratio)
         for g in opt.param_groups:
             g["lr"] = lr
         idx = step_indices(len(train), args.batch_size, step, steps_per_epoch, args.seed)
@@ -703,11 +766,14 @@ def main(argv=None):
         tot = run_micro_batches(model, [train[i] for i in idx[rank::world]], args, tok.pad_token_id, lam, w_act, n_traj,
                                 device, ctx, world, train=True)
         gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip if args.grad_clip > 0 else float("inf"))
-        opt.step()
+        gnorm = float(gnorm.full_tensor() if hasattr(gnorm, "full_tensor") else gnorm)  # the same on every rank
+        if math.isfinite(gnorm):
+            opt.step()
+        else:  # an overflow or a broken batch: drop the update rather than poison the weights and Adam's moments
+            print0(f"step {step + 1}: grad norm {gnorm}, update skipped")
         opt.zero_grad(set_to_none=True)
         tot = reduce_stats(tot, device)
         dt = time.time() - t0
-        gnorm = float(gnorm.full_tensor() if hasattr(gnorm, "full_tensor") else gnorm)
         record({"step": step + 1, "train/loss": tot["loss"], "train/act_nll": tot["act_nll"], "train/obs_nll": tot["obs_nll"],
                 "train/lr": lr, "train/grad_norm": gnorm, "train/w_act": w_act, "train/lam": lam,
                 "train/tokens": tot["tokens"], "train/tok_per_s": tot["tokens"] / dt, "train/step_s": dt,

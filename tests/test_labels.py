@@ -194,6 +194,8 @@ BAD = [
     ('{"conversations": [{"role": "robot", "content": "hi"}]}', "rows.jsonl:2: conversations[0].role: unknown role 'robot'"),
     ('{"conversations": [{"role": "user", "content": 3}]}', "rows.jsonl:2: conversations[0].content: expected a string, got int"),
     ('{"text": "hi"}', "rows.jsonl:2: missing field 'conversations'"),
+    ('{"messages": [{"role": "assistant", "content": "", "tool_calls": [{"name": "ls"}]}]}',
+     "rows.jsonl:2: messages[0].tool_calls: not supported"),
 ]
 
 

@@ -93,6 +93,9 @@ def test_obs_then_act_schedule(tiny_dir, data, tmp_path):
     assert all((r["train/w_act"], r["train/lam"]) == (1.0, 0.0) for r in rows[half:])
     # in the observation-only phase the loss is the observation NLL (per-trajectory normalised)
     assert rows[0]["train/obs_nll"] == pytest.approx(rows[0]["train/loss"], rel=0.05)
+    # each phase is a full run: its own warm-up and cosine
+    assert [r["train/lr"] for r in rows[half:]] == pytest.approx([r["train/lr"] for r in rows[:half]])
+    assert rows[half]["train/lr"] > rows[half - 1]["train/lr"]  # back up at the phase boundary
 
 
 def torchrun(n, argv, env_extra=None):
@@ -152,3 +155,37 @@ def test_truncation_to_nothing_is_skipped_and_counted(tiny_dir, data, tmp_path, 
     # the three Nemotron rows' prompts alone are longer than 64 tokens too
     assert "4 with nothing to learn skipped" in capsys.readouterr().out
     assert all(r.get("train/loss", 0) == r.get("train/loss", 0) for r in log(tmp_path / "o"))  # no NaN
+
+
+def test_a_used_out_dir_needs_resume_and_settings_must_match(tiny_dir, data, tmp_path):
+    sft.main(args(tiny_dir, data, tmp_path, "--stop-after", "2"))
+    with pytest.raises(ValueError, match="already holds a run: pass --resume"):
+        sft.main(args(tiny_dir, data, tmp_path))
+    with pytest.raises(ValueError, match=r"other settings than it was trained with: --lam 1.0 -> 0.0"):
+        sft.main(args(tiny_dir, data, tmp_path, "--resume", "--lam", "0"))
+    sft.main(args(tiny_dir, data, tmp_path, "--resume"))
+    steps = [r["step"] for r in log(tmp_path) if "train/loss" in r]
+    assert steps == list(range(1, len(steps) + 1))  # no step logged twice
+    before = weights(tmp_path / "final")
+    sft.main(args(tiny_dir, data, tmp_path, "--resume"))  # finished: nothing to do, nothing overwritten
+    after = weights(tmp_path / "final")
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_bad_flags_are_refused(tiny_dir, data, tmp_path):
+    for extra, msg in ((["--keep", "0"], "--keep must be at least 1"), (["--lam", "-1"], "--lam must be >= 0"),
+                       (["--fsdp"], "launch with torchrun")):
+        with pytest.raises(ValueError, match=msg):
+            sft.main(args(tiny_dir, data, tmp_path / "x", *extra))
+
+
+def test_unrenderable_rows_stop_with_their_line_or_are_counted(tiny_dir, data, tmp_path, capsys):
+    rows = data.read_text().splitlines()
+    rows.insert(4, json.dumps({"conversations": [{"role": "user", "content": "hi"},
+                                                 {"role": "assistant", "content": "ls<|im_end|>"}]}))
+    path = tmp_path / "d.jsonl"
+    path.write_text("\n".join(rows) + "\n")
+    with pytest.raises(ValueError, match=r"d.jsonl:5: messages\[1\] \(assistant\) contains the special token '<\|im_end\|>'"):
+        sft.main(args(tiny_dir, path, tmp_path / "a"))
+    sft.main(args(tiny_dir, path, tmp_path / "b", "--skip-bad", "--stop-after", "1"))
+    assert "(1 bad rows," in capsys.readouterr().out
