@@ -101,7 +101,11 @@ def docker_client():
             if "DOCKER_HOST" not in os.environ and not os.path.exists("/var/run/docker.sock") \
                     and os.path.exists(PRIVATE_SOCKET):  # the daemon of .ci/dockerd.sh
                 os.environ["DOCKER_HOST"] = f"unix://{PRIVATE_SOCKET}"
-            _client = docker.from_env(max_pool_size=128, timeout=600)
+            try:
+                _client = docker.from_env(max_pool_size=128, timeout=600)
+            except docker.errors.DockerException as e:
+                raise RuntimeError(f"no Docker daemon at {os.environ.get('DOCKER_HOST', 'the default socket')} ({e}); "
+                                   "start one with `. .ci/dockerd.sh start`") from None
         return _client
 
 
