@@ -1,0 +1,11 @@
+# Sourced by .ci/run and ablation.sh: installs what ActObs needs on a fresh Debian machine (as root), starts a
+# private Docker daemon and builds the sandbox base image (reused when present).
+export DEBIAN_FRONTEND=noninteractive
+if ! command -v dockerd >/dev/null || ! command -v debootstrap >/dev/null; then
+    apt-get update -qq && apt-get install -y -qq docker.io debootstrap >/dev/null
+fi
+[ -x .venv/bin/python ] || python3 -m venv .venv
+. .venv/bin/activate
+pip install -q --disable-pip-version-check -r requirements-cpu.txt
+. .ci/dockerd.sh start >/dev/null
+python envs.py base-image --tag ubuntu:24.04 --with-uv  # also satisfies Harbor tasks' FROM ubuntu:24.04 offline
