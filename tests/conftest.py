@@ -5,6 +5,7 @@ import random
 from pathlib import Path
 
 import pytest
+import torch
 
 import sft
 
@@ -63,3 +64,31 @@ def qwen3_tokenizer(tiny_dir):
     tok = sft.load_tokenizer(tiny_dir, "native")
     tok.chat_template = QWEN3_TEMPLATE
     return tok
+
+
+@pytest.fixture(scope="module")
+def model(tiny_dir):
+    """The tiny model moved away from its near-uniform random init, so losses, gradients and entropies differ."""
+    from transformers import AutoModelForCausalLM
+    torch.manual_seed(0)
+    m = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    return m
+
+
+@pytest.fixture(scope="session")
+def base_image():
+    """The project's base image, also tagged ubuntu:24.04 so Harbor Dockerfiles build offline."""
+    import envs
+    envs.build_base_image(extra_tags=["ubuntu:24.04"], with_uv=True)
+    return envs.BASE_IMAGE
+
+
+@pytest.fixture
+def no_leftovers(base_image):
+    """Docker tests use this: every test must leave no container of this process behind."""
+    import envs
+    yield
+    assert envs.my_containers() == []

@@ -14,17 +14,7 @@ import taskgen
 HARBOR = Path(__file__).parent / "fixtures" / "harbor-tasks"
 
 
-@pytest.fixture(scope="session")
-def base_image():
-    """The project's base image, also tagged ubuntu:24.04 so Harbor Dockerfiles build offline."""
-    envs.build_base_image(extra_tags=["ubuntu:24.04"], with_uv=True)
-    return envs.BASE_IMAGE
-
-
-@pytest.fixture(autouse=True)
-def no_leftovers(base_image):
-    yield
-    assert envs.my_containers() == []
+pytestmark = pytest.mark.usefixtures("no_leftovers")
 
 
 @pytest.fixture

@@ -10,16 +10,7 @@ import envs
 import taskgen
 
 
-@pytest.fixture(scope="session")
-def base_image():
-    envs.build_base_image(extra_tags=["ubuntu:24.04"], with_uv=True)
-    return envs.BASE_IMAGE
-
-
-@pytest.fixture(autouse=True)
-def no_leftovers(base_image):
-    yield
-    assert envs.my_containers() == []
+pytestmark = pytest.mark.usefixtures("no_leftovers")
 
 
 def timed_send(sb, keys, duration):

@@ -16,16 +16,6 @@ from conftest import nemotron_rows, synthetic_trajectory
 P, A, O = sft.PROMPT, sft.ACTION, sft.OBS
 
 
-@pytest.fixture(scope="module")
-def model(tiny_dir):
-    from transformers import AutoModelForCausalLM
-    torch.manual_seed(0)
-    m = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32)
-    with torch.no_grad():  # away from the near-uniform random init, so gradients and entropies differ visibly
-        for p in m.parameters():
-            p.add_(torch.randn_like(p) * 0.05)
-    return m
-
 
 @pytest.fixture(scope="module")
 def examples(tokenizer):
