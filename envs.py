@@ -47,7 +47,7 @@ BASE_IMAGE = "actobs-base:bookworm"
 BASE_PACKAGES = ["tmux", "python3", "procps", "jq"]  # tmux: the terminal; the rest: what generated tasks use
 UV_VERSION = "0.9.7"
 VERIFIER_PINS = ["pytest==8.4.1", "pytest-json-ctrf==0.3.5"]  # what Terminal-Bench 2.0 tests/test.sh install
-DEBIAN_MIRROR = os.environ.get("ACTOBS_DEBIAN_MIRROR", "http://deb.debian.org/debian")
+DEBIAN_MIRROR = os.environ.get("ACTOBS_DEBIAN_MIRROR")  # unset: debootstrap's own default mirror
 PRIVATE_SOCKET = os.environ.get("ACTOBS_DOCKER_ROOT", "/var/lib/actobs-docker") + "/docker.sock"
 LABEL = "actobs.sandbox"  # every container carries it; value = "<hostname>:<pid>" of the owning process
 SCREEN = (160, 40)  # tmux window (columns, rows)
@@ -160,7 +160,8 @@ def build_base_image(tag=BASE_IMAGE, extra_tags=(), rebuild=False, with_uv=False
         with tempfile.TemporaryDirectory(prefix="actobs-rootfs-") as root:
             t0 = time.time()
             subprocess.run(["debootstrap", "--variant=minbase", "--include=" + ",".join(BASE_PACKAGES),
-                            "bookworm", root, DEBIAN_MIRROR], check=True, stdout=subprocess.DEVNULL)
+                            "bookworm", root] + ([DEBIAN_MIRROR] if DEBIAN_MIRROR else []),
+                           check=True, stdout=subprocess.DEVNULL)
             for junk in ("var/cache/apt/archives", "var/lib/apt/lists"):  # keeps the image ~100 MB smaller
                 subprocess.run(["find", f"{root}/{junk}", "-type", "f", "-delete"], check=True)
             tar = subprocess.Popen(["tar", "-C", root, "-c", "."], stdout=subprocess.PIPE)
@@ -675,9 +676,12 @@ def run_oracle(tasks, *, noop=False, concurrency=4):
 # ----------------------------------------------------------------------------------------------------------
 
 def write_jsonl(path, rows):
-    with open(path, "w") as f:
+    """Written to a temp name, then renamed: a killed run never leaves a truncated file that looks complete."""
+    tmp = Path(f"{path}.tmp")
+    with open(tmp, "w") as f:
         for row in rows:
             f.write(json.dumps(row, ensure_ascii=False) + "\n")
+    os.replace(tmp, path)
 
 
 def corpus(args):
