@@ -26,6 +26,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+import labels
 import sft
 
 # Fixed text Terminus-2 puts around the environment's feedback in observation turns. No trailing spaces: BPE
@@ -190,7 +191,7 @@ def obs_split(tok, messages, max_len=None):
     character the environment produced."""
     ids, roles, text, off = _encode(tok, messages, max_len)
     wrap = np.zeros(len(text) + 1, dtype=np.int64)  # per character
-    for ranges, role in zip(sft.message_spans(tok, messages, text), sft.message_roles(messages)):
+    for ranges, role in zip(labels.message_spans(tok, messages, text), labels.message_roles(messages)):
         if role == sft.OBS:
             (s, e), eot = ranges[0], ranges[1:]
             for m in WRAPPER_RE.finditer(text[s:e]):

@@ -6,6 +6,7 @@ import random
 import numpy as np
 import pytest
 
+import labels
 import sft
 from conftest import QWEN3_TEMPLATE, nemotron_rows, synthetic_trajectory
 
@@ -14,7 +15,7 @@ EOT = "<|im_end|>"
 
 
 def mirror_prefix(msgs):
-    roles = sft.message_roles(msgs)
+    roles = labels.message_roles(msgs)
     out = []
     for m, r in zip(msgs, roles):
         if m["role"] == "tool":
@@ -27,7 +28,7 @@ def mirror_prefix(msgs):
 def mirror_qwen3(msgs):
     """Qwen3's template for conversations without tool calls; its '<think>\\n' decoration on turns after the
     last user query is header (PROMPT), by render()'s documented rule."""
-    roles = sft.message_roles(msgs)
+    roles = labels.message_roles(msgs)
     last_query = max(i for i, m in enumerate(msgs) if m["role"] == "user")
     out = []
     for i, (m, r) in enumerate(zip(msgs, roles)):
@@ -57,7 +58,7 @@ PLAIN_TEMPLATE = "{%- for m in messages %}{{- '### ' + m.role + ':\\n' + m.conte
 
 
 def mirror_plain(msgs):  # no special tokens at all: BPE merges straddle content and template text
-    return [x for m, r in zip(msgs, sft.message_roles(msgs)) for x in [(f"### {m['role']}:\n", P), (m["content"], r), ("\n\n", P)]]
+    return [x for m, r in zip(msgs, labels.message_roles(msgs)) for x in [(f"### {m['role']}:\n", P), (m["content"], r), ("\n\n", P)]]
 
 
 def expected_roles(tok, text, pieces):
@@ -169,7 +170,7 @@ def test_template_choice_is_saved_with_the_tokenizer(tokenizer, tmp_path):
 
 def test_message_roles():
     msgs = [{"role": r, "content": ""} for r in ["system", "user", "assistant", "user", "assistant", "tool", "user"]]
-    assert sft.message_roles(msgs) == [P, P, A, O, A, O, O]
+    assert labels.message_roles(msgs) == [P, P, A, O, A, O, O]
 
 
 def test_nemotron_rows_load_as_is(tmp_path):

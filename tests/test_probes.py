@@ -9,6 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+import labels
 import probes
 import sft
 from conftest import nemotron_rows, synthetic_trajectory
@@ -180,7 +181,7 @@ def test_wrapper_split_on_the_real_rows(tokenizer):
         msgs = row["conversations"]
         ids, roles, wrap = probes.obs_split(tokenizer, msgs)
         wrapper_text = "".join(tokenizer.decode([i]) for i, w in zip(ids, wrap) if w)
-        obs = [m["content"] for m, r in zip(msgs, sft.message_roles(msgs)) if r == O]
+        obs = [m["content"] for m, r in zip(msgs, labels.message_roles(msgs)) if r == O]
         assert wrapper_text.count("New Terminal Output") == sum(c.count("New Terminal Output") for c in obs) > 0
         assert wrapper_text.count("<|im_end|>") == len(obs) and "root@" not in wrapper_text
         assert 0 < wrap.sum() < 0.1 * (roles == O).sum()

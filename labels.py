@@ -1,0 +1,218 @@
+"""
+Trajectories in, labelled tokens out: the part of ActObs that SFT, probes, rollouts and evaluation share.
+
+    convs, n_bad = read_trajectories("data.jsonl")            # errors name file, line and field
+    tok = load_tokenizer("Qwen/Qwen3-4B", "prefix")           # the chat template everything will use
+    ids, roles = render(tok, convs[0], max_len=16384)         # one role per token: PROMPT, ACTION, OBS
+
+render() labels exactly, for any chat template: a message's rendered content and its end-of-turn token get
+its role (system and first user turn PROMPT, assistant ACTION, later user and tool turns OBS), headers are
+PROMPT. The default 'prefix' template renders turn by turn, as a policy sees them at RL and evaluation time.
+"""
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+
+PROMPT, ACTION, OBS = 0, 1, 2  # per-token roles; only ACTION and OBS tokens carry loss
+
+VALID_ROLES = ("system", "user", "assistant", "tool")
+
+
+def _check_row(row, where):
+    if not isinstance(row, dict):
+        raise ValueError(f"{where}: expected an object with 'conversations' or 'messages', got {type(row).__name__}")
+    key = "conversations" if "conversations" in row else "messages" if "messages" in row else None
+    if key is None:
+        raise ValueError(f"{where}: missing field 'conversations' (or 'messages')")
+    msgs = row[key]
+    if not isinstance(msgs, list) or not msgs:
+        raise ValueError(f"{where}: field '{key}' must be a non-empty list")
+    for i, m in enumerate(msgs):
+        field = f"{key}[{i}]"
+        if not isinstance(m, dict):
+            raise ValueError(f"{where}: {field}: expected an object with 'role' and 'content'")
+        for k in ("role", "content"):
+            if k not in m:
+                raise ValueError(f"{where}: {field}: missing field '{k}'")
+        if m["role"] not in VALID_ROLES:
+            raise ValueError(f"{where}: {field}.role: unknown role {m['role']!r} (expected one of {', '.join(VALID_ROLES)})")
+        if not isinstance(m["content"], str):
+            raise ValueError(f"{where}: {field}.content: expected a string, got {type(m['content']).__name__}")
+        for k in ("tool_calls", "reasoning_content"):  # dropping them would silently lose the action
+            if m.get(k):
+                raise ValueError(f"{where}: {field}.{k}: not supported; put the whole turn in 'content'")
+    return [{"role": m["role"], "content": m["content"]} for m in msgs]
+
+
+def read_trajectories(path, skip_bad=False, where=None):
+    """-> (list of message lists, number of bad rows skipped). Errors name the file, line and field; a list
+    passed as `where` receives each kept trajectory's location ('file:line') for later errors."""
+    path = str(path)
+    rows, convs, bad = [], [], 0
+    with open(path, encoding="utf-8") as f:
+        if path.endswith(".json"):  # a JSON array of rows, e.g. a dataset sample file
+            rows = [(f"{path}: row {i}", r) for i, r in enumerate(json.load(f))]
+        else:
+            for lineno, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    rows.append((f"{path}:{lineno}", json.loads(line)))
+                except json.JSONDecodeError as e:
+                    if not skip_bad:
+                        raise ValueError(f"{path}:{lineno}: invalid JSON ({e.msg} at column {e.colno})") from None
+                    bad += 1
+    for loc, row in rows:
+        try:
+            convs.append(_check_row(row, loc))
+        except ValueError:
+            if not skip_bad:
+                raise
+            bad += 1
+            continue
+        if where is not None:
+            where.append(loc)
+    return convs, bad
+
+
+def message_roles(messages):
+    """Label of each message: system and the first user turn are PROMPT, assistant turns are ACTION,
+    later user turns and tool turns are OBS (the environment's feedback)."""
+    out, seen_user = [], False
+    for m in messages:
+        if m["role"] == "assistant":
+            out.append(ACTION)
+        elif m["role"] == "system" or (m["role"] == "user" and not seen_user):
+            out.append(PROMPT)
+        else:
+            out.append(OBS)
+        seen_user |= m["role"] == "user"
+    return out
+
+
+# ChatML that renders every message independently and in order, assistant contents verbatim (reasoning
+# included), so render(messages[:k]) is a prefix of render(messages[:k+1]): exactly the token stream a policy
+# accumulates turn by turn at RL and evaluation time. Qwen3's own template instead strips the reasoning of
+# earlier turns and merges consecutive tool turns, which no rollout ever sees.
+PREFIX_TEMPLATE = (
+    "{%- for m in messages %}"
+    "{%- if m.role == 'tool' %}"
+    "{{- '<|im_start|>user\\n<tool_response>\\n' + m.content + '\\n</tool_response><|im_end|>\\n' }}"
+    "{%- else %}"
+    "{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+
+def load_tokenizer(path, chat_template="prefix"):
+    """The tokenizer with the chat template that training, rollouts and evaluation will all use."""
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(path)
+    if chat_template == "prefix":
+        if "<|im_start|>" not in tok.get_vocab():
+            raise ValueError(f"{path}: --chat-template prefix is ChatML (Qwen family) but this tokenizer has no "
+                             "<|im_start|> token; pass --chat-template native or a .jinja file")
+        tok.chat_template = PREFIX_TEMPLATE
+    elif chat_template != "native":
+        tok.chat_template = Path(chat_template).read_text()
+    if not tok.chat_template:
+        raise ValueError(f"{path}: the tokenizer has no chat template; pass --chat-template prefix or a .jinja file")
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def _longest_prefix_found(piece, text, start):
+    """(position, length) of the first occurrence in text[start:] of the longest prefix of `piece` found there."""
+    lo, hi = 0, len(piece)  # invariant: piece[:lo] occurs; occurrence is monotone in the prefix length
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if text.find(piece[:mid], start) >= 0:
+            lo = mid
+        else:
+            hi = mid - 1
+    return (text.find(piece[:lo], start) if lo else -1), lo
+
+
+def message_spans(tokenizer, messages, text):
+    """Character ranges of each message in `text`: its rendered content and its end-of-turn token.
+
+    The template is rendered once more with every content replaced by a sentinel; the template text between
+    two sentinels (end-of-turn, next header) is then located in the real rendering. Decoration the template
+    inserts before a content (e.g. Qwen3's '<think>\n' on the final turn) counts as header, i.e. PROMPT. The
+    end-of-turn token is the first special token after the content, if it is one the template closes
+    messages with (found in the text after the last message) or the eos token; wrapper text in between
+    (e.g. '\n</tool_response>') stays PROMPT."""
+    sent = [f"\ue000{j}\ue001" for j in range(len(messages))]
+    skel = tokenizer.apply_chat_template([{**m, "content": s} for m, s in zip(messages, sent)], tokenize=False)
+    pieces, pos = [], 0
+    for j, s in enumerate(sent):
+        k = skel.find(s, pos)
+        if k < 0:
+            raise ValueError(f"the chat template does not render message {j} ({messages[j]['role']}); cannot label it")
+        pieces.append(skel[pos:k])
+        pos = k + len(s)
+    pieces.append(skel[pos:])
+    specials = sorted({t for t in tokenizer.all_special_tokens if t}, key=len, reverse=True)
+    closers = {t for t in specials if t in pieces[-1]} | {tokenizer.eos_token}
+
+    def eot(piece):  # (offset, length) of the end-of-turn token in the template text after a content
+        hits = [(piece.find(t), -len(t), t) for t in specials if t in piece]
+        if not hits:
+            return None
+        k, _, t = min(hits)
+        return (k, len(t)) if t in closers else None
+
+    start = len(os.path.commonprefix([pieces[0], text]))
+    spans = []
+    for j in range(1, len(pieces)):
+        piece = pieces[j]
+        if j == len(messages):  # the template text after the last content closes the rendering
+            q, n = (text.rfind(piece), len(piece)) if piece else (len(text), 0)
+            if q < start or q + n != len(text):
+                q = -1
+        else:
+            q, n = _longest_prefix_found(piece, text, start)
+        if q < 0 or (n == 0 and j < len(messages)):
+            raise ValueError(f"cannot find where message {j - 1} ({messages[j - 1]['role']}) ends in the rendered text")
+        ranges = [(start, q)]
+        e = eot(piece[:n])
+        if e:
+            ranges.append((q + e[0], q + e[0] + e[1]))
+        spans.append(ranges)
+        start = q + n
+    return spans
+
+
+def render(tokenizer, messages, max_len=None):
+    """-> (ids, roles): the conversation as the tokenizer's chat template renders it, one role per token.
+
+    A message's role covers its rendered content and its end-of-turn token; headers are PROMPT. A token that a
+    BPE merge makes straddle two segments takes the highest-priority role among its characters,
+    ACTION > OBS > PROMPT: every character the model must produce stays supervised (at the cost of a few
+    template characters in such rare merged tokens)."""
+    specials = [t for t in tokenizer.all_special_tokens if t]
+    for j, m in enumerate(messages):
+        hit = next((t for t in specials if t in m["content"]), None)
+        if hit:  # it would tokenise as a real turn boundary, and its labels would be ambiguous
+            raise ValueError(f"messages[{j}] ({m['role']}) contains the special token {hit!r}")
+    text = tokenizer.apply_chat_template(messages, tokenize=False)
+    char_role = np.zeros(len(text) + 1, dtype=np.int8)  # +1: a sentinel slot for empty offsets at the end
+    for ranges, r in zip(message_spans(tokenizer, messages, text), message_roles(messages)):
+        for s, e in ranges:
+            char_role[s:e] = r
+    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    ids = enc["input_ids"]
+    off = np.asarray(enc["offset_mapping"], dtype=np.int64).reshape(-1, 2)  # (T, 2) char [start, end)
+    off[:, 1] = np.maximum(off[:, 1], off[:, 0] + 1)  # a token with an empty span takes the char at its start
+    roles = np.zeros(len(ids), dtype=np.int8)
+    for r in (OBS, ACTION):  # later assignment wins: ACTION > OBS > PROMPT
+        csum = np.concatenate([[0], np.cumsum(char_role == r)])
+        roles[csum[off[:, 1]] - csum[off[:, 0]] > 0] = r
+    if max_len is not None:
+        ids, roles = ids[:max_len], roles[:max_len]
+    return list(ids), roles.tolist()
