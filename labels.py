@@ -195,6 +195,14 @@ def render(tokenizer, messages, max_len=None):
     BPE merge makes straddle two segments takes the highest-priority role among its characters,
     ACTION > OBS > PROMPT: every character the model must produce stays supervised (at the cost of a few
     template characters in such rare merged tokens)."""
+    ids, roles, _, _ = encode(tokenizer, messages, max_len)
+    return ids, roles.tolist()
+
+
+def encode(tokenizer, messages, max_len=None):
+    """-> (ids, roles (T,) int8, text, offsets (T, 2)): render()'s labels plus the rendered text and each
+    token's character span [start, end), for probes that label sub-spans of a message (a token with an empty
+    span is given the character at its start)."""
     specials = [t for t in tokenizer.all_special_tokens if t]
     for j, m in enumerate(messages):
         hit = next((t for t in specials if t in m["content"]), None)
@@ -214,5 +222,5 @@ def render(tokenizer, messages, max_len=None):
         csum = np.concatenate([[0], np.cumsum(char_role == r)])
         roles[csum[off[:, 1]] - csum[off[:, 0]] > 0] = r
     if max_len is not None:
-        ids, roles = ids[:max_len], roles[:max_len]
-    return list(ids), roles.tolist()
+        ids, roles, off = ids[:max_len], roles[:max_len], off[:max_len]
+    return list(ids), roles, text, off

@@ -173,23 +173,13 @@ def grad_geometry(model, batches):
 # ----------------------------------------------------------------------------------------------------------
 # Observation prediction: fixed wrapper vs payload
 
-def _encode(tok, messages, max_len):
-    """sft.render's (ids, roles) plus the rendered text and each token's char span [start, end) (T, 2)."""
-    ids, roles = sft.render(tok, messages, max_len)
-    text = tok.apply_chat_template(messages, tokenize=False)
-    off = np.asarray(tok(text, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"], dtype=np.int64)
-    off = off.reshape(-1, 2)[: len(ids)]
-    off[:, 1] = np.maximum(off[:, 1], off[:, 0] + 1)  # an empty span takes the char at its start, as in render
-    return ids, np.asarray(roles), text, off
-
-
 def obs_split(tok, messages, max_len=None):
     """-> (ids, roles, wrapper (T,) bool). Wrapper tokens are observation tokens of harness text: matches of
     WRAPPERS and TRUNCATION inside an observation's content, and the observation's end-of-turn token. A token
     is wrapper only if all its characters are; one that a BPE merge makes straddle wrapper and payload (e.g.
     '#\\n\\n': the shell prompt's '#' and a wrapper's leading '\\n\\n') is payload, so payload keeps every
     character the environment produced."""
-    ids, roles, text, off = _encode(tok, messages, max_len)
+    ids, roles, text, off = labels.encode(tok, messages, max_len)
     wrap = np.zeros(len(text) + 1, dtype=np.int64)  # per character
     for ranges, role in zip(labels.message_spans(tok, messages, text), labels.message_roles(messages)):
         if role == sft.OBS:
@@ -224,7 +214,7 @@ def command_tokens(tok, messages, max_len=None):
     """-> (ids, commands): for each "keystrokes" JSON value in an assistant turn, the positions of the tokens
     overlapping its characters, in order (a token straddling a quote counts). Matches outside assistant turns
     (e.g. examples in the system prompt) are skipped."""
-    ids, roles, text, off = _encode(tok, messages, max_len)
+    ids, roles, text, off = labels.encode(tok, messages, max_len)
     commands = []
     for m in KEYSTROKES.finditer(text):
         idx = np.nonzero((off[:, 0] < m.end(1)) & (off[:, 1] > m.start(1)))[0]
