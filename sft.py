@@ -295,9 +295,11 @@ def all_reduce(values, device, op=dist.ReduceOp.SUM):
 def run_micro_batches(loss_mod, examples, args, pad_id, lam, w_act, n_traj, device, ctx, world, train):
     """Forward (and backward when train) over this rank's examples in length-grouped micro-batches.
     Returns summed stats. All ranks run the same number of micro-batches."""
-    groups = micro_batches([len(ids) for ids, _ in examples], args.micro_tokens)
+    lengths = [len(ids) for ids, _ in examples]
+    groups = micro_batches(lengths, args.micro_tokens)
     n_micro = int(all_reduce([len(groups)], device, dist.ReduceOp.MAX)[0])
-    groups = micro_batches([len(ids) for ids, _ in examples], args.micro_tokens, n_micro)
+    if n_micro > len(groups):  # another rank needs more passes: split ours to match
+        groups = micro_batches(lengths, args.micro_tokens, n_micro)
     tot = dict.fromkeys(["loss", "act_nll_sum", "act_tokens", "obs_nll_sum", "obs_tokens", "n_traj", "tokens"], 0.0)
     for k, g in enumerate(groups):
         # an empty group (this rank has fewer trajectories) still runs a 1-token pass to keep collectives in step
@@ -527,19 +529,22 @@ def main(argv=None):
         tot = reduce_stats(tot, device)
         model.train()
         record({"step": step, "eval/act_nll": tot["act_nll"], "eval/obs_nll": tot["obs_nll"]})
-        tqdm.write(f"step {step}/{total} | eval | act {tot['act_nll']:.4f} | obs {tot['obs_nll']:.4f}") if rank == 0 else None
+        if rank == 0:
+            tqdm.write(f"step {step}/{total} | eval | act {tot['act_nll']:.4f} | obs {tot['obs_nll']:.4f}")
 
     def save(step):
         save_checkpoint(out / f"step-{step:06d}", model, raw, tok, opt, step, args, rank)
         for old in checkpoint_dirs(out)[: -args.keep] if rank == 0 else []:  # args.keep >= 1, checked at start
             shutil.rmtree(old)
 
-    def probe(step):  # gradient geometry on a few held-out batches (the paper's cos and r curves)
+    if args.probe_every:  # the held-out batches the gradient geometry is measured on, built once
         import probes
-        groups = micro_batches([len(ids) for ids, _ in val], args.micro_tokens)
-        batches = [{k: v.to(device) for k, v in collate([val[i] for i in g], tok.pad_token_id).items()} for g in groups]
+        probe_batches = [{k: v.to(device) for k, v in collate([val[i] for i in g], tok.pad_token_id).items()}
+                         for g in micro_batches([len(ids) for ids, _ in val], args.micro_tokens)]
+
+    def probe(step):  # the paper's cos and r curves
         with ctx:
-            geo = probes.grad_geometry(raw, batches)
+            geo = probes.grad_geometry(raw, probe_batches)
         record({"step": step, **{f"probe/{k}": v for k, v in geo.items()}})
         tqdm.write(f"step {step}/{total} | probe | cos {geo['cos']:.4f} | r {geo['r']:.3f}")
 
@@ -586,7 +591,6 @@ def main(argv=None):
             save(done)
     pbar.close()
     if args.probe_every:
-        import probes
         probes.plot_geometry(out / "log.jsonl", out / "probe_geometry.png")
     if stop == total:
         evaluate(total)
