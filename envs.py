@@ -6,17 +6,18 @@ concurrent episode runner used by SFT data generation, GRPO rollouts and evaluat
 Needs a Docker daemon (DOCKER_HOST); `. .ci/dockerd.sh start` starts a private one.
 
     python envs.py base-image                              # debootstrap bookworm -> actobs-base:bookworm (reused)
-    python envs.py base-image --tag ubuntu:24.04 --with-uv # + uv/pytest, tagged as the FROM of Harbor tasks
+    python envs.py base-image --standin                    # trixie + uv/pytest, tagged ubuntu:24.04 and
+                                                           # python:3.13-slim-bookworm (Terminal-Bench 2.0's FROMs)
     python envs.py oracle tests/fixtures/harbor-tasks/*    # run solution/solve.sh, print rewards (expect 1.0)
     python envs.py oracle --noop tests/fixtures/harbor-tasks/*   # do nothing, print rewards (expect 0.0)
     python envs.py corpus --out data/corpus --n-sft 200 --n-rl 64 --n-eval 64 --seed 0
     python envs.py sweep                                   # remove sandboxes left by dead processes
 
 Offline images: where no registry is reachable, a Dockerfile's `FROM ubuntu:24.04` is satisfied by a local
-image with that tag: `python envs.py base-image --tag ubuntu:24.04 --with-uv` tags the project's Debian base
-(bash, tmux, python3) plus uv and offline pytest wheels (what Terminal-Bench verifiers fetch) as
-ubuntu:24.04, and Docker builds the Harbor Dockerfiles without pulling. Task images are cached by a hash of
-environment/ and of the local FROM image.
+image with that tag: `python envs.py base-image --standin` debootstraps Debian trixie (Python 3.13, what
+Terminal-Bench 2.0 verifiers ask uv for) with bash, tmux, pip, uv and offline wheels of the verifiers' pytest
+pins, and tags it with STANDIN_TAGS; Docker then builds the Harbor Dockerfiles without pulling. Task images are
+cached by a hash of environment/ and of the local FROM image.
 
 The terminal needs bash, tmux and coreutils' `timeout` in the image (the base image has them).
 """
@@ -45,6 +46,9 @@ from taskgen import (DEFAULT_PROMPT, MAX_DURATION, confirm_message, decode, fill
 
 BASE_IMAGE = "actobs-base:bookworm"
 BASE_PACKAGES = ["tmux", "python3", "procps", "jq"]  # tmux: the terminal; the rest: what generated tasks use
+STANDIN_SUITE = "trixie"  # ships Python 3.13: Terminal-Bench 2.0 verifiers run `uvx -p 3.13 ...`
+STANDIN_TAGS = ["ubuntu:24.04", "python:3.13-slim-bookworm"]  # the FROM lines of Terminal-Bench 2.0 tasks
+HOST_CAS = "/usr/local/share/ca-certificates"  # the host's extra CA certificates, trusted by the stand-in too
 UV_VERSION = "0.9.7"
 VERIFIER_PINS = ["pytest==8.4.1", "pytest-json-ctrf==0.3.5"]  # what Terminal-Bench 2.0 tests/test.sh install
 DEBIAN_MIRROR = os.environ.get("ACTOBS_DEBIAN_MIRROR")  # unset: debootstrap's own default mirror
@@ -68,6 +72,9 @@ def parse_args(argv=None):
     b.add_argument("--tag", action="append", help="extra tag(s) for the base image, e.g. ubuntu:24.04")
     b.add_argument("--rebuild", action="store_true", help="build even if the image exists")
     b.add_argument("--with-uv", action="store_true", help="add uv and offline pytest wheels (Harbor verifiers)")
+    b.add_argument("--suite", default="bookworm", help="Debian release to debootstrap (image actobs-base:SUITE)")
+    b.add_argument("--standin", action="store_true",
+                   help=f"the offline Terminal-Bench 2.0 stand-in: --suite {STANDIN_SUITE} --with-uv, tagged {STANDIN_TAGS}")
 
     o = sub.add_parser("oracle", help="run Harbor tasks with solution/solve.sh and print rewards")
     o.add_argument("tasks", nargs="+", type=Path, help="Harbor task folders")
@@ -186,16 +193,17 @@ def image_exists(tag):
         return False
 
 
-def build_base_image(tag=BASE_IMAGE, extra_tags=(), rebuild=False, with_uv=False):
-    """debootstrap a minimal bookworm with the packages the terminal and the generated tasks need, import it.
-    with_uv: tag the uv layer (build_uv_image) instead, for Harbor tasks whose verifiers fetch pytest with uvx."""
+def build_base_image(suite="bookworm", extra_tags=(), rebuild=False, with_uv=False):
+    """debootstrap a minimal Debian `suite` with the packages the terminal and the generated tasks need, import it
+    as actobs-base:SUITE. with_uv: tag the uv layer (build_uv_image) instead, for Harbor verifiers (uvx pytest)."""
+    tag = f"actobs-base:{suite}"
     if rebuild or not image_exists(tag):
         if shutil.which("debootstrap") is None:
             raise SystemExit("debootstrap not found: apt-get install -y debootstrap")
         with tempfile.TemporaryDirectory(prefix="actobs-rootfs-") as root:
             t0 = time.time()
             subprocess.run(["debootstrap", "--variant=minbase", "--include=" + ",".join(BASE_PACKAGES),
-                            "bookworm", root] + ([DEBIAN_MIRROR] if DEBIAN_MIRROR else []),
+                            suite, root] + ([DEBIAN_MIRROR] if DEBIAN_MIRROR else []),
                            check=True, stdout=subprocess.DEVNULL)
             for junk in ("var/cache/apt/archives", "var/lib/apt/lists"):  # keeps the image ~100 MB smaller
                 subprocess.run(["find", f"{root}/{junk}", "-type", "f", "-delete"], check=True)
@@ -216,34 +224,45 @@ def build_base_image(tag=BASE_IMAGE, extra_tags=(), rebuild=False, with_uv=False
 
 
 def build_uv_image(base):
-    """base + uv + local wheels of the pytest pins Terminal-Bench verifiers install at verification time, with
-    UV_OFFLINE so their `uvx --with pytest==... pytest` runs without a network. The wheels are fetched on the
-    host with pip (the one place a package index is reachable), never from inside a sandbox."""
+    """base + pip (no PEP 668 lock, as in python:3.x images) + uv + local wheels of the pytest pins Terminal-Bench
+    verifiers install at verification time, with UV_OFFLINE so their `uvx -p 3.13 -w pytest==... pytest` runs
+    without a network. apt and pip reach Debian and PyPI only here, at build time, never from a sandbox."""
     dockerfile = (
-        f"FROM {base}\nCOPY uv uvx /root/.local/bin/\nCOPY wheels /opt/actobs-wheels\n"
+        f"FROM {base}\n"
+        # The host's own extra CAs (a TLS-inspecting egress proxy): task builds then reach PyPI as the host does.
+        "COPY ca/ /usr/local/share/ca-certificates/\n"
+        "RUN apt-get update -qq && apt-get install -y -qq --no-install-recommends python3-pip python-is-python3 "
+        "ca-certificates >/dev/null && update-ca-certificates >/dev/null && "
+        "rm -rf /var/lib/apt/lists/* /usr/lib/python3*/EXTERNALLY-MANAGED\n"
+        "COPY uv uvx /root/.local/bin/\nCOPY wheels /opt/actobs-wheels\n"
         "RUN chmod 755 /root/.local/bin/uv /root/.local/bin/uvx && "
         "echo 'export PATH=\"$HOME/.local/bin:$PATH\"' > /root/.local/bin/env\n"
         # Offline, apt's default retries turn a verifier's `apt-get update` into a 7 s wait.
         "RUN echo 'Acquire::Retries \"0\";' > /etc/apt/apt.conf.d/80actobs-offline\n"
         "ENV UV_OFFLINE=1 UV_FIND_LINKS=/opt/actobs-wheels UV_PYTHON_DOWNLOADS=never\n"
         f"RUN /root/.local/bin/uvx {' '.join('--with ' + p for p in VERIFIER_PINS)} pytest --version\n")
-    key = dockerfile + UV_VERSION + docker_client().images.get(base).id
+    cas = {p.name: p.read_bytes() for p in sorted(Path(HOST_CAS).glob("*.crt"))}
+    key = dockerfile + UV_VERSION + docker_client().images.get(base).id + repr(cas)
     tag = f"{base}-uv-{hashlib.sha256(key.encode()).hexdigest()[:12]}"  # a new base or layer -> a new image
     if image_exists(tag):
         print(f"{tag} exists, reused")
         return tag
     import zipfile
     with tempfile.TemporaryDirectory(prefix="actobs-uv-") as ctx:
-        pip = [sys.executable, "-m", "pip", "download", "-q", "--only-binary", ":all:", "--python-version", "3.11"]
+        pip = [sys.executable, "-m", "pip", "download", "-q", "--only-binary", ":all:"]
         env = dict(os.environ, PIP_CONSTRAINT="")  # a site-wide constraints file must not move these pins
         subprocess.run(pip + ["--no-deps", "-d", f"{ctx}/uvwheel", f"uv=={UV_VERSION}"], check=True, env=env)
-        subprocess.run(pip + ["-d", f"{ctx}/wheels"] + VERIFIER_PINS, check=True, env=env)
+        subprocess.run(pip + ["-d", f"{ctx}/wheels"] + VERIFIER_PINS, check=True, env=env)  # pure-Python wheels
         with zipfile.ZipFile(next(Path(ctx, "uvwheel").glob("*.whl"))) as whl:
             for name in ("uv", "uvx"):
                 Path(ctx, name).write_bytes(whl.read(f"uv-{UV_VERSION}.data/scripts/{name}"))
+        Path(ctx, "ca").mkdir()
+        for name, data in cas.items():
+            Path(ctx, "ca", name).write_bytes(data)
         Path(ctx, "Dockerfile").write_text(dockerfile)
-        docker_client().images.build(path=ctx, tag=tag, network_mode="none", rm=True, forcerm=True)
-    print(f"built {tag}")
+        t0 = time.time()
+        docker_client().images.build(path=ctx, tag=tag, network_mode="host", rm=True, forcerm=True)
+    print(f"built {tag} in {time.time() - t0:.0f}s")
     return tag
 
 
@@ -905,7 +924,10 @@ def corpus(args):
 def main(argv=None):
     args = parse_args(argv)
     if args.cmd == "base-image":
-        build_base_image(extra_tags=args.tag, rebuild=args.rebuild, with_uv=args.with_uv)
+        if args.standin:
+            build_base_image(STANDIN_SUITE, STANDIN_TAGS + (args.tag or []), args.rebuild, with_uv=True)
+        else:
+            build_base_image(args.suite, args.tag, args.rebuild, args.with_uv)
     elif args.cmd == "sweep":
         print(f"removed {sweep()} leftover sandboxes")
     elif args.cmd == "oracle":

@@ -170,3 +170,18 @@ def test_build_timeout_and_failures_are_recorded_and_the_others_run(tmp_path, ba
     # The episode runner records them the same way: an Episode, not an exception.
     ep, = envs.run_episodes([envs.load_task(broken)], by_instruction({}), max_turns=2)
     assert (ep.failure, ep.reward, ep.messages) == ("image_build_error", 0.0, [])
+
+
+# ---------------------------------------------------------------------------------------------- Terminal-Bench 2.0 offline
+
+def test_tb2_tasks_score_their_true_result_offline(base_image):
+    """Terminal-Bench 2.0-format tasks (FROM ubuntu:24.04 / python:3.13-slim-bookworm, apt and pip in the build,
+    verifiers running `uvx -p 3.13 -w pytest==8.4.1 -w pytest-json-ctrf==0.3.5 pytest`) on the offline stand-in."""
+    tasks = [envs.load_task(p) for p in sorted((Path(__file__).parent / "fixtures" / "tb2-tasks").iterdir())]
+    assert [t.build_error for t in tasks] == [""] * 3
+    assert tasks[0].image.startswith("actobs-task/")  # docker_image is not here: built from the Dockerfile
+    solved = envs.run_oracle(tasks, concurrency=3)
+    idle = envs.run_oracle(tasks, noop=True, concurrency=3)
+    assert [(e.reward, e.failure) for e in solved] == [(1.0, None)] * 3, [e.verifier_output for e in solved]
+    assert [(e.reward, e.failure) for e in idle] == [(0.0, None)] * 3, [e.verifier_output for e in idle]
+    assert all(" passed" in e.verifier_output for e in solved) and all(" failed" in e.verifier_output for e in idle)
