@@ -8,4 +8,5 @@ fi
 . .venv/bin/activate
 pip install -q --disable-pip-version-check -r requirements-cpu.txt
 . .ci/dockerd.sh start >/dev/null
-python envs.py base-image --tag ubuntu:24.04 --with-uv  # also satisfies Harbor tasks' FROM ubuntu:24.04 offline
+python envs.py base-image             # the generated tasks' image
+python envs.py base-image --standin   # trixie + uv: Terminal-Bench's FROM ubuntu:24.04 / python:3.13-slim-bookworm offline
