@@ -32,6 +32,8 @@ import json
 import math
 import os
 import shutil
+import signal
+import sys
 import time
 from contextlib import nullcontext
 from pathlib import Path
@@ -462,6 +464,8 @@ def main(argv=None):
     import taskgen
     import probes
 
+    # a terminated run unwinds like an exception: run_episodes removes its sandboxes on the way out
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     distributed = "RANK" in os.environ
     if distributed:
         dist.init_process_group(backend="nccl" if torch.cuda.is_available() else "gloo")
