@@ -6,7 +6,6 @@ rollout grpo.py trains with (grpo.rollout), then pass@k, distinct tasks solved a
     python evaluate.py --model runs/actobs/final --tasks data/corpus/eval --attempts 4 --max-turns 12 \\
         --max-new-tokens 512 --max-len 8192 --concurrency 8 --out runs/actobs/eval.json
     python evaluate.py compare runs/actionsft/eval.json runs/actobs/eval.json --png runs/pass_at_k.png
-    python evaluate.py oracle data/corpus/eval        # validate a task set: solution -> 1, doing nothing -> 0
     # Terminal-Bench 2.0 on a GPU: a folder of its task folders, n = 16
     python evaluate.py --model runs/q4b-actobs-grpo/final --tasks terminal-bench-2/tasks --attempts 16 \\
         --max-turns 100 --max-new-tokens 8192 --max-len 65536 --concurrency 32 --out runs/q4b-actobs-grpo/tb2.json
@@ -18,6 +17,7 @@ interrupted run, and refuses to when a setting that changes results differs. Inf
 (envs.INFRA_FAILURES: an image that does not build, a sandbox or verifier error) are reported apart and left
 out of pass@k; they are never the agent's failure. compare gives each run's pass@k, the difference to the
 first run in points and in %, and a paired bootstrap 95% interval of that difference over the common tasks.
+Validate a task set first (reference solution scores 1, doing nothing 0): `python envs.py oracle [--noop] DIR/*`.
 """
 import argparse
 import json
@@ -387,23 +387,6 @@ def evaluate(args, rollout=None):
     return results
 
 
-def oracle(argv):
-    """Validate a task set: the reference solution must score 1 and doing nothing 0 (envs.run_oracle)."""
-    p = argparse.ArgumentParser(prog="evaluate.py oracle", description=oracle.__doc__)
-    p.add_argument("tasks", nargs="+", type=Path, help="Harbor task folders, or folders of them")
-    p.add_argument("--concurrency", type=int, default=4)
-    args = p.parse_args(argv)
-    tasks = [envs.load_task(d) for d in task_dirs(args.tasks)]
-    solved = envs.run_oracle(tasks, concurrency=args.concurrency)
-    noop = envs.run_oracle(tasks, noop=True, concurrency=args.concurrency)
-    bad = [(s, z) for s, z in zip(solved, noop) if s.reward < 1.0 or z.reward > 0.0 or s.failure or z.failure]
-    for s, z in bad:
-        print(f"{s.task}\tsolution {s.reward:.2f} {s.failure or 'ok'}\tno-op {z.reward:.2f} {z.failure or 'ok'}\t"
-              f"{(s.error or z.error)[:300]}")
-    print(f"{len(tasks) - len(bad)}/{len(tasks)} tasks valid (solution scores 1, doing nothing scores 0)")
-    return len(bad) == 0
-
-
 def compare_main(argv):
     p = argparse.ArgumentParser(prog="evaluate.py compare", description=compare.__doc__)
     p.add_argument("results", nargs="+", type=Path, help="results JSON files; the first is the baseline")
@@ -424,8 +407,6 @@ def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["compare"]:
         return compare_main(argv[1:])
-    if argv[:1] == ["oracle"]:
-        return oracle(argv[1:])
     return evaluate(parse_args(argv))
 
 

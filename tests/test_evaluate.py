@@ -220,3 +220,26 @@ def test_resume_runs_only_missing_attempts(toy_tasks, tmp_path, no_leftovers):
     with pytest.raises(SystemExit, match="temperature"):
         evaluate.evaluate(evaluate.parse_args(argv + ["--temperature", "0.5"]), rollout=expert_rollout(calls))
 
+
+
+@pytest.mark.slow
+def test_end_to_end_tiny_checkpoint_with_vllm(tiny_dir, tmp_path, base_image, no_leftovers):
+    """grpo's vLLM rollout on a tiny random checkpoint: 2 toy tasks x 4 attempts in real sandboxes."""
+    root = tmp_path / "eval"
+    for spec in taskgen.make_splits(0, 0, 2, seed=0)["eval"]:
+        taskgen.write_harbor(spec, root / spec.name)
+    out = tmp_path / "tiny.json"
+    argv = ["--model", str(tiny_dir), "--tasks", str(root), "--attempts", "4", "--max-turns", "2",
+            "--max-new-tokens", "24", "--max-len", "3072", "--concurrency", "8", "--dtype", "float32", "--out", str(out)]
+    res = evaluate.main(argv)
+    saved = json.loads(out.read_text())
+    assert len(saved["tasks"]) == 2 and saved["sessions"] == 1
+    for entry in saved["tasks"].values():
+        assert [a["attempt"] for a in entry["attempts"]] == [0, 1, 2, 3]
+        for a in entry["attempts"]:
+            # A random model writes no valid reply: the agent fails, the infrastructure does not.
+            assert a["failure"] in ("parse_errors", "max_turns", "max_len") and a["reward"] == 0.0, a
+            assert 1 <= a["turns"] <= 2 and a["tokens"] > 0 and a["wall_s"] > 0
+    assert res["summary"]["attempts"] == 8 and res["summary"]["excluded"] == 0
+    assert res["summary"]["pass@k"] == {1: 0.0, 2: 0.0, 4: 0.0}
+    assert evaluate.main(argv)["tasks"] == res["tasks"]  # complete: a second run has nothing left to do
