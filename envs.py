@@ -22,6 +22,7 @@ The terminal needs bash, tmux and coreutils' `timeout` in the image (the base im
 """
 import argparse
 import dataclasses
+import functools
 import hashlib
 import io
 import json
@@ -36,7 +37,7 @@ import tempfile
 import threading
 import time
 import tomllib
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from pathlib import Path
 
 import taskgen
@@ -526,10 +527,19 @@ class Episode:
     messages: list  # Nemotron form: user (prompt), then assistant / user (observation) turns
     reward: float = 0.0
     turns: int = 0
-    failure: str | None = None  # timeout | parse_errors | max_turns | verifier_error | sandbox_error
+    failure: str | None = None  # timeout | parse_errors | max_turns | max_len | verifier_error | sandbox_error
     error: str = ""  # details of the failure
-    # start_s, env_s (terminal steps), policy_s (policy calls of the rounds it was live in), verify_s, total_s
+    # start_s, env_s (terminal steps), policy_s (waits for its own replies), verify_s, total_s
     timings: dict = dataclasses.field(default_factory=dict)
+    # Filled by token-level policies (grpo.VLLMPolicy): the one append-only sequence the policy saw and
+    # produced, one label per token (labels.PROMPT / ACTION / OBS), the behaviour log-prob of each token
+    # (0.0 where not sampled), which OBS tokens are the protocol's fixed wrapper text, and whether the context
+    # length cut the episode (then its messages end with the last observation).
+    token_ids: list = dataclasses.field(default_factory=list)
+    roles: list = dataclasses.field(default_factory=list)
+    logprobs: list = dataclasses.field(default_factory=list)
+    obs_wrapper: list = dataclasses.field(default_factory=list)
+    truncated: bool = False
 
 
 class _Run:
@@ -619,34 +629,93 @@ class _Run:
             self.sb.close()
 
 
-def run_episodes(tasks, policy, *, max_turns=30, concurrency=8, template=None, network=False, max_parse_errors=3):
-    """Run one episode per entry of `tasks` (repeat a task for several rollouts). Up to `concurrency` sandboxes
-    are live at once; each round the policy gets the conversations of all live episodes in one batch:
-    policy(list of message lists) -> list of reply strings. Sandboxes are removed even if the policy raises."""
+class BatchPolicy:
+    """A plain batch function `fn(list of message lists) -> list of reply strings` (the scripted expert, HF
+    sampling) under the submit/poll protocol of run_episodes. It is lock-step: called once every live episode
+    waits on it, with all their conversations in one batch."""
+    lockstep = True
+
+    def __init__(self, fn):
+        self.fn, self.waiting = fn, []
+
+    def submit(self, key, episode):
+        self.waiting.append((key, episode.messages))
+
+    def pending(self):
+        return len(self.waiting)
+
+    def poll(self):
+        batch, self.waiting = self.waiting, []
+        replies = self.fn([m for _, m in batch])
+        if len(replies) != len(batch) or not all(isinstance(r, str) for r in replies):
+            raise ValueError(f"policy must return {len(batch)} reply strings, got {str(replies)[:200]}")
+        return [(key, r) for (key, _), r in zip(batch, replies)]
+
+    def abort(self):
+        self.waiting = []
+
+
+def run_episodes(tasks, policy, *, max_turns=30, concurrency=8, template=None, network=False, max_parse_errors=3,
+                 on_episode=None, stats=None):
+    """Run one episode per entry of `tasks` (repeat a task for several rollouts), up to `concurrency` sandboxes
+    live at once; a finished episode's slot starts the next sandbox at once. Sandbox starts and terminal steps
+    run in a thread pool; this thread drives the policy.
+
+    `policy` is a plain batch function (wrapped in BatchPolicy: lock-step rounds) or an object with
+    submit(key, episode) (the episode's messages end with an observation: queue its next reply),
+    poll() -> [(key, reply str, or None to end the episode as `max_len`)] (do some work, return what is
+    finished), pending() (replies still owed) and abort() (drop them). A policy with `lockstep = False`
+    (grpo.VLLMPolicy) generates while sandboxes step: an episode's next turn is queued the moment its
+    observation is back. on_episode(i, episode) is called as each one ends. `stats`, a dict, receives wall_s,
+    policy_s (time inside poll: the generator working) and idle_s (the generator waiting for sandboxes).
+    Sandboxes are removed even if the policy raises."""
     template = template or DEFAULT_PROMPT
+    policy = policy if hasattr(policy, "submit") else BatchPolicy(policy)
     sweep()
     runs = [_Run(t, template, network) for t in tasks]
-    pending, live = list(range(len(runs)))[::-1], []
+    todo, env, live, asked = list(range(len(runs)))[::-1], {}, 0, {}  # env: future of a pool job -> episode
     pool = ThreadPoolExecutor(max(1, concurrency))
+    t_start, busy = time.time(), 0.0
     try:
-        while pending or live:
-            new = [pending.pop() for _ in range(min(len(pending), concurrency - len(live)))]
-            list(pool.map(lambda i: runs[i].begin(), new))
-            live = [i for i in live + new if not runs[i].done]
-            if not live:
+        while todo or env or policy.pending():
+            while todo and live < concurrency:
+                i = todo.pop()
+                env[pool.submit(runs[i].begin)] = i
+                live += 1
+            done = [f for f in env if f.done()]
+            for f in done:
+                i = env.pop(f)
+                f.result()  # _Run records sandbox failures itself; anything raised here is a bug
+                if runs[i].done:
+                    live -= 1
+                    if on_episode is not None:
+                        on_episode(i, runs[i].ep)
+                else:
+                    asked[i] = time.time()
+                    policy.submit(i, runs[i].ep)
+            if done:
                 continue
-            t = time.time()
-            replies = policy([runs[i].ep.messages for i in live])
-            if len(replies) != len(live) or not all(isinstance(r, str) for r in replies):
-                raise ValueError(f"policy must return {len(live)} reply strings, got {str(replies)[:200]}")
-            for i in live:
-                runs[i].ep.timings["policy_s"] += time.time() - t
-            list(pool.map(lambda ir: runs[ir[0]].act(ir[1], max_turns, max_parse_errors), zip(live, replies)))
-            live = [i for i in live if not runs[i].done]
+            if policy.pending() and not (policy.lockstep and env):
+                t = time.time()
+                replies = policy.poll()
+                busy += time.time() - t
+                for i, reply in replies:
+                    runs[i].ep.timings["policy_s"] += time.time() - asked.pop(i)
+                    if reply is None:  # the policy's context is full: end here and verify what was done
+                        job = functools.partial(runs[i].finish, "max_len", "the episode reached the context length")
+                    else:
+                        job = functools.partial(runs[i].act, reply, max_turns, max_parse_errors)
+                    env[pool.submit(job)] = i
+            elif env:
+                wait(env, return_when=FIRST_COMPLETED)
     finally:
+        policy.abort()
         pool.shutdown(wait=True, cancel_futures=True)  # no thread is still starting a container after this
         for r in runs:
             r.close()
+    if stats is not None:
+        wall = time.time() - t_start
+        stats.update(wall_s=wall, policy_s=busy, idle_s=wall - busy)
     return [r.ep for r in runs]
 
 
