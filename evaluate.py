@@ -59,7 +59,8 @@ def parse_args(argv=None):
                    "(default: the one envs.py corpus writes); pass the SFT corpus's own")
     p.add_argument("--concurrency", type=int, default=8, help="sandboxes live at once")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--dtype", default="auto", help="vLLM dtype (float32 for exact CPU runs)")
+    p.add_argument("--dtype", default="auto", help="vLLM dtype: auto (bf16 on GPU, fp32 on CPU), bf16, fp32")
+    p.add_argument("--gpu-memory", type=float, default=0.9, help="share of GPU memory for vLLM (no trainer here)")
     return p.parse_args(argv)
 
 
@@ -276,8 +277,10 @@ def save_results(path, results):
 
 
 def attempt_record(attempt, ep):
-    return {"attempt": attempt, "reward": ep.reward, "turns": ep.turns, "tokens": getattr(ep, "tokens", None),
-            "wall_s": round(ep.timings.get("total_s", 0.0), 3), "failure": ep.failure, "error": ep.error[-1000:]}
+    """tokens: the episode's token sequence (prompt, replies, observations); generated: the sampled ones."""
+    return {"attempt": attempt, "reward": ep.reward, "turns": ep.turns, "tokens": len(ep.token_ids),
+            "generated": sum(r == labels.ACTION for r in ep.roles), "wall_s": round(ep.timings.get("total_s", 0.0), 3),
+            "failure": ep.failure, "error": ep.error[-1000:]}
 
 
 def settings_of(args):
@@ -313,15 +316,17 @@ def open_results(path, settings):
 def vllm_rollout(args, session):
     """grpo's engine and rollout (imported here: the tables and compare need neither torch nor vLLM)."""
     import grpo
-    engine = grpo.make_engine(args.model, max_model_len=args.max_len, seed=args.seed, dtype=args.dtype)
+    engine = grpo.make_engine(args.model, max_model_len=args.max_len, seed=args.seed, dtype=args.dtype,
+                              gpu_memory=args.gpu_memory)
     tokenizer = labels.load_tokenizer(args.model, "native")  # the template the checkpoint was trained with
     template = envs.load_template(args.prompt_template)
 
     def rollout(tasks, on_episode):
-        # A resumed session must not replay the first session's random streams on its remaining attempts.
+        # Each episode samples with a seed from (seed, its index in `tasks`): a resumed session gets another seed,
+        # so its first attempts do not replay the random streams of the first session's.
         return grpo.rollout(engine, tokenizer, tasks, temperature=args.temperature, max_turns=args.max_turns,
                             max_new_tokens=args.max_new_tokens, max_len=args.max_len, concurrency=args.concurrency,
-                            template=template, seed=args.seed + 1_000_003 * session, on_episode=on_episode)
+                            template=template, seed=args.seed + session, on_episode=on_episode)
     return rollout
 
 
@@ -353,9 +358,8 @@ def evaluate(args, rollout=None):
     for p, (task, err) in zip(missing, built):
         name = names[p]
         if task is None:
-            results["tasks"][name]["attempts"] += [{"attempt": i, "reward": 0.0, "turns": 0, "tokens": None,
-                                                    "wall_s": 0.0, "failure": IMAGE_BUILD_ERROR, "error": err[-1000:]}
-                                                   for i in missing[p]]
+            ep = envs.Episode(name, [], failure=IMAGE_BUILD_ERROR, error=err)
+            results["tasks"][name]["attempts"] += [attempt_record(i, ep) for i in missing[p]]
             print(f"{p}: image build failed, {len(missing[p])} attempts recorded as {IMAGE_BUILD_ERROR}")
         else:
             jobs += [(name, i, task) for i in missing[p]]

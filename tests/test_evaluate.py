@@ -57,8 +57,8 @@ def test_mean_pass_at_k_skips_tasks_with_too_few_attempts():
 # Synthetic results
 
 def attempt(i, reward, failure=None):
-    return {"attempt": i, "reward": float(reward), "turns": 3, "tokens": 100, "wall_s": 1.0, "failure": failure,
-            "error": ""}
+    return {"attempt": i, "reward": float(reward), "turns": 3, "tokens": 900, "generated": 300, "wall_s": 1.0,
+            "failure": failure, "error": ""}
 
 
 def results(tasks, attempts=4):
@@ -175,16 +175,18 @@ def toy_tasks(tmp_path, base_image):
 
 
 def expert_rollout(calls, stop_after=None):
-    """A rollout with the scripted expert as the policy; with stop_after it dies after that many episodes have
-    been reported (a killed run)."""
+    """The rollout boundary with the scripted expert as the policy (envs.run_episodes, as grpo.rollout uses it);
+    with stop_after the run is killed once that many episodes have been reported, others still live."""
     def rollout(tasks, on_episode):
         calls.append([t.name for t in tasks])
-        episodes = envs.run_episodes(tasks[:stop_after], taskgen.expert_policy, max_turns=12, concurrency=4)
-        for i, ep in enumerate(episodes):
+        reported = []
+
+        def report(i, ep):
             on_episode(i, ep)
-        if stop_after is not None:
-            raise KeyboardInterrupt
-        return episodes
+            reported.append(i)
+            if len(reported) == stop_after:
+                raise KeyboardInterrupt
+        return envs.run_episodes(tasks, taskgen.expert_policy, max_turns=12, concurrency=4, on_episode=report)
     return rollout
 
 
@@ -222,14 +224,24 @@ def test_resume_runs_only_missing_attempts(toy_tasks, tmp_path, no_leftovers):
 
 
 
+@pytest.fixture(scope="module")
+def vllm_tiny_dir(tmp_path_factory, synthetic):
+    """A tiny random Qwen3 whose head size (32) vLLM's CPU attention supports, saved with its chat template."""
+    import sft
+    from conftest import nemotron_rows
+    texts = [m["content"] for c in [r["conversations"] for r in nemotron_rows()] + synthetic for m in c]
+    return sft.build_tiny(tmp_path_factory.mktemp("vllm-tiny"), texts, vocab_size=2048, hidden=64, layers=2, heads=2,
+                          kv_heads=1)
+
+
 @pytest.mark.slow
-def test_end_to_end_tiny_checkpoint_with_vllm(tiny_dir, tmp_path, base_image, no_leftovers):
+def test_end_to_end_tiny_checkpoint_with_vllm(vllm_tiny_dir, tmp_path, base_image, no_leftovers):
     """grpo's vLLM rollout on a tiny random checkpoint: 2 toy tasks x 4 attempts in real sandboxes."""
     root = tmp_path / "eval"
     for spec in taskgen.make_splits(0, 0, 2, seed=0)["eval"]:
         taskgen.write_harbor(spec, root / spec.name)
     out = tmp_path / "tiny.json"
-    argv = ["--model", str(tiny_dir), "--tasks", str(root), "--attempts", "4", "--max-turns", "2",
+    argv = ["--model", str(vllm_tiny_dir), "--tasks", str(root), "--attempts", "4", "--max-turns", "2",
             "--max-new-tokens", "24", "--max-len", "3072", "--concurrency", "8", "--dtype", "float32", "--out", str(out)]
     res = evaluate.main(argv)
     saved = json.loads(out.read_text())
@@ -239,7 +251,7 @@ def test_end_to_end_tiny_checkpoint_with_vllm(tiny_dir, tmp_path, base_image, no
         for a in entry["attempts"]:
             # A random model writes no valid reply: the agent fails, the infrastructure does not.
             assert a["failure"] in ("parse_errors", "max_turns", "max_len") and a["reward"] == 0.0, a
-            assert 1 <= a["turns"] <= 2 and a["tokens"] > 0 and a["wall_s"] > 0
+            assert 1 <= a["turns"] <= 2 and a["tokens"] > a["generated"] > 0 and a["wall_s"] > 0
     assert res["summary"]["attempts"] == 8 and res["summary"]["excluded"] == 0
     assert res["summary"]["pass@k"] == {1: 0.0, 2: 0.0, 4: 0.0}
     assert evaluate.main(argv)["tasks"] == res["tasks"]  # complete: a second run has nothing left to do
