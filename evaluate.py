@@ -130,7 +130,7 @@ def groups(results):
     kinds = sorted({e["kind"] for e in tasks.values() if e["kind"]})
     rows = [("all", tasks)]
     if kinds:
-        heldout = [k for k in kinds if k in taskgen.HELDOUT_KINDS]
+        heldout = sorted({e["kind"] for e in tasks.values() if e["heldout"]})
         for k in heldout:
             rows.append((f"{k} (held-out)", {n: e for n, e in tasks.items() if e["kind"] == k}))
         if heldout:
@@ -207,25 +207,30 @@ def compare(runs, n_boot=10_000, seed=0):
     valid = [{n for n, e in res["tasks"].items() if task_counts(e)[0] > 0} for _, res in runs]
     common = set.intersection(*valid)
     solved = [sum(task_counts(res["tasks"][t])[1] > 0 for t in common) for _, res in runs]
+    differ = [k for k in RESUME_KEYS if k != "model" and any(r["settings"].get(k) != runs[0][1]["settings"].get(k)
+                                                              for _, r in runs)]
     return {"runs": [label for label, _ in runs], "tasks": [len(v) for v in valid], "common": len(common),
-            "ks": [r["k"] for r in rows], "rows": rows, "solved": solved, "n_boot": n_boot, "seed": seed}
+            "ks": [r["k"] for r in rows], "rows": rows, "solved": solved, "n_boot": n_boot, "seed": seed,
+            "settings_differ": differ}
 
 
 def compare_table(cmp):
     runs = cmp["runs"]
     lines = [f"[{i}] {label} ({n} tasks)" for i, (label, n) in enumerate(zip(runs, cmp["tasks"]))]
     head = f"{'':8} {'tasks':>5} " + " ".join(f"{f'[{i}]':>6}" for i in range(len(runs)))
-    lines.append(head + "".join(f"   [{i}]-[0]     rel   {'95% CI':16}" for i in range(1, len(runs))))
+    lines.append((head + "".join(f"   [{i}]-[0]     rel   {'95% CI':16}" for i in range(1, len(runs)))).rstrip())
     for r in cmp["rows"]:
         line = f"{'pass@' + str(r['k']):8} {r['tasks']:>5} " + " ".join(f"{pct(p):>6}" for p in r["pass"])
         for d, rel, (lo, hi) in zip(r["diff"][1:], r["rel"][1:], r["ci"][1:]):
             rel = "-" if rel is None else f"{100 * rel:+.1f}%"
             line += f"   {100 * d:+7.1f} {rel:>7}   {f'[{100 * lo:+.1f}, {100 * hi:+.1f}]':16}"
-        lines.append(line)
+        lines.append(line.rstrip())
     lines.append(f"{'solved':8} {cmp['common']:>5} " + " ".join(f"{s:>6}" for s in cmp["solved"])
                  + "   (distinct tasks with at least one success)")
     lines.append(f"pass@k and differences in points, on the tasks all runs have; paired bootstrap over tasks, "
                  f"{cmp['n_boot']} resamples, seed {cmp['seed']}: an interval containing 0 is no evidence of a difference")
+    if cmp["settings_differ"]:
+        lines.append(f"note: the runs differ in more than the model: {', '.join(cmp['settings_differ'])}")
     return "\n".join(lines)
 
 
@@ -397,6 +402,7 @@ def compare_main(argv):
     p.add_argument("--png", type=Path, help="plot of pass@k against k")
     p.add_argument("--n-boot", type=int, default=10_000, help="bootstrap resamples")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--by-kind", action="store_true", help="also compare on each task kind (held-out kinds first)")
     args = p.parse_args(argv)
     runs = [(str(r.with_suffix("")), json.loads(r.read_text())) for r in args.results]
     cmp = compare(runs, args.n_boot, args.seed)
@@ -404,6 +410,10 @@ def compare_main(argv):
     if args.png:
         plot_compare(cmp, args.png)
         print(f"-> {args.png}")
+    for label, tasks in groups(runs[0][1])[1:] if args.by_kind else []:
+        print(f"\n== {label}")
+        print(compare_table(compare([(name, {**res, "tasks": {t: e for t, e in res["tasks"].items() if t in tasks}})
+                                     for name, res in runs], args.n_boot, args.seed)))
     return cmp
 
 

@@ -141,6 +141,21 @@ def test_compare_known_answers(tmp_path):
     assert out["rows"][0]["ci"][1] == r1["ci"][1] and png.stat().st_size > 5000
 
 
+def test_compare_by_kind_and_changed_settings(tmp_path, capsys):
+    a = results({"a1": ("archive", [1, 0]), "f1": ("find_copy", [0, 0]), "f2": ("find_copy", [1, 1])}, attempts=2)
+    b = results({"a1": ("archive", [1, 1]), "f1": ("find_copy", [1, 0]), "f2": ("find_copy", [1, 1])}, attempts=2)
+    b["settings"]["temperature"] = 0.6
+    assert evaluate.compare([("A", a), ("B", b)], n_boot=100)["settings_differ"] == ["temperature"]
+    for name, r in (("a", a), ("b", b)):
+        (tmp_path / f"{name}.json").write_text(json.dumps(r))
+    evaluate.main(["compare", str(tmp_path / "a.json"), str(tmp_path / "b.json"), "--by-kind", "--n-boot", "100"])
+    blocks = capsys.readouterr().out.split("\n== ")
+    assert [b.splitlines()[0] for b in blocks[1:]] == ["archive (held-out)", "seen kinds", "find_copy"]
+    held = blocks[1].splitlines()
+    assert held[4].split()[:6] == ["pass@1", "1", "50.0", "100.0", "+50.0", "+100.0%"]
+    assert "differ in more than the model: temperature" in blocks[0]
+
+
 def test_bootstrap_is_seeded_and_covers_the_true_difference():
     # Tasks drawn from a population where run B solves each task 10 points more often than A; the interval
     # over tasks must cover 0.10 about 95% of the time, and the same seed must give the same interval.
