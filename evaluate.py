@@ -38,6 +38,7 @@ import numpy as np
 import envs
 import labels
 import taskgen
+import terminus
 
 IMAGE_BUILD_ERROR = "image_build_error"
 # Settings that change what an attempt means; a resumed run must have the same ones.
@@ -56,7 +57,7 @@ def parse_args(argv=None):
     p.add_argument("--max-new-tokens", type=int, default=2048, help="tokens per reply")
     p.add_argument("--max-len", type=int, default=16384, help="tokens per episode (prompt + all turns)")
     p.add_argument("--prompt-template", type=Path, help="system prompt with {instruction} and {terminal_state} "
-                   "(default: the one envs.py corpus writes); pass the SFT corpus's own")
+                   "(default: terminus.DEFAULT_PROMPT, what envs.py corpus writes); pass the SFT corpus's own")
     p.add_argument("--concurrency", type=int, default=8, help="sandboxes live at once")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", default="auto", help="vLLM dtype: auto (bf16 on GPU, fp32 on CPU), bf16, fp32")
@@ -289,7 +290,7 @@ def attempt_record(attempt, ep):
 
 
 def settings_of(args):
-    prompt = envs.load_template(args.prompt_template)
+    prompt = terminus.load_template(args.prompt_template)
     return {"model": str(args.model), "tasks": [str(p.resolve()) for p in args.tasks], "attempts": args.attempts,
             "temperature": args.temperature, "max_turns": args.max_turns, "max_new_tokens": args.max_new_tokens,
             "max_len": args.max_len, "prompt": prompt, "seed": args.seed, "dtype": args.dtype,
@@ -324,7 +325,7 @@ def vllm_rollout(args, session):
     engine = grpo.make_engine(args.model, max_model_len=args.max_len, seed=args.seed, dtype=args.dtype,
                               gpu_memory=args.gpu_memory)
     tokenizer = labels.load_tokenizer(args.model, "native")  # the template the checkpoint was trained with
-    template = envs.load_template(args.prompt_template)
+    template = terminus.load_template(args.prompt_template)
 
     def rollout(tasks, on_episode):
         # Each episode samples with a seed from (seed, its index in `tasks`): a resumed session gets another seed,

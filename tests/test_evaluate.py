@@ -222,7 +222,7 @@ def test_resume_runs_only_missing_attempts(toy_tasks, tmp_path, no_leftovers):
     (missing,) = [name for name, e in first["tasks"].items() if len(e["attempts"]) < 2]
     assert calls == [[missing]]
     for name, entry in first["tasks"].items():  # what was done stays exactly as it was
-        assert res["tasks"][name]["attempts"][:len(entry["attempts"])] == entry["attempts"]
+        assert all(a in res["tasks"][name]["attempts"] for a in entry["attempts"])
     for entry in res["tasks"].values():
         assert [a["attempt"] for a in entry["attempts"]] == [0, 1]
     toy = [e for e in res["tasks"].values() if e["attempts"][0]["failure"] != "image_build_error"]
