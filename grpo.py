@@ -32,6 +32,8 @@ import json
 import math
 import os
 import shutil
+import signal
+import sys
 import time
 from contextlib import nullcontext
 from pathlib import Path
@@ -80,7 +82,7 @@ def get_parser():
     p.add_argument("--seed", type=int, default=0)
     # engine
     p.add_argument("--gpu-memory", type=float, default=0.35, help="fraction of GPU memory for the vLLM engine (weights + KV cache)")
-    p.add_argument("--kv-cache-gb", type=float, default=2.0, help="vLLM KV cache on CPU (GiB)")
+    p.add_argument("--kv-cache-gb", type=int, default=2, help="vLLM KV cache on CPU (GiB)")
     # run
     p.add_argument("--out", required=True, help="run dir: config.json, log.jsonl, curves.png, step-N/ checkpoints, final/")
     p.add_argument("--save-every", type=int, default=10, help="checkpoint every N steps")
@@ -92,7 +94,7 @@ def get_parser():
 # ----------------------------------------------------------------------------------------------------------
 # The engine and token-in/token-out rollouts
 
-def make_engine(model_dir, *, max_model_len, seed=0, dtype="auto", gpu_memory=0.35, kv_cache_gb=2.0):
+def make_engine(model_dir, *, max_model_len, seed=0, dtype="auto", gpu_memory=0.35, kv_cache_gb=2):
     """An in-process vLLM engine. logprobs_mode='processed_logprobs': the log-probs it returns are those of the
     distribution actually sampled from (after temperature), which the importance ratio needs. Sleep mode (free
     the engine's GPU memory while training) exists on CUDA only."""
@@ -253,3 +255,396 @@ def rollout(engine, tokenizer, tasks, *, temperature, max_turns, max_new_tokens,
                         seed=seed, lockstep=lockstep, wrapper_re=wrapper_re)
     return envs.run_episodes(tasks, policy, max_turns=max_turns, concurrency=concurrency, template=template,
                              on_episode=on_episode, stats=stats)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The objective
+
+def group_advantages(rewards, valid=None, scale_std=False, eps=1e-6):
+    """rewards (G, S) -> (advantages (G, S), signal (G,) bool). A = r - mean of the group's valid episodes; with
+    scale_std, / (std + eps), std being the population std (ddof 0) of those valid rewards. Invalid episodes
+    (infrastructure failures) get 0 and stay out of the statistics; a group whose valid rewards are all equal,
+    or with fewer than two valid episodes, has no signal: all its advantages are 0."""
+    valid = torch.ones_like(rewards, dtype=torch.bool) if valid is None else valid
+    n = valid.sum(1, keepdim=True).clamp(min=1)  # (G, 1)
+    mean = (rewards * valid).sum(1, keepdim=True) / n
+    dev = (rewards - mean) * valid  # (G, S)
+    std = (dev.pow(2).sum(1, keepdim=True) / n).sqrt()
+    signal = (std.squeeze(1) > 0) & (valid.sum(1) >= 2)  # (G,)
+    adv = dev / (std + eps) if scale_std else dev
+    return adv * signal[:, None], signal
+
+
+@torch.no_grad()
+def head_logprobs(h, W, targets, chunk=None):
+    """-> (log p(target) (N,), entropy (N,)) for rows h (N, H) through the head W (V, H), a row-chunk at a time
+    (sft.CHUNK_BYTES of fp32 logits): the (N, V) logits never exist at once."""
+    logp = torch.empty(len(h), dtype=torch.float32, device=h.device)
+    ent = torch.empty_like(logp)
+    chunk = chunk or max(1, sft.CHUNK_BYTES // (4 * W.shape[0]))
+    for s in range(0, len(h), chunk):
+        logits = (h[s: s + chunk] @ W.T.to(h.dtype)).float()  # (c, V)
+        lse = logits.logsumexp(-1)  # (c,)
+        logp[s: s + chunk] = logits.gather(1, targets[s: s + chunk, None]).squeeze(1) - lse
+        p = (logits - lse[:, None]).exp_()  # (c, V) softmax, in place of a second buffer
+        ent[s: s + chunk] = lse - (p * logits).sum(-1)
+    return logp, ent
+
+
+def collate(examples, pad_id):
+    """Episodes (dicts of per-token lists: ids, roles, behav, wrapper, [old, ref]; scalar adv) -> right-padded
+    (B, T) tensors (PROMPT on padding, so padding never carries loss) and adv (B,)."""
+    T, B = max(len(e["ids"]) for e in examples), len(examples)
+    out = {"input_ids": torch.full((B, T), pad_id, dtype=torch.long), "roles": torch.full((B, T), PROMPT, dtype=torch.long),
+           "attention_mask": torch.zeros((B, T), dtype=torch.long), "wrapper": torch.zeros((B, T), dtype=torch.bool),
+           "adv": torch.tensor([e["adv"] for e in examples], dtype=torch.float32)}
+    for key in ("behav", "old", "ref"):
+        if key in examples[0]:
+            out[key] = torch.zeros((B, T), dtype=torch.float32)
+    for b, e in enumerate(examples):
+        n = len(e["ids"])
+        out["input_ids"][b, :n] = torch.as_tensor(e["ids"])
+        out["roles"][b, :n] = torch.as_tensor(e["roles"])
+        out["attention_mask"][b, :n] = 1
+        out["wrapper"][b, :n] = torch.as_tensor(e["wrapper"], dtype=torch.bool)
+        for key in ("behav", "old", "ref"):
+            if key in e:
+                out[key][b, :n] = torch.as_tensor(e[key], dtype=torch.float32)
+    return out
+
+
+def selected_rows(model, batch, temperature, echo):
+    """Hidden states of the positions that carry loss: those predicting ACTION tokens (scaled by 1/T, so the head
+    gives logits / T) and, when echo, OBS tokens (at T = 1: the model's own prediction of the environment).
+    -> (rows (N, H), targets (N,), is_act (N,), row (N,) sequence index, sel (B, T-1))."""
+    ids, roles = batch["input_ids"], batch["roles"]  # (B, T)
+    hidden = model.base_model(input_ids=ids, attention_mask=batch["attention_mask"], use_cache=False).last_hidden_state  # (B, T, H)
+    is_act = roles[:, 1:] == ACTION  # (B, T-1): the role of the token each position predicts
+    sel = is_act | (roles[:, 1:] == OBS) & echo
+    h, act = hidden[:, :-1][sel], is_act[sel]  # (N, H), (N,)
+    scale = torch.where(act, 1.0 / temperature, 1.0).to(h.dtype)
+    row = torch.arange(len(ids), device=ids.device)[:, None].expand_as(sel)[sel]
+    return h * scale[:, None], ids[:, 1:][sel], act, row, sel
+
+
+def pg_loss(model, batch, args, n_tok, n_seq, n_echo):
+    """-> (tensor whose gradient is the step's loss gradient for this micro-batch, stats of sums).
+
+    Two passes through the chunked head on the same hidden states: a no-grad one gives log-probs and entropies,
+    from which each token's d loss / d log p is known (PPO clip, TIS weight, KL, ECHO weights); the second is
+    sft.linear_cross_entropy with exactly those weights, which back-propagates sum_i w_i * (-log p_i). The
+    (N, V) logits never exist at once. n_tok, n_seq, n_echo: the step's action tokens, sequences with action
+    tokens and sequences with ECHO tokens, over all micro-batches and ranks (the normalisers)."""
+    echo = batch["roles"][:, 1:] == OBS
+    if args.echo_payload_only:
+        echo &= ~batch["wrapper"][:, 1:]
+    echo &= args.echo_coef > 0
+    h, targets, act, row, sel = selected_rows(model, batch, args.temperature, echo)
+    W = model.get_output_embeddings().weight
+    logp, ent = head_logprobs(h.detach(), W.detach(), targets)
+    obs = ~act
+    adv = batch["adv"][row]  # (N,)
+    behav = batch["behav"][:, 1:][sel]
+    old = batch["old"][:, 1:][sel] if "old" in batch else logp  # the trainer before this step's first update
+    n_act_row = torch.bincount(row[act], minlength=len(batch["adv"])).float()
+    norm = 1.0 / n_tok if args.loss_norm == "token" else 1.0 / (n_act_row[row].clamp(min=1) * n_seq)
+    if args.tis_cap > 0:
+        ratio, w_is = (logp - old).exp(), (old - behav).exp().clamp(max=args.tis_cap)
+    else:
+        ratio, w_is = (logp - behav).exp(), torch.ones_like(logp)
+    unclipped, clipped = ratio * adv, ratio.clamp(1 - args.clip, 1 + args.clip) * adv
+    surrogate = torch.minimum(unclipped, clipped)
+    flows = unclipped <= clipped  # the min takes the unclipped branch: the gradient flows through the ratio
+    w = norm * w_is * adv * ratio * flows  # - d loss / d log p of each action token (PG part)
+    d_ref = batch["ref"][:, 1:][sel] - logp if "ref" in batch else torch.zeros_like(logp)
+    k3 = d_ref.exp() - d_ref - 1
+    w = w + args.kl_coef * norm * (d_ref.exp() - 1)
+    n_obs_row = torch.bincount(row[obs], minlength=len(batch["adv"])).float()
+    w_echo = args.echo_coef / (n_obs_row[row].clamp(min=1) * max(n_echo, 1))
+    w = torch.where(act, w, w_echo).to(torch.float32)
+    carrier, _ = sft.linear_cross_entropy(h, W, targets, w)
+    pg = -(norm * w_is * surrogate)[act].sum()
+    kl_pen = (args.kl_coef * norm * k3)[act].sum()
+    echo_term = (w_echo * -logp)[obs].sum()
+    a = act
+    stats = {"loss": float(pg + kl_pen + echo_term), "pg_loss": float(pg), "echo_loss": float(echo_term),
+             "act_tokens": int(a.sum()), "entropy_sum": float(ent[a].sum()),
+             "kl_init_sum": float(-d_ref[a].sum()), "kl_init_k3_sum": float(k3[a].sum()),
+             "mismatch_sum": float((behav - old)[a].sum()), "mismatch_abs_sum": float((behav - old)[a].abs().sum()),
+             "clipped_sum": float((~flows & (adv != 0))[a].sum()), "tis_w_sum": float(w_is[a].sum()),
+             "obs_tokens": int(obs.sum()), "obs_nll_sum": float(-logp[obs].sum())}
+    return carrier, stats
+
+
+class PGModule(torch.nn.Module):
+    """pg_loss as a module forward, so DDP / FSDP2 hooks see the whole computation."""
+
+    def __init__(self, lm):
+        super().__init__()
+        self.lm = lm
+
+    def forward(self, batch, args, n_tok, n_seq, n_echo):
+        return pg_loss(self.lm, batch, args, n_tok, n_seq, n_echo)
+
+
+@torch.no_grad()
+def score(model, examples, args, pad_id, device, ctx):
+    """Per-token log-probs (at T) of each example's tokens under `model` (a list per example, 0 where a token
+    is not an action), e.g. the initial policy for the KL, or the trainer before a multi-epoch step."""
+    out = []
+    for g in sft.micro_batches([len(e["ids"]) for e in examples], args.micro_tokens):
+        batch = {k: v.to(device) for k, v in collate([examples[i] for i in g], pad_id).items()}
+        with ctx:
+            h, targets, act, row, sel = selected_rows(model, batch, args.temperature, torch.zeros_like(batch["wrapper"][:, 1:]))
+            logp, _ = head_logprobs(h, model.get_output_embeddings().weight, targets)
+        full = torch.zeros(sel.shape, dtype=torch.float32, device=device)
+        full[sel] = logp
+        for j, i in enumerate(g):
+            out.append((i, [0.0] + full[j, : len(examples[i]["ids"]) - 1].tolist()))
+    return [lp for _, lp in sorted(out)]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The run
+
+# flags that fix the task set, the objective and the schedule: a resumed run must keep them
+RESUME_KEYS = ("init", "chat_template", "tasks", "prompt_template", "tasks_per_step", "group_size", "temperature",
+               "max_turns", "max_new_tokens", "max_len", "clip", "ppo_epochs", "loss_norm", "scale_std", "tis_cap",
+               "kl_coef", "echo_coef", "echo_payload_only", "steps", "lr", "weight_decay", "grad_clip", "seed")
+
+
+def load_tasks(path):
+    """Every Harbor task folder (with a task.toml) under `path`, images built (cached), sorted by folder name."""
+    dirs = sorted(p.parent for p in Path(path).glob("*/task.toml"))
+    if not dirs:
+        raise ValueError(f"{path}: no task folders (*/task.toml); write the toy world's with `python envs.py corpus --out DIR` (DIR/rl)")
+    return [envs.load_task(d) for d in dirs]
+
+
+def step_groups(n_tasks, tasks_per_step, step, seed):
+    """Task indices of one step: without replacement within a step, seeded by (seed, step), so a resumed run
+    draws the same."""
+    rng = np.random.default_rng([seed, step])
+    if tasks_per_step <= n_tasks:
+        return rng.choice(n_tasks, tasks_per_step, replace=False).tolist()
+    return rng.choice(n_tasks, tasks_per_step, replace=True).tolist()
+
+
+def infra_failure(ep):
+    """Failures of the machinery, not of the agent: left out of the group statistics and of the loss."""
+    return ep.failure in INFRA_FAILURES
+
+
+INFRA_FAILURES = getattr(envs, "INFRA_FAILURES", frozenset({"sandbox_error", "verifier_error"}))
+
+
+def plot_curves(log_path, png):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    rows = [json.loads(line) for line in Path(log_path).read_text().splitlines()]
+    keys = [("rollout/reward_mean", "mean reward"), ("train/entropy", "action-token entropy"), ("train/kl_init", "KL from init")]
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.5))
+    for ax, (k, title) in zip(axes, keys):
+        pts = [(r["step"], r[k]) for r in rows if k in r]
+        if pts:
+            ax.plot(*zip(*pts), marker=".")
+        ax.set_title(title)
+        ax.set_xlabel("step")
+    fig.tight_layout()
+    fig.savefig(png, dpi=100)
+    plt.close(fig)
+
+
+def main(argv=None):
+    args = get_parser().parse_args(argv)
+    from tqdm import tqdm
+    from transformers.utils import logging as hf_logging
+    hf_logging.disable_progress_bar()
+    import taskgen
+    import probes
+
+    # a terminated run unwinds like an exception: run_episodes removes its sandboxes on the way out
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+    distributed = "RANK" in os.environ
+    if distributed:
+        dist.init_process_group(backend="nccl" if torch.cuda.is_available() else "gloo")
+    rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
+    device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if torch.cuda.is_available() else "cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    print0 = print if rank == 0 else (lambda *a, **k: None)
+    if args.tasks_per_step % world:
+        raise ValueError(f"--tasks-per-step {args.tasks_per_step} must be a multiple of the {world} ranks")
+    if args.keep < 1 or args.ppo_epochs < 1 or args.temperature <= 0:
+        raise ValueError("--keep and --ppo-epochs must be >= 1, --temperature > 0")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    args.fsdp = False  # sft's checkpoint writer reads it; this trainer is DDP
+
+    ckpts, state = sft.checkpoint_dirs(out), None
+    if not args.resume and (ckpts or (out / "final").exists() or (out / "log.jsonl").exists()):
+        raise ValueError(f"{out} already holds a run: pass --resume to continue it, or choose another --out")
+    if args.resume and (out / "final").exists():
+        print0(f"{out} is finished (final/ exists); nothing to resume")
+        return
+    if ckpts:
+        state = torch.load(ckpts[-1] / "trainer_state.pt", map_location="cpu", weights_only=False)
+        changed = [f"--{k.replace('_', '-')} {state['args'].get(k)!r} -> {v!r}" for k, v in vars(args).items()
+                   if k in RESUME_KEYS and state["args"].get(k) != v]
+        if changed:
+            raise ValueError(f"--resume from {ckpts[-1]} with other settings than it was trained with: {', '.join(changed)}")
+
+    tok = load_tokenizer(ckpts[-1] if ckpts else args.init, "native" if ckpts else args.chat_template)
+    template = taskgen.load_template(args.prompt_template)
+    tasks = load_tasks(args.tasks)
+    use_bf16 = args.dtype == "bf16" or (args.dtype == "auto" and device.type == "cuda")
+    ctx = torch.autocast(device.type, dtype=torch.bfloat16) if use_bf16 else nullcontext()
+    raw = sft.load_model(ckpts[-1] if ckpts else args.init, device)
+    ref = sft.load_model(args.init, device).requires_grad_(False).eval()  # the initial policy: KL from init
+    if args.grad_ckpt:
+        raw.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model = PGModule(raw)
+    if distributed:
+        model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+    start = 0
+    if state is not None:
+        opt.load_state_dict(state["optimizer"])
+        start = state["step"]
+    engine = make_engine(ckpts[-1] if ckpts else args.init, max_model_len=args.max_len, seed=args.seed,
+                         dtype=args.dtype, gpu_memory=args.gpu_memory, kv_cache_gb=args.kv_cache_gb)
+    if rank == 0 and args.resume:  # drop log rows past the checkpoint: those steps run again
+        rows = (out / "log.jsonl").read_text().splitlines() if (out / "log.jsonl").exists() else []
+        (out / "log.jsonl").write_text("".join(r + "\n" for r in rows if json.loads(r)["step"] <= start))
+    if rank == 0:
+        (out / "config.json").write_text(json.dumps(sft.run_config(args), indent=2))
+    log = open(out / "log.jsonl", "a") if rank == 0 else None
+    per_rank = args.tasks_per_step // world
+    print0(f"{len(tasks)} tasks | {sum(p.numel() for p in raw.parameters()) / 1e6:.1f}M params | {args.steps} steps x "
+           f"{args.tasks_per_step} tasks x {args.group_size} episodes | world {world} | "
+           + (f"resumed at step {start}" if start else "fresh start"))
+    parse_error_head = taskgen.parse_error_message("", []).split("\n")[0]
+
+    raw.train()
+    for step in range(start, args.steps):
+        t0 = time.time()
+        groups = step_groups(len(tasks), args.tasks_per_step, step, args.seed)[rank * per_rank: (rank + 1) * per_rank]
+        todo = [tasks[g] for g in groups for _ in range(args.group_size)]
+        bar = tqdm(total=len(todo), desc=f"step {step + 1} rollouts", leave=False, disable=rank != 0, dynamic_ncols=True)
+        gen = {}
+        episodes = rollout(engine, tok, todo, temperature=args.temperature, max_turns=args.max_turns,
+                           max_new_tokens=args.max_new_tokens, max_len=args.max_len, concurrency=args.concurrency,
+                           template=template, seed=(args.seed * 100_003 + step) * 64 + rank,
+                           on_episode=lambda i, e: bar.update(), stats=gen, wrapper_re=probes.WRAPPER_RE)
+        bar.close()
+        t_roll = time.time()
+
+        # advantages per group; infrastructure failures leave their group's statistics
+        rewards = torch.tensor([e.reward for e in episodes], dtype=torch.float32).view(per_rank, args.group_size)
+        valid = torch.tensor([not infra_failure(e) for e in episodes]).view(per_rank, args.group_size)
+        adv, signal = group_advantages(rewards, valid, args.scale_std)
+        examples = []
+        for e, a, ok in zip(episodes, adv.flatten().tolist(), valid.flatten().tolist()):
+            if ok and ACTION in e.roles:
+                examples.append({"ids": e.token_ids, "roles": e.roles, "behav": e.logprobs, "wrapper": e.obs_wrapper, "adv": a})
+        for ex, lp in zip(examples, score(ref, examples, args, tok.pad_token_id, device, ctx) if examples else []):
+            ex["ref"] = lp
+        if args.ppo_epochs > 1 and args.tis_cap > 0:
+            for ex, lp in zip(examples, score(raw, examples, args, tok.pad_token_id, device, ctx) if examples else []):
+                ex["old"] = lp
+        echo_mask = lambda ex: [r == OBS and not (args.echo_payload_only and w) for r, w in zip(ex["roles"][1:], ex["wrapper"][1:])]
+        n_tok, n_seq, n_echo = sft.all_reduce([sum(ex["roles"][1:].count(ACTION) for ex in examples), len(examples),
+                                               sum(any(echo_mask(ex)) for ex in examples) if args.echo_coef > 0 else 0], device)
+
+        # training: --ppo-epochs optimizer steps on this batch, micro-batches by token budget
+        tot = {}
+        lengths = [len(ex["ids"]) for ex in examples]
+        for epoch in range(args.ppo_epochs):
+            mbs = sft.micro_batches(lengths, args.micro_tokens)
+            n_micro = int(sft.all_reduce([len(mbs)], device, dist.ReduceOp.MAX)[0])
+            if n_micro > len(mbs):
+                mbs = sft.micro_batches(lengths, args.micro_tokens, n_micro)
+            for k, g in enumerate(mbs):
+                # an empty group (no usable episode on this rank) still runs a 1-token pass to keep DDP in step
+                batch = collate([examples[i] for i in g] or [{"ids": [tok.pad_token_id], "roles": [PROMPT], "behav": [0.0],
+                                                             "wrapper": [False], "adv": 0.0}], tok.pad_token_id)
+                batch = {key: v.to(device) for key, v in batch.items()}
+                sync = model.no_sync() if distributed and k < len(mbs) - 1 else nullcontext()
+                with sync, ctx:
+                    carrier, st = model(batch, args, max(n_tok, 1), max(n_seq, 1), n_echo)
+                    (carrier * world).backward()  # DDP averages over ranks; the normalisers are already global
+                if epoch == 0:
+                    for key, v in st.items():
+                        tot[key] = tot.get(key, 0.0) + v
+            gnorm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip if args.grad_clip > 0 else float("inf")))
+            if math.isfinite(gnorm):
+                opt.step()
+            else:
+                print0(f"step {step + 1}: grad norm {gnorm}, update skipped")
+            opt.zero_grad(set_to_none=True)
+        t_train = time.time()
+        sync_weights(engine, raw)
+        t_sync = time.time()
+
+        # one log row: episode statistics summed over ranks
+        ep_sums = {"episodes": len(episodes), "valid": int(valid.sum()), "reward_sum": float((rewards * valid).sum()),
+                   "solved": sum(e.reward >= 1.0 and not infra_failure(e) for e in episodes),
+                   "signal": int(signal.sum()), "groups": per_rank, "turns": sum(e.turns for e in episodes),
+                   "tokens": sum(len(e.token_ids) for e in episodes), "truncated": sum(e.truncated for e in episodes),
+                   "gen_tokens": sum(e.roles.count(ACTION) for e in episodes),
+                   "parse_errors": sum(m["role"] == "user" and m["content"].startswith(parse_error_head)
+                                       for e in episodes for m in e.messages),
+                   "gen_busy_s": gen["policy_s"], "gen_idle_s": gen["idle_s"], "rollout_s": gen["wall_s"],
+                   **{f"fail_{k}": sum(e.failure == k for e in episodes) for k in FAILURE_KINDS}}
+        keys = sorted(set(ep_sums) | set(tot))
+        sums = dict(zip(keys, sft.all_reduce([ep_sums.get(k, tot.get(k, 0.0)) for k in keys], device)))
+        na, nv = max(sums.get("act_tokens", 0), 1), max(sums["valid"], 1)
+        rec = {"step": step + 1,
+               "rollout/reward_mean": sums["reward_sum"] / nv, "rollout/solve_rate": sums["solved"] / nv,
+               "rollout/groups_with_signal": sums["signal"], "rollout/groups_zero_variance": sums["groups"] - sums["signal"],
+               "rollout/infra_excluded": sums["episodes"] - sums["valid"], "rollout/turns_mean": sums["turns"] / sums["episodes"],
+               "rollout/episode_tokens_mean": sums["tokens"] / sums["episodes"],
+               "rollout/response_tokens_mean": sums["gen_tokens"] / max(sums["turns"], 1),
+               "rollout/truncated": sums["truncated"], "rollout/parse_error_rate": sums["parse_errors"] / max(sums["turns"], 1),
+               **{f"rollout/failures/{k}": sums[f"fail_{k}"] for k in FAILURE_KINDS},
+               "rollout/gen_tok_per_s": sums["gen_tokens"] / max(sums["gen_busy_s"], 1e-9),
+               "rollout/generator_idle_frac": sums["gen_idle_s"] / max(sums["rollout_s"], 1e-9),
+               "train/loss": sums.get("loss", 0.0), "train/pg_loss": sums.get("pg_loss", 0.0),
+               "train/echo_loss": sums.get("echo_loss", 0.0), "train/entropy": sums.get("entropy_sum", 0.0) / na,
+               "train/kl_init": sums.get("kl_init_sum", 0.0) / na, "train/kl_init_k3": sums.get("kl_init_k3_sum", 0.0) / na,
+               "train/mismatch": sums.get("mismatch_sum", 0.0) / na, "train/mismatch_abs": sums.get("mismatch_abs_sum", 0.0) / na,
+               "train/clip_frac": sums.get("clipped_sum", 0.0) / na, "train/tis_weight": sums.get("tis_w_sum", 0.0) / na,
+               "train/obs_nll": sums.get("obs_nll_sum", 0.0) / max(sums.get("obs_tokens", 0), 1),
+               "train/grad_norm": gnorm, "train/lr": args.lr, "train/action_tokens": int(na),
+               "time/rollout_s": t_roll - t0, "time/generate_s": gen["policy_s"], "time/env_wait_s": gen["idle_s"],
+               "time/train_s": t_train - t_roll, "time/sync_s": t_sync - t_train, "time/step_s": time.time() - t0}
+        if log:
+            log.write(json.dumps(rec) + "\n")
+            log.flush()
+        print0(f"step {step + 1}/{args.steps} | reward {rec['rollout/reward_mean']:.3f} | solved {rec['rollout/solve_rate']:.2f} | "
+               f"signal {sums['signal']:.0f}/{sums['groups']:.0f} | ent {rec['train/entropy']:.3f} | kl {rec['train/kl_init']:.2e} | "
+               f"mism {rec['train/mismatch_abs']:.1e} | gnorm {gnorm:.3f} | gen {rec['time/generate_s']:.0f}s "
+               f"idle {rec['rollout/generator_idle_frac']:.0%} | train {rec['time/train_s']:.0f}s | {rec['time/step_s']:.0f}s")
+        done = step + 1
+        if done % args.save_every == 0 or done == args.steps:
+            sft.save_checkpoint(out / f"step-{done:06d}", model, raw, tok, opt, done, args, rank)
+            for old in sft.checkpoint_dirs(out)[: -args.keep] if rank == 0 else []:
+                shutil.rmtree(old)
+            if rank == 0:
+                plot_curves(out / "log.jsonl", out / "curves.png")
+    if rank == 0 and start < args.steps:
+        final = sft.checkpoint_dirs(out)[-1]
+        shutil.copytree(final, out / "final.tmp", dirs_exist_ok=True)
+        os.replace(out / "final.tmp", out / "final")
+        print0(f"final model: {out / 'final'}")
+    if log:
+        log.close()
+    if distributed:
+        dist.destroy_process_group()
+
+
+FAILURE_KINDS = ("timeout", "parse_errors", "max_turns", "max_len", "verifier_error", "sandbox_error")
+
+if __name__ == "__main__":
+    main()

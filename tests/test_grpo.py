@@ -1,0 +1,291 @@
+"""GRPO: advantage math, the loss against a hand-written reference, token-in/token-out labels, and, with a real
+in-process vLLM engine, weight-sync equivalence, a learning check whose sign matters, and an end-to-end run
+on toy tasks in real sandboxes that is killed and resumed."""
+import copy
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import envs
+import grpo
+import labels
+import sft
+import taskgen
+from labels import ACTION, OBS, PROMPT
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def args_for(*flags):
+    return grpo.get_parser().parse_args(["--init", "-", "--tasks", "-", "--out", "-", *flags])
+
+
+# ---------------------------------------------------------------------------------------------- advantages
+
+def test_group_advantages():
+    r = torch.tensor([[1.0, 0.0, 0.0, 1.0], [1.0, 1.0, 1.0, 1.0], [0.0, 1.0, 0.0, 0.0]])
+    adv, signal = grpo.group_advantages(r)
+    assert torch.allclose(adv, torch.tensor([[0.5, -0.5, -0.5, 0.5], [0.0] * 4, [-0.25, 0.75, -0.25, -0.25]]))
+    assert signal.tolist() == [True, False, True]
+    adv, _ = grpo.group_advantages(r, scale_std=True)
+    std = torch.tensor([0.5, 0.0, 0.75 ** 0.5 * 0.5])  # population std: sqrt(p (1 - p))
+    assert torch.allclose(adv[0], torch.tensor([1.0, -1.0, -1.0, 1.0]), atol=1e-5)
+    assert torch.allclose(adv[2], (r[2] - 0.25) / (std[2] + 1e-6))
+    # an infrastructure failure leaves its group's mean; a group with one valid episode has no signal
+    valid = torch.tensor([[True, True, False, True], [True] * 4, [False, True, False, False]])
+    adv, signal = grpo.group_advantages(r, valid)
+    assert torch.allclose(adv[0], torch.tensor([1 / 3, -2 / 3, 0.0, 1 / 3])) and signal.tolist() == [True, False, False]
+
+
+# ---------------------------------------------------------------------------------------------- the loss
+
+def reference_loss(model, examples, args, n_tok, n_seq, n_echo):
+    """The objective written out with full logits, one sequence at a time."""
+    total = 0.0
+    for ex in examples:
+        ids = torch.tensor(ex["ids"])
+        logits = model(input_ids=ids[None]).logits[0, :-1].float()  # (T-1, V)
+        tgt, roles = ids[1:], torch.tensor(ex["roles"][1:])
+        lp_t = torch.log_softmax(logits / args.temperature, -1).gather(1, tgt[:, None]).squeeze(1)
+        lp_1 = torch.log_softmax(logits, -1).gather(1, tgt[:, None]).squeeze(1)
+        act, obs = roles == ACTION, roles == OBS
+        ratio = (lp_t - torch.tensor(ex["behav"][1:])).exp()
+        a = ex["adv"]
+        s = torch.minimum(ratio * a, ratio.clamp(1 - args.clip, 1 + args.clip) * a)
+        norm = 1 / n_tok if args.loss_norm == "token" else 1 / (act.sum() * n_seq)
+        total = total - (norm * s)[act].sum()
+        if args.echo_coef:
+            total = total + args.echo_coef * (-lp_1[obs]).sum() / obs.sum() / n_echo
+    return total
+
+
+def behaviour(model, ex, T, shift):
+    """The exact log-probs at T of ex's tokens (shifted by `shift` on action tokens: ratio e^-shift)."""
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor(ex["ids"])[None]).logits[0, :-1].float()
+        lp = torch.log_softmax(logits / T, -1).gather(1, torch.tensor(ex["ids"][1:])[:, None]).squeeze(1)
+    return [0.0] + [x + shift if r == ACTION else 0.0 for x, r in zip(lp.tolist(), ex["roles"][1:])]
+
+
+@pytest.mark.parametrize("norm", ["token", "sequence"])
+@pytest.mark.parametrize("case", ["ratio1", "clipped", "echo"])
+def test_loss_matches_reference(model, tokenizer, synthetic, norm, case):
+    flags = ["--loss-norm", norm, "--temperature", "0.7"] + (["--echo-coef", "0.5"] if case == "echo" else [])
+    args = args_for(*flags)
+    examples = []
+    for conv, adv in zip(synthetic[:3], [1.0, -0.5, 0.75]):
+        ids, roles = labels.render(tokenizer, conv, max_len=200)
+        examples.append({"ids": ids, "roles": roles, "wrapper": [False] * len(ids), "adv": adv})
+    # clipped: the first two sequences sit outside the clip range on the side where the gradient stops (A > 0 and
+    # ratio 1.65; A < 0 and ratio 0.61); the third on the side where it flows (A > 0, ratio 0.61)
+    shifts = {"ratio1": [0, 0, 0], "echo": [0, 0, 0], "clipped": [-0.5, 0.5, 0.5]}[case]
+    for ex, sh in zip(examples, shifts):
+        ex["behav"] = behaviour(model, ex, args.temperature, sh)
+    n_tok = sum(ex["roles"][1:].count(ACTION) for ex in examples)
+    n_seq, n_echo = len(examples), len(examples)
+
+    ref_model = copy.deepcopy(model)
+    ref = reference_loss(ref_model, examples, args, n_tok, n_seq, n_echo)
+    ref.backward()
+    model.zero_grad()
+    total = 0.0
+    for part in ([examples[0]], examples[1:]):  # two micro-batches, padded: the normalisers are the step's
+        carrier, st = grpo.pg_loss(model, grpo.collate(part, tokenizer.pad_token_id), args, n_tok, n_seq, n_echo)
+        carrier.backward()
+        total += st["loss"]
+    assert total == pytest.approx(ref.item(), rel=1e-4, abs=1e-6)
+    for (name, p), q in zip(model.named_parameters(), ref_model.parameters()):
+        assert torch.allclose(p.grad, q.grad, rtol=1e-3, atol=1e-7), name
+    if case == "clipped":  # only the third sequence moves the weights
+        model.zero_grad()
+        carrier, st = grpo.pg_loss(model, grpo.collate(examples[:2], tokenizer.pad_token_id), args, n_tok, n_seq, n_echo)
+        carrier.backward()
+        assert all(p.grad is None or p.grad.abs().max() == 0 for p in model.parameters())
+        assert st["clipped_sum"] == st["act_tokens"]
+    model.zero_grad()
+
+
+# ---------------------------------------------------------------------------------------------- token-in/token-out
+
+def test_token_in_token_out_equals_render(tokenizer, synthetic):
+    """Built turn by turn as a rollout builds it (prompt, sampled ids with their end-of-turn, observation turns),
+    an episode whose sampled ids are the canonical tokenisation of its replies equals labels.render."""
+    eot = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    for conv in synthetic[:10]:
+        conv = conv[:-1] if conv[-1]["role"] == "user" else conv  # an episode's messages end with its last reply
+        ids, roles = grpo.prompt_tokens(tokenizer, conv[:1])
+        for m in conv[1:]:
+            if m["role"] == "assistant":
+                sampled = tokenizer(m["content"], add_special_tokens=False)["input_ids"] + [eot]
+                ids, roles = ids + sampled, roles + [ACTION] * len(sampled)
+            else:
+                more, more_roles, wrapper = grpo.observation_tokens(tokenizer, m, closed=True)
+                ids, roles = ids + more, roles + more_roles
+                assert not any(w for w, r in zip(wrapper, more_roles) if r != OBS)
+        want_ids, want_roles = labels.render(tokenizer, conv)
+        tail = len(want_ids) - len(ids)  # render closes the last turn with the template's text after it
+        assert tail >= 0 and want_ids[:len(ids)] == ids and want_roles[:len(ids)] == roles
+        assert set(want_roles[len(ids):]) <= {PROMPT} and tail <= 1
+
+
+def test_observation_after_a_cut_reply(tokenizer):
+    """A reply cut by max_tokens has no end-of-turn: the template's is added, as PROMPT (nothing sampled it)."""
+    obs = {"role": "user", "content": "New Terminal Output:\nroot@box:/app# ls\nfile.txt\nroot@box:/app# "}
+    closed, _, _ = grpo.observation_tokens(tokenizer, obs, closed=True)
+    cut, roles, wrapper = grpo.observation_tokens(tokenizer, obs, closed=False, wrapper_re=__import__("probes").WRAPPER_RE)
+    assert cut[1:] == closed and cut[0] == tokenizer.convert_tokens_to_ids("<|im_end|>") and roles[0] == PROMPT
+    text = [tokenizer.decode([t]) for t, w in zip(cut, wrapper) if w]
+    assert "".join(text).startswith("New Terminal Output:\n") and text[-1] == "<|im_end|>"
+
+
+# ---------------------------------------------------------------------------------------------- with vLLM
+
+@pytest.fixture(scope="module")
+def vllm_dir(tmp_path_factory, synthetic):
+    """A tiny Qwen3 vLLM's CPU attention supports (head_dim 32), its tokenizer trained like conftest's."""
+    from conftest import nemotron_rows
+    texts = [m["content"] for row in nemotron_rows() for m in row["conversations"]] + [m["content"] for c in synthetic for m in c]
+    return sft.build_tiny(tmp_path_factory.mktemp("vllm-tiny"), texts, vocab_size=2048, hidden=64, layers=2, heads=2, kv_heads=1)
+
+
+@pytest.fixture(scope="module")
+def engine(vllm_dir):
+    return grpo.make_engine(vllm_dir, max_model_len=1024, kv_cache_gb=1)
+
+
+def hf_model(path, seed=None):
+    from transformers import AutoModelForCausalLM
+    m = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    if seed is not None:  # move away from the near-uniform init, so greedy decoding has something to follow
+        g = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for p in m.parameters():
+                p.add_(torch.randn(p.shape, generator=g) * 0.3)
+    return m
+
+
+def test_weight_sync_matches_hf(engine, vllm_dir):
+    from vllm import SamplingParams
+    model = hf_model(vllm_dir, seed=1)
+    assert model.config.tie_word_embeddings
+    grpo.sync_weights(engine, model)
+    prompt = list(range(5, 25))
+    out = engine.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0, max_tokens=24, logprobs=0, top_k=0),
+                          use_tqdm=False)[0].outputs[0]
+    hf = model.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False, eos_token_id=None, pad_token_id=0)[0, 20:]
+    assert list(out.token_ids) == hf.tolist()
+    with torch.no_grad():
+        lp = torch.log_softmax(model(torch.tensor([prompt + hf.tolist()])).logits[0, 19:-1], -1)
+    want = lp.gather(1, hf[:, None]).squeeze(1)
+    got = torch.tensor([d[t].logprob for d, t in zip(out.logprobs, out.token_ids)])
+    assert torch.allclose(got, want, atol=1e-4)
+
+
+def bandit_step(engine, model, opt, args, prompts, target, sign, n):
+    """One GRPO step on a one-token bandit: reward 1 when the sampled token is in `target` (times sign)."""
+    from vllm import SamplingParams
+    params = SamplingParams(n=n, temperature=1.0, top_p=1.0, top_k=0, max_tokens=1, logprobs=0, seed=None)
+    outs = engine.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    examples, rewards = [], []
+    for p, o in zip(prompts, outs):
+        for c in o.outputs:
+            hit = float(c.token_ids[0] in target)
+            rewards.append(hit)
+            examples.append({"ids": p + [c.token_ids[0]], "roles": [PROMPT] * len(p) + [ACTION],
+                             "behav": [0.0] * len(p) + [c.logprobs[0][c.token_ids[0]].logprob], "wrapper": [False] * (len(p) + 1)})
+    r = torch.tensor(rewards).view(len(prompts), n)
+    adv, _ = grpo.group_advantages(sign * r)
+    for ex, a in zip(examples, adv.flatten().tolist()):
+        ex["adv"] = a
+    carrier, _ = grpo.pg_loss(model, grpo.collate(examples, 0), args, len(examples), len(examples), 0)
+    carrier.backward()
+    opt.step()
+    opt.zero_grad()
+    grpo.sync_weights(engine, model)
+    return r.mean().item()
+
+
+@pytest.mark.parametrize("sign", [1.0, -1.0])
+def test_learning_moves_reward_with_its_sign(engine, vllm_dir, sign):
+    torch.manual_seed(0)
+    model = hf_model(vllm_dir)
+    grpo.sync_weights(engine, model)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-2)
+    args = args_for("--temperature", "1.0")
+    target = set(range(0, 2048, 4))  # a quarter of the vocabulary
+    prompts = [[random.Random(i).randrange(2000) for _ in range(6)] for i in range(8)]
+    curve = [bandit_step(engine, model, opt, args, prompts, target, sign, n=8) for _ in range(20)]
+    first, last = sum(curve[:5]) / 5, sum(curve[-5:]) / 5
+    assert 0.1 < first < 0.45, curve  # about a quarter at the start
+    assert (last > 0.8) if sign > 0 else (last < 0.1), curve
+
+
+# ---------------------------------------------------------------------------------------------- end to end
+
+@pytest.fixture(scope="module")
+def toy_tasks(tmp_path_factory, base_image):
+    d = tmp_path_factory.mktemp("rl")
+    for kind in ("find_copy", "rename"):
+        spec = taskgen.generate(kind, random.Random(3))
+        taskgen.write_harbor(spec, d / spec.name)
+    return d
+
+
+def run_cli(out, tasks, model, *extra, wait=True):
+    cmd = [sys.executable, str(ROOT / "grpo.py"), "--init", str(model), "--chat-template", "prefix", "--tasks", str(tasks),
+           "--out", str(out), "--steps", "2", "--tasks-per-step", "2", "--group-size", "2", "--max-turns", "2",
+           "--max-new-tokens", "24", "--max-len", "1024", "--lr", "1e-3", "--echo-coef", "0.05", "--save-every", "1",
+           "--kv-cache-gb", "1", "--concurrency", "4", *extra]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    if wait:
+        text, _ = proc.communicate(timeout=900)
+        assert proc.returncode == 0, text[-3000:]
+        return text
+    return proc
+
+
+def weights(path):
+    from safetensors.torch import load_file
+    return load_file(str(Path(path) / "model.safetensors"))
+
+
+def owned_by(pid):
+    return envs.docker_client().containers.list(all=True, filters={"label": f"{envs.LABEL}={envs.owner_label().rsplit(':', 1)[0]}:{pid}"})
+
+
+@pytest.mark.slow
+def test_end_to_end_killed_and_resumed(tmp_path, toy_tasks, vllm_dir, no_leftovers):
+    """Two steps on toy tasks with real sandboxes and real vLLM: the log, the checkpoints, the curves; a second
+    run killed (SIGTERM) in its second step's rollouts leaves no sandbox, and --resume ends with the same weights."""
+    run_cli(tmp_path / "a", toy_tasks, vllm_dir)
+    rows = [json.loads(line) for line in (tmp_path / "a" / "log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2]
+    for key in ("rollout/reward_mean", "rollout/groups_with_signal", "train/entropy", "train/kl_init", "train/mismatch_abs",
+                "rollout/generator_idle_frac", "time/sync_s", "train/echo_loss", "rollout/failures/max_turns"):
+        assert key in rows[0]
+    assert rows[0]["train/mismatch_abs"] < 1e-3 and rows[0]["train/kl_init"] == pytest.approx(0, abs=1e-6)
+    assert rows[1]["train/kl_init"] != 0 and rows[0]["train/action_tokens"] > 0
+    assert (tmp_path / "a" / "curves.png").exists() and (tmp_path / "a" / "final" / "model.safetensors").exists()
+
+    proc = run_cli(tmp_path / "b", toy_tasks, vllm_dir, wait=False)
+    deadline = time.time() + 600
+    while not ((tmp_path / "b" / "step-000001").exists() and owned_by(proc.pid)):
+        assert proc.poll() is None and time.time() < deadline, proc.stdout.read()[-3000:] if proc.poll() is not None else "timeout"
+        time.sleep(0.2)
+    os.killpg(proc.pid, signal.SIGTERM)
+    proc.wait(timeout=120)
+    assert owned_by(proc.pid) == [] and not (tmp_path / "b" / "step-000002").exists()
+    run_cli(tmp_path / "b", toy_tasks, vllm_dir, "--resume")
+    a, b = weights(tmp_path / "a" / "final"), weights(tmp_path / "b" / "final")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    rows_b = [json.loads(line) for line in (tmp_path / "b" / "log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows_b] == [1, 2]
