@@ -398,7 +398,8 @@ def evaluate(args, rollout=None):
 
 
 def compare_main(argv):
-    p = argparse.ArgumentParser(prog="evaluate.py compare", description=compare.__doc__)
+    p = argparse.ArgumentParser(prog="evaluate.py compare", description="pass@k of evaluation runs side by side, "
+                                "differences to the first with paired bootstrap 95% intervals over tasks")
     p.add_argument("results", nargs="+", type=Path, help="results JSON files; the first is the baseline")
     p.add_argument("--png", type=Path, help="plot of pass@k against k")
     p.add_argument("--n-boot", type=int, default=10_000, help="bootstrap resamples")
