@@ -59,6 +59,8 @@ def parse_args(argv=None):
     p.add_argument("--prompt-template", type=Path, help="system prompt with {instruction} and {terminal_state} "
                    "(default: terminus.DEFAULT_PROMPT, what envs.py corpus writes); pass the SFT corpus's own")
     p.add_argument("--concurrency", type=int, default=8, help="sandboxes live at once")
+    p.add_argument("--retry-infra", action="store_true", help="on resume, run again the attempts that ended in an "
+                   "infrastructure failure (otherwise they stay recorded, and excluded)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", default="auto", help="vLLM dtype: auto (bf16 on GPU, fp32 on CPU), bf16, fp32")
     p.add_argument("--gpu-memory", type=float, default=0.9, help="share of GPU memory for vLLM (no trainer here)")
@@ -350,6 +352,8 @@ def evaluate(args, rollout=None):
             raise ValueError(f"{p}: task name {task.name!r} also names {prev['path']}")
         entry = results["tasks"].setdefault(task.name, {"path": str(p.resolve()), "kind": task_kind(p), "attempts": []})
         entry["heldout"] = entry["kind"] in taskgen.HELDOUT_KINDS
+        if args.retry_infra:
+            entry["attempts"] = [a for a in entry["attempts"] if a["failure"] not in envs.INFRA_FAILURES]
         done = {a["attempt"] for a in entry["attempts"]}
         if len(done) < args.attempts:
             missing[p], names[p] = [i for i in range(args.attempts) if i not in done], task.name

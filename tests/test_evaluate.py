@@ -205,38 +205,51 @@ def expert_rollout(calls, stop_after=None):
     return rollout
 
 
+def recorded(path):
+    res = json.loads(path.read_text())
+    return res, {(name, a["attempt"]): a for name, e in res["tasks"].items() for a in e["attempts"]}
+
+
 def test_resume_runs_only_missing_attempts(toy_tasks, tmp_path, no_leftovers):
     out = tmp_path / "res.json"
     argv = ["--model", "unused-by-this-rollout", "--tasks", str(toy_tasks), "--attempts", "2", "--out", str(out)]
+    broken = "actobs/" + taskgen.make_splits(0, 0, 2, seed=1)["eval"][1].name
     calls = []
-    with pytest.raises(KeyboardInterrupt):
+    with pytest.raises(KeyboardInterrupt):  # killed after 3 episodes
         evaluate.evaluate(evaluate.parse_args(argv), rollout=expert_rollout(calls, stop_after=3))
-    first = json.loads(out.read_text())
-    broken = first["tasks"]["actobs/" + taskgen.make_splits(0, 0, 2, seed=1)["eval"][1].name]
-    assert [a["failure"] for a in broken["attempts"]] == ["image_build_error"] * 2  # recorded, did not abort
-    assert "exit" in broken["attempts"][0]["error"]
-    assert len(calls[0]) == 4 and sum(len(e["attempts"]) for e in first["tasks"].values()) == 2 + 3
+    first, done = recorded(out)
+    everything = {(name, i) for name in first["tasks"] for i in range(2)}
+    assert len(first["tasks"]) == 3 and len(done) >= 3
+    for (name, _), a in done.items():  # the broken image did not stop the run; its attempts are infra failures
+        assert a["failure"] == ("image_build_error" if name == broken else None), a["error"]
 
     calls.clear()
     res = evaluate.evaluate(evaluate.parse_args(argv), rollout=expert_rollout(calls))
-    (missing,) = [name for name, e in first["tasks"].items() if len(e["attempts"]) < 2]
-    assert calls == [[missing]]
-    for name, entry in first["tasks"].items():  # what was done stays exactly as it was
-        assert all(a in res["tasks"][name]["attempts"] for a in entry["attempts"])
-    for entry in res["tasks"].values():
-        assert [a["attempt"] for a in entry["attempts"]] == [0, 1]
-    toy = [e for e in res["tasks"].values() if e["attempts"][0]["failure"] != "image_build_error"]
+    assert len(calls) == 1 and sorted(calls[0]) == sorted(name for name, _ in everything - done.keys())
+    _, final = recorded(out)
+    assert final.keys() == everything and all(final[key] == a for key, a in done.items())  # done stays done
+    assert all(a["reward"] == 1.0 for (name, _), a in final.items() if name != broken)  # the expert solves them
+    assert "exit 3" in final[broken, 0]["error"]
+    toy = [e for name, e in res["tasks"].items() if name != broken]
     assert {e["kind"] for e in toy} == {"archive", "find_copy"} and [e["heldout"] for e in toy].count(True) == 1
     assert res["summary"]["excluded"] == 2 and res["summary"]["tasks@k"] == {1: 2, 2: 2}
-    assert json.loads(out.read_text())["summary"]["attempts"] == 4
-    assert res["sessions"] == 2
+    assert res["summary"]["pass@k"] == {1: 1.0, 2: 1.0} and res["sessions"] == 2
 
-    calls.clear()  # complete: nothing runs, the table is printed again
+    calls.clear()  # complete: nothing runs
     evaluate.evaluate(evaluate.parse_args(argv), rollout=expert_rollout(calls))
-    assert calls == []
+    assert calls == [] and recorded(out)[1] == final
+    # --retry-infra runs the infrastructure failures again (the image still does not build), and nothing else.
+    res = json.loads(out.read_text())
+    for a in res["tasks"][broken]["attempts"]:
+        a["error"] = "stale"
+    out.write_text(json.dumps(res))
+    evaluate.evaluate(evaluate.parse_args(argv + ["--retry-infra"]), rollout=expert_rollout(calls))
+    _, again = recorded(out)
+    assert {k: a for k, a in again.items() if k[0] != broken} == {k: a for k, a in final.items() if k[0] != broken}
+    assert [again[broken, i]["failure"] for i in (0, 1)] == ["image_build_error"] * 2
+    assert "exit 3" in again[broken, 1]["error"]
     with pytest.raises(SystemExit, match="temperature"):
         evaluate.evaluate(evaluate.parse_args(argv + ["--temperature", "0.5"]), rollout=expert_rollout(calls))
-
 
 
 @pytest.fixture(scope="module")
