@@ -373,6 +373,7 @@ def evaluate(args, rollout=None):
             print(f"{p}: image build failed, {len(missing[p])} attempts recorded as {IMAGE_BUILD_ERROR}")
         else:
             jobs += [(name, i, task) for i in missing[p]]
+    jobs.sort(key=lambda job: job[1])  # attempt 0 of every task first: a stopped run has some of each task
     results["sessions"] += 1
     save_results(args.out, results)
     print(f"{len(paths)} tasks x {args.attempts} attempts: {len(jobs)} to run -> {args.out}")
