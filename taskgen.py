@@ -534,8 +534,7 @@ def _duration(keystrokes):
 def _reply(analysis, plan, commands, done=False):
     body = json.dumps({"analysis": analysis, "plan": plan,
                        "commands": [{"keystrokes": k, "duration": _duration(k)} for k in commands],
-                       "task_complete": done},
-                      indent=2)
+                       "task_complete": done})  # one line: every token is one the policy must sample
     return f"<think>\n{analysis}\n{plan}\n</think>\n\n{body}"
 
 

@@ -36,6 +36,7 @@ def get_parser():
     p.add_argument("--k", type=int, nargs="+", default=[1, 16], help="pass@k values reported")
     p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (no top-k / top-p)")
     p.add_argument("--max-turns", type=int, default=12)
+    p.add_argument("--prompt-template", type=Path, help="the SFT corpus's prompt file ({instruction}, {terminal_state})")
     p.add_argument("--max-new-tokens", type=int, default=512, help="longest reply")
     p.add_argument("--concurrency", type=int, default=48, help="live sandboxes = replies sampled per batch")
     p.add_argument("--seed", type=int, default=0)
@@ -101,7 +102,8 @@ def evaluate(model_path, tasks, args):
     t0 = time.time()
     eps = envs.run_episodes([t for t in tasks for _ in range(args.attempts)],
                             hf_policy(model, tok, args.temperature, args.max_new_tokens),
-                            max_turns=args.max_turns, concurrency=args.concurrency)
+                            max_turns=args.max_turns, concurrency=args.concurrency,
+                            template=envs.load_template(args.prompt_template))
     kinds = sorted({kind_of(e.task) for e in eps})
     groups = {"all": eps, "seen kinds": [e for e in eps if kind_of(e.task) not in taskgen.HELDOUT_KINDS]}
     groups |= {k: [e for e in eps if kind_of(e.task) == k] for k in kinds}

@@ -54,7 +54,7 @@ def get_parser():
     p.add_argument("--epochs", type=int, default=2)
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--lr", type=float, default=2e-3)
-    p.add_argument("--max-len", type=int, default=2048, help="tokens kept of a session")
+    p.add_argument("--max-len", type=int, default=1024, help="tokens kept of a session")
     return p
 
 
@@ -266,7 +266,7 @@ def main(argv=None):
     # One assistant message per session: everything but its header is ACTION, so --lam 0 is the plain LM loss.
     sft.main(["--model", str(init), "--data", str(data), "--out", str(run), "--lam", "0", "--seed", str(args.seed),
               "--epochs", str(args.epochs), "--batch-size", str(args.batch_size), "--lr", str(args.lr),
-              "--warmup-ratio", "0.05", "--max-len", str(args.max_len), "--micro-tokens", "16384",
+              "--warmup-ratio", "0.05", "--dtype", "bf16", "--max-len", str(args.max_len), "--micro-tokens", "16384",
               "--val-size", str(min(16, len(texts) // 10)), "--eval-every", "0", "--save-every", "20", "--keep", "1", "--resume"])
     os.replace(run / "final", out / "model")
     print(f"base model: {out / 'model'} | pre-training {time.time() - t0:.0f}s")
