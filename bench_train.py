@@ -16,6 +16,7 @@ import tempfile
 from pathlib import Path
 
 import sft
+import terminus
 
 QWEN3_4B = dict(hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32,
                 num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=True,
@@ -43,7 +44,7 @@ def long_trajectory(rng, n_chars):
         msgs.append({"role": "assistant", "content": json.dumps({"analysis": "look", "plan": cmd, "commands": [
             {"keystrokes": cmd + "\n", "duration": 0.1}], "task_complete": False})})
         out = "\n".join(f"/srv/data/f{rng.randint(0, 9999)}.log:{rng.randint(1, 500)}: value={rng.random():.6f}" for _ in range(40))
-        msgs.append({"role": "user", "content": f"New Terminal Output:\nroot@box:/app# {cmd}\n{out}\nroot@box:/app# "})
+        msgs.append({"role": "user", "content": terminus.OUTPUT_HEADER + f"root@box:/app# {cmd}\n{out}\nroot@box:/app# "})
     return msgs
 
 

@@ -40,8 +40,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import taskgen
-from taskgen import (DEFAULT_PROMPT, MAX_DURATION, confirm_message, decode, fill_prompt, load_template, pane_diff,
-                     parse_error_message, parse_reply, truncate_output, visible_screen, with_warnings)
+from terminus import (DEFAULT_PROMPT, MAX_DURATION, OUTPUT_HEADER, SCREEN_HEADER, confirm_message, decode, fill_prompt,
+                      load_template, pane_diff, parse_error_message, parse_reply, truncate_output, visible_screen,
+                      with_warnings)
 
 BASE_IMAGE = "actobs-base:bookworm"
 BASE_PACKAGES = ["tmux", "python3", "procps", "jq"]  # tmux: the terminal; the rest: what generated tasks use
@@ -358,7 +359,7 @@ class Sandbox:
     def screen(self):
         """Initial observation: the visible screen; also marks the read position for the first diff."""
         screen, _ = self._step("", 5.0, read=True)  # returns as soon as the first prompt is drawn
-        return f"Current Terminal Screen:\n{screen}"
+        return SCREEN_HEADER + screen
 
     def send(self, keystrokes, duration=1.0, read=True):
         """Type keystrokes (Terminus-2 semantics) and wait until the shell is idle, at most `duration` seconds.
@@ -368,8 +369,8 @@ class Sandbox:
         if not read:
             return None
         if diff is None or not diff.strip():
-            return f"Current Terminal Screen:\n{screen}"
-        return f"New Terminal Output:\n{truncate_output(diff)}"
+            return SCREEN_HEADER + screen
+        return OUTPUT_HEADER + truncate_output(diff)
 
     def _step(self, keystrokes, duration, read):
         # A keystroke string that is exactly a tmux key name (C-c, Enter, Up...) is a key; all else is text.

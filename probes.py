@@ -28,21 +28,8 @@ import torch
 
 import labels
 import sft
+import terminus
 
-# Fixed text Terminus-2 puts around the environment's feedback in observation turns. No trailing spaces: BPE
-# joins a space to the word after it, and that token belongs to the payload.
-WRAPPERS = (
-    "New Terminal Output:\n",
-    "Current Terminal Screen:\n",
-    "Current terminal state:\n",
-    "Previous response had warnings:\nWARNINGS:",
-    "Previous response had parsing errors:\nERROR:",
-    "\n\nPlease fix these issues and provide a proper JSON response.",
-    "\n\nAre you sure you want to mark the task as complete? This will trigger your solution to be graded and you "
-    "won't be able to make any further corrections. If so, include \"task_complete\": true in your JSON response again.",
-)
-TRUNCATION = r"\n\[\.\.\. output limited to \d+ bytes; \d+ interior bytes omitted \.\.\.\]\n"  # cut long output
-WRAPPER_RE = re.compile("|".join([re.escape(w) for w in WRAPPERS] + [TRUNCATION]))
 KEYSTROKES = re.compile(r'"keystrokes"\s*:\s*"((?:[^"\\]|\\.)*)"')  # group 1: a command's JSON string value
 BUCKETS = {"1": (1, 1), "2": (2, 2), "3": (3, 3), "4-7": (4, 7), "8+": (8, 1 << 30)}  # 1-based positions
 
@@ -174,8 +161,10 @@ def grad_geometry(model, batches):
 # Observation prediction: fixed wrapper vs payload
 
 def obs_split(tok, messages, max_len=None):
-    """-> (ids, roles, wrapper (T,) bool). Wrapper tokens are observation tokens of harness text: matches of
-    WRAPPERS and TRUNCATION inside an observation's content, and the observation's end-of-turn token. A token
+    """-> (ids, roles, wrapper (T,) bool). Wrapper tokens are observation tokens of harness text: the fixed
+    text of the Terminus-2 templates in an observation's content (terminus.wrapper_spans: headers, the
+    truncation notice, the parse-error / warnings / completion-check text; an observation in no Terminus-2
+    form is all payload), and the observation's end-of-turn token. A token
     is wrapper only if all its characters are; one that a BPE merge makes straddle wrapper and payload (e.g.
     '#\\n\\n': the shell prompt's '#' and a wrapper's leading '\\n\\n') is payload, so payload keeps every
     character the environment produced."""
@@ -184,8 +173,8 @@ def obs_split(tok, messages, max_len=None):
     for ranges, role in zip(labels.message_spans(tok, messages, text), labels.message_roles(messages)):
         if role == sft.OBS:
             (s, e), eot = ranges[0], ranges[1:]
-            for m in WRAPPER_RE.finditer(text[s:e]):
-                wrap[s + m.start(): s + m.end()] = 1
+            for a, b in terminus.wrapper_spans(text[s:e]) or ():
+                wrap[s + a: s + b] = 1
             for a, b in eot:
                 wrap[a:b] = 1
     csum = np.concatenate([[0], np.cumsum(wrap)])

@@ -5,6 +5,7 @@ import random
 
 import numpy as np
 import pytest
+from tokenizers import AddedToken
 
 import labels
 import sft
@@ -26,8 +27,9 @@ def mirror_prefix(msgs):
 
 
 def mirror_qwen3(msgs):
-    """Qwen3's template for conversations without tool calls; its '<think>\\n' decoration on turns after the
-    last user query is header (PROMPT), by render()'s documented rule."""
+    """Qwen3's template for conversations without tool calls. Its generation prompt is '<|im_start|>assistant\\n':
+    the '<think>\\n' it writes after that on turns after the last user query (and the empty think block of a
+    final turn without reasoning) is the model's to generate, so ACTION."""
     roles = labels.message_roles(msgs)
     last_query = max(i for i, m in enumerate(msgs) if m["role"] == "user")
     out = []
@@ -41,7 +43,7 @@ def mirror_qwen3(msgs):
                 reasoning = c.split("</think>")[0].rstrip("\n").split("<think>")[-1].lstrip("\n")
                 c = c.split("</think>")[-1].lstrip("\n")
             if i > last_query and (i == len(msgs) - 1 or reasoning):
-                out += [("<|im_start|>assistant\n<think>\n", P), (reasoning.strip("\n") + "\n</think>\n\n" + c.lstrip("\n"), r)]
+                out += [("<|im_start|>assistant\n", P), ("<think>\n" + reasoning.strip("\n") + "\n</think>\n\n" + c.lstrip("\n"), r)]
             else:
                 out += [("<|im_start|>assistant\n", P), (c, r)]
             out += [(EOT, r), ("\n", P)]
@@ -52,6 +54,17 @@ def mirror_qwen3(msgs):
             if i == len(msgs) - 1 or msgs[i + 1]["role"] != "tool":
                 out += [(EOT, r), ("\n", P)]
     return out
+
+
+# Phi-3 style: turns close with '<|end|>', a special token of the vocabulary that is neither eos nor a named
+# special token; the generation prompt is '<|assistant|>\n'.
+PHI3_TEMPLATE = ("{%- for m in messages %}{{- '<|' + m.role + '|>\\n' + m.content + '<|end|>\\n' }}{%- endfor %}"
+                 "{%- if add_generation_prompt %}{{- '<|assistant|>\\n' }}{%- endif %}")
+
+
+def mirror_phi3(msgs):
+    return [x for m, r in zip(msgs, labels.message_roles(msgs))
+            for x in [(f"<|{m['role']}|>\n", P), (m["content"], r), ("<|end|>", r), ("\n", P)]]
 
 
 PLAIN_TEMPLATE = "{%- for m in messages %}{{- '### ' + m.role + ':\\n' + m.content + '\\n\\n' }}{%- endfor %}"
@@ -84,15 +97,21 @@ def conversations():
 
 
 TEMPLATES = {"prefix": (sft.PREFIX_TEMPLATE, mirror_prefix), "qwen3": (QWEN3_TEMPLATE, mirror_qwen3),
-             "plain": (PLAIN_TEMPLATE, mirror_plain)}
+             "phi3": (PHI3_TEMPLATE, mirror_phi3), "plain": (PLAIN_TEMPLATE, mirror_plain)}
+
+
+def with_template(tokenizer, name):
+    tok = sft.load_tokenizer(tokenizer.name_or_path, "native")
+    tok.chat_template = TEMPLATES[name][0]
+    if name == "phi3":  # its turn tokens, special in the vocabulary only; eos stays another token
+        tok.add_tokens([AddedToken(f"<|{t}|>", special=True, normalized=False) for t in ("end", "system", "user", "assistant")])
+        tok.eos_token = "<|endoftext|>"
+    return tok
 
 
 @pytest.fixture(params=list(TEMPLATES))
 def templated(request, tokenizer):
-    template, mirror = TEMPLATES[request.param]
-    tok = sft.load_tokenizer(tokenizer.name_or_path, "native")
-    tok.chat_template = template
-    return request.param, tok, mirror
+    return request.param, with_template(tokenizer, request.param), TEMPLATES[request.param][1]
 
 
 def test_roles_match_mirror_for_every_template(templated):
@@ -108,11 +127,9 @@ def test_roles_match_mirror_for_every_template(templated):
         assert roles == expected_roles(tok, text, pieces)
 
 
-@pytest.mark.parametrize("name", ["prefix", "qwen3"])
+@pytest.mark.parametrize("name", ["prefix", "qwen3", "phi3"])
 def test_decoded_action_and_obs_tokens_are_the_contents_as_rendered(name, tokenizer):
-    template, mirror = TEMPLATES[name]
-    tok = sft.load_tokenizer(tokenizer.name_or_path, "native")
-    tok.chat_template = template
+    tok, mirror = with_template(tokenizer, name), TEMPLATES[name][1]
     for msgs in conversations():
         ids, roles = sft.render(tok, msgs)
         pieces = mirror(msgs)
@@ -120,6 +137,31 @@ def test_decoded_action_and_obs_tokens_are_the_contents_as_rendered(name, tokeni
             want = "".join(t for t, pr in pieces if pr == r)
             assert tok.decode([i for i, x in zip(ids, roles) if x == r]) == want
         assert tok.decode([i for i, x in zip(ids, roles) if x == P]) == "".join(t for t, pr in pieces if pr == P)
+
+
+@pytest.mark.parametrize("reasoning", ["<think>\nfinal\n</think>\n\n", ""])
+def test_qwen3_action_is_all_the_policy_writes_after_the_generation_prompt(qwen3_tokenizer, reasoning):
+    """Under Qwen3's own template the last turn's '<think>\\n' (or the empty think block the template writes
+    when the turn has no reasoning) follows the generation prompt: the model must write it, so it is ACTION."""
+    msgs = conversations()[-1][:-1] + [{"role": "assistant", "content": reasoning + "ok"}]
+    ids, roles = sft.render(qwen3_tokenizer, msgs)
+    end = max(i for i, r in enumerate(roles) if r == A) + 1
+    start = max(i for i, r in enumerate(roles[:end]) if r != A) + 1  # the final turn's first ACTION token
+    prompt = qwen3_tokenizer.apply_chat_template(msgs[:-1], tokenize=False, add_generation_prompt=True)
+    assert qwen3_tokenizer.decode(ids[:start]) == prompt and prompt.endswith("<|im_start|>assistant\n")
+    want = "<think>\nfinal\n</think>\n\nok<|im_end|>" if reasoning else "<think>\n\n</think>\n\nok<|im_end|>"
+    assert qwen3_tokenizer.decode(ids[start:end]) == want and qwen3_tokenizer.decode(ids[end:]) == "\n"
+
+
+def test_end_of_turn_token_special_only_in_the_vocabulary(tokenizer):
+    tok = with_template(tokenizer, "phi3")
+    assert "<|end|>" not in tok.all_special_tokens and tok.eos_token == "<|endoftext|>"
+    msgs = [{"role": "user", "content": "go"}, {"role": "assistant", "content": "ls"}, {"role": "user", "content": "a.txt"}]
+    ids, roles = sft.render(tok, msgs)
+    assert [tok.decode([i]) for i, r in zip(ids, roles) if r == A] == ["ls", "<|end|>"]
+    assert [tok.decode([i]) for i, r in zip(ids, roles) if r == O] == ["a", ".txt", "<|end|>"]
+    with pytest.raises(ValueError, match="special token '<\\|end\\|>'"):
+        sft.render(tok, msgs + [{"role": "assistant", "content": "done<|end|>"}])
 
 
 def test_straddling_token_takes_highest_priority_role(tokenizer):

@@ -12,6 +12,7 @@ import torch
 import labels
 import probes
 import sft
+import terminus
 from conftest import nemotron_rows, synthetic_trajectory
 
 P, A, O = sft.PROMPT, sft.ACTION, sft.OBS
@@ -148,7 +149,7 @@ def test_bisection_recovers_a_known_temperature():
 
 NEW, FIX = "New Terminal Output:\n", "\n\nPlease fix these issues and provide a proper JSON response."
 ERR, STATE = "Previous response had parsing errors:\nERROR:", "Current terminal state:\n"
-SURE = probes.WRAPPERS[-1]
+SURE = terminus.COMPLETION_CHECK.split("{observation}")[1]  # "\n\nAre you sure you want to mark the task as complete? ..."
 
 
 def conversation(first_obs):
