@@ -34,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo's modul
 import envs  # noqa: E402
 import sft  # noqa: E402
 from taskgen import WORDS  # noqa: E402
+from terminus import OUTPUT_HEADER  # noqa: E402
 
 
 def get_parser():
@@ -211,9 +212,9 @@ def transcript(messages):
     parts = []
     for m in messages[1:]:
         c = m["content"]
-        if m["role"] != "user" or not c.startswith("New Terminal Output:\n"):
+        if m["role"] != "user" or not c.startswith(OUTPUT_HEADER):
             continue
-        lines = c[len("New Terminal Output:\n"):].strip("\n").split("\n")
+        lines = c[len(OUTPUT_HEADER):].strip("\n").split("\n")
         if lines and PROMPT_LINE.match(lines[-1]):
             lines = lines[:-1]
         parts += lines
