@@ -276,16 +276,12 @@ def _fix_config(m, obs):
 def _csv_summary(m, obs):
     look = ("I need to know the CSV's columns before writing the summary.", "Show the header and size of the file.",
             ["head -n 5 /app/data/sales.csv\n", "wc -l /app/data/sales.csv\n"])
-    header = next((ln.split(",") for ln in _lines(obs, r"^([a-z,]+)$") if "region" in ln and "units" in ln), None)
-    if header:  # columns by position, as read from the header
-        get = {c: f"row[{header.index(c)}]" for c in ("region", "units", "price")}
-        reader, seen = "csv.reader(f)\n    next(rows)", f"The header is {','.join(header)}."
-    else:  # the header was not on screen: look the columns up by name
-        get = {c: f"row['{c}']" for c in ("region", "units", "price")}
-        reader, seen = "csv.DictReader(f)", "The header did not show up; I will read the columns by name."
+    header = next((ln for ln in _lines(obs, r"^([a-z,]+)$") if "region" in ln and "units" in ln), None)
+    seen = (f"The header is {header}; the column order varies, so the script reads columns by name." if header
+            else "The header did not show up; reading the columns by name works whatever their order.")
     script = ("cat > /app/summarise.py << 'EOF'\nimport csv, json\n\ntotals = {}\nwith open('/app/data/sales.csv') as f:\n"
-              f"    rows = {reader}\n    for row in rows:\n        region = {get['region']}\n"
-              f"        totals[region] = totals.get(region, 0) + int({get['units']}) * float({get['price']})\n"
+              "    for row in csv.DictReader(f):\n        region = row['region']\n"
+              "        totals[region] = totals.get(region, 0) + int(row['units']) * float(row['price'])\n"
               "with open('/app/summary.json', 'w') as f:\n"
               "    json.dump({k: round(v, 2) for k, v in sorted(totals.items())}, f, indent=2)\nEOF\n")
     act = (seen, "Write a small Python script that sums units*price per region, run it.",
@@ -378,8 +374,7 @@ def _duration(keystrokes):
 def _reply(analysis, plan, commands, done=False):
     body = json.dumps({"analysis": analysis, "plan": plan,
                        "commands": [{"keystrokes": k, "duration": _duration(k)} for k in commands],
-                       "task_complete": done},
-                      indent=2)
+                       "task_complete": done})  # one line: every token is one the policy must sample
     return f"<think>\n{analysis}\n{plan}\n</think>\n\n{body}"
 
 

@@ -1,0 +1,278 @@
+"""
+A base model that has seen terminals: record generic shell sessions in the sandboxes, fit a byte-level BPE to
+them, and pre-train a small random Qwen3 on them with sft.py's loop (the whole session is supervised text).
+
+    python scripts/base_model.py --out runs/base            # -> runs/base/model (HF dir, prefix chat template)
+
+What it sees: random file trees (notes, CSV, JSON, INI/YAML configs, logs, small scripts) explored and changed
+by a scripted user who types generic commands (ls, find, cat, head, tail, wc, grep, sort, uniq, cut, awk, sed,
+mkdir, cp, mv, rm, chmod, tar, jq, python3 one-liners, for loops, typos and their errors), each mostly about a
+name an earlier output showed. Only the terminal is kept: the prompt, the typed command and the real output,
+never the agent protocol nor the toy tasks (taskgen.py), so the base model knows shells and not the tasks.
+
+Steps, each reused when its output exists (an interrupted pre-training resumes from its last checkpoint):
+    OUT/sessions.jsonl   recorded sessions, one {"conversations": [{"role": "assistant", "content": transcript}]}
+    OUT/pretrain/        sft.py run dir: init/ (tokenizer fit to the sessions + random Qwen3), step-N/, final/
+    OUT/model/           the base model: pretrain/final, renamed once complete
+OUT/settings.json holds the settings it was built with; another build into the same OUT must use the same
+ones. The trees and commands follow from --seed; the outputs are the real ones, so only what Docker picks
+(container ids in the shell prompt, file times) differs between two builds.
+"""
+import argparse
+import dataclasses
+import json
+import os
+import random
+import re
+import shlex
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo's modules, when run as a script
+
+import envs  # noqa: E402
+import sft  # noqa: E402
+from taskgen import WORDS  # noqa: E402
+from terminus import OUTPUT_HEADER  # noqa: E402
+
+
+def get_parser():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--out", required=True, type=Path, help="build dir: sessions.jsonl, pretrain/, model/")
+    p.add_argument("--seed", type=int, default=0, help="seeds the trees, the commands, the init and the data order")
+    # data
+    p.add_argument("--sessions", type=int, default=600, help="terminal sessions to record")
+    p.add_argument("--commands", type=int, default=24, help="commands typed per session (about)")
+    p.add_argument("--concurrency", type=int, default=8, help="sandboxes live at once while recording")
+    # model
+    p.add_argument("--vocab", type=int, default=4096, help="BPE vocabulary, Qwen's special tokens included")
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--kv-heads", type=int, default=2)
+    # pre-training (sft.py flags)
+    p.add_argument("--epochs", type=int, default=2)
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--max-len", type=int, default=1024, help="tokens kept of a session")
+    return p
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Random file trees
+
+ROOTS = ["/app", "/srv/data", "/home/dev/project", "/var/log/svc", "/opt/tool", "/etc/svc"]
+
+
+def _text(rng, lines):
+    return "\n".join(" ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 10))) for _ in range(lines)) + "\n"
+
+
+def _file(rng, ext):
+    """Content of a random file of one type."""
+    if ext in ("txt", "md"):
+        return (f"# {rng.choice(WORDS)}\n" if ext == "md" else "") + _text(rng, rng.randint(1, 12))
+    if ext == "csv":
+        cols = rng.sample(["id", "name", "qty", "price", "city", "score", "day"], rng.randint(2, 5))
+        val = {"id": lambda: str(rng.randint(1, 999)), "name": lambda: rng.choice(WORDS),
+               "qty": lambda: str(rng.randint(0, 50)), "price": lambda: f"{rng.uniform(0.5, 99):.2f}",
+               "city": lambda: rng.choice(["oslo", "lima", "kyiv", "pune", "rome"]),
+               "score": lambda: str(rng.randint(0, 100)), "day": lambda: f"2024-0{rng.randint(1, 9)}-{rng.randint(10, 28)}"}
+        return ",".join(cols) + "\n" + "".join(",".join(val[c]() for c in cols) + "\n" for _ in range(rng.randint(2, 15)))
+    if ext == "json":
+        obj = {rng.choice(WORDS): rng.choice([rng.randint(0, 500), rng.choice(WORDS), True, [rng.randint(1, 9)] * 2])
+               for _ in range(rng.randint(1, 6))}
+        return json.dumps(obj, indent=rng.choice([None, 2])) + "\n"
+    if ext in ("ini", "conf", "yaml"):
+        sep = ": " if ext == "yaml" else rng.choice([" = ", "="])
+        head = f"[{rng.choice(WORDS)}]\n" if ext == "ini" else ""
+        return head + "".join(f"{rng.choice(WORDS)}{sep}{rng.choice([str(rng.randint(1, 9000)), rng.choice(WORDS)])}\n"
+                              for _ in range(rng.randint(2, 8)))
+    if ext == "log":
+        return "".join(f"2024-0{rng.randint(1, 9)}-{rng.randint(10, 28)} {rng.randint(0, 23):02d}:{rng.randint(0, 59):02d} "
+                       f"{rng.choice(['INFO', 'INFO', 'WARN', 'ERROR', 'DEBUG'])} {rng.choice(WORDS)}: {_text(rng, 1)}"
+                       for _ in range(rng.randint(3, 20)))
+    if ext == "py":
+        w = rng.choice(WORDS)
+        return f"import sys\n\n\ndef {w}(n):\n    return n * {rng.randint(2, 9)}\n\n\nprint({w}({rng.randint(1, 20)}))\n"
+    return f"#!/bin/sh\necho {rng.choice(WORDS)} {rng.randint(1, 99)}\n"  # sh
+
+
+def random_tree(rng):
+    """[(absolute path, text, mode)]: 2-4 folders under one or two roots, 5-16 files of mixed types."""
+    roots = rng.sample(ROOTS, rng.randint(1, 2))
+    dirs = [r for r in roots] + [f"{rng.choice(roots)}/{rng.choice(WORDS)}" for _ in range(rng.randint(1, 3))]
+    files = {}
+    for _ in range(rng.randint(5, 16)):
+        ext = rng.choice(["txt", "txt", "md", "csv", "json", "ini", "conf", "yaml", "log", "log", "py", "sh"])
+        files[f"{rng.choice(dirs)}/{rng.choice(WORDS)}{rng.choice(['', '_' + str(rng.randint(1, 9))])}.{ext}"] = ext
+    return [(p, _file(rng, ext), 0o755 if ext == "sh" else rng.choice([0o644, 0o644, 0o600, 0o664]))
+            for p, ext in sorted(files.items())]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The scripted user: each command is drawn from the session's own tree, mostly about names already on screen
+
+def _command(rng, tree, seen):
+    """One shell command line. `seen`: paths of the tree whose name an earlier output showed."""
+    paths = [p for p, _, _ in tree]
+    dirs = sorted({os.path.dirname(p) for p in paths})
+    f = rng.choice(seen or paths)
+    d, ext = os.path.dirname(f), f.rsplit(".", 1)[1]
+    text = next(t for p, t, _ in tree if p == f)
+    word = rng.choice(re.findall(r"[a-z]{4,}", text) or WORDS)
+    n = rng.randint(1, 8)
+    q = shlex.quote
+    if not seen:  # look around first
+        return rng.choice([f"ls {d}", f"ls -l {d}", f"ls -R {rng.choice(dirs).rsplit('/', 1)[0] or '/'}",
+                           f"find {d} -type f", f"find / -name '*.{ext}' -not -path '/proc/*' 2>/dev/null | head",
+                           f"ls -la {d}"])
+    choices = [
+        f"cat {f}", f"head -n {n} {f}", f"tail -n {n} {f}", f"wc -l {f}", f"wc -w {f}", f"wc -c {d}/*",
+        f"ls {d}", f"ls -l {d}", f"ls -lh {f}", f"stat -c '%a %s %n' {f}", f"file {f}" if rng.random() < 0.2 else f"du -sh {d}",
+        f"grep -n {word} {f}", f"grep -c {word} {f}", f"grep -rl {word} {d}", f"grep -rn {word} {rng.choice(dirs)}",
+        f"grep -i {word.upper()} {f}", f"grep -v {word} {f} | head -n {n}", f"grep -oiw {word} {f} | wc -l",
+        f"sort {f} | head -n {n}", f"sort -r {f} | uniq | tail -n 3", f"cat {f} | tr ' ' '\\n' | sort | uniq -c | sort -rn | head -n 5",
+        f"nl {f} | head", f"sed -n '2,{n + 2}p' {f}", f"awk '{{print NF}}' {f} | head -n 5",
+        f"find {d} -name '*.{ext}'", f"find {rng.choice(dirs)} -type f | wc -l", f"find {d} -newer {f}",
+        f"cp {f} {f}.bak", f"cp {f} /tmp/", f"mkdir -p {d}/{word}", f"mv {f} {d}/{word}_{n}.{ext}",
+        f"rm -f {f}.bak", f"chmod {rng.choice(['644', '600', '755', '640'])} {f}", f"touch {d}/{word}.tmp",
+        f"echo {word} >> {f}", f"echo '{word} {n}' > /tmp/{word}.txt", f"sed -i 's/{word}/{word.upper()}/' {f}",
+        f"sed -i 's/{word}/{rng.choice(WORDS)}/g' {f}", f"diff {f} {rng.choice(paths)}",
+        f"tar -czf /tmp/{word}.tar.gz -C {d} .", f"tar -cf /tmp/{word}.tar {f}",
+        f"cd {d} && tar -czf /tmp/{word}.tgz *.{ext} && tar -tzf /tmp/{word}.tgz", f"tar -tzf /tmp/{word}.tar.gz",
+        f"for x in {d}/*; do echo \"$x $(wc -l < \"$x\")\"; done", f"for x in {d}/*.{ext}; do head -n 1 \"$x\"; done",
+        f"cd {d}", "pwd", "cd /app && ls", f"ls -d {d}/*/ 2>/dev/null", "echo $?", f"basename {f} .{ext}",
+        f"python3 -c \"print(len(open({f!r}).read().split()))\"", f"python3 -c 'print({n} * {rng.randint(2, 99)})'",
+        f"python3 -c \"import os; print(sorted(os.listdir({d!r})))\"",
+        f"cat {f.replace('/', '/x', 1)}", f"cd {d}/missing", f"{rng.choice(['lss', 'cta', 'gerp'])} {f}",
+        f"grep {word} {d}/nothere.txt", "python3 -c 'import nosuchmod'",
+    ]
+    if ext == "csv":
+        choices += [f"head -n 1 {f}", f"cut -d, -f1 {f} | sort | uniq -c", f"awk -F, 'NR>1 {{n++}} END {{print n}}' {f}",
+                    f"awk -F, 'NR>1 {{print $2}}' {f} | sort | head -n 3", f"column -s, -t < {f} | head",
+                    f"python3 -c \"import csv; r=list(csv.DictReader(open({f!r}))); print(len(r), list(r[0]) if r else [])\""]
+    if ext == "json":
+        choices += [f"jq . {f}", f"jq 'keys' {f}", f"python3 -m json.tool {f}",
+                    f"python3 -c \"import json; print(sorted(json.load(open({f!r}))))\""]
+    if ext in ("ini", "conf", "yaml"):
+        choices += [f"grep -n '=' {f}", f"grep -n ':' {f}", f"sed -i 's/^{word}.*/{word} = {n}/' {f} && cat {f}"]
+    if ext == "log":
+        choices += [f"grep -c ERROR {f}", f"grep ERROR {f} | head -n 3", f"awk '{{print $3}}' {f} | sort | uniq -c",
+                    f"grep -o '[A-Z]*' {f} | sort | uniq -c"]
+    if ext in ("py", "sh"):
+        choices += [f"python3 {f}" if ext == "py" else f"sh {f}", f"ls -l {f} && {f}"]
+    return rng.choice(choices)
+
+
+def session_instruction(seed, i):
+    return f"Explore and tidy the files on this machine (session {seed}-{i})."
+
+
+def _session_rng(prompt):
+    sid = re.search(r"\(session (\d+)-(\d+)\)", prompt)
+    return int(sid.group(1)), int(sid.group(2))
+
+
+def user_policy(n_commands):
+    """A batch policy for envs.run_episodes that types n_commands generic commands (1-3 per reply), then
+    claims completion and confirms it; its replies are Terminus-2 JSON only because that is what the
+    runner reads. Every choice follows from the session's seed and what the terminal printed."""
+    def reply(messages):
+        seed, i = _session_rng(messages[0]["content"])
+        tree = random_tree(random.Random(f"{seed}/tree/{i}"))
+        turn = sum(m["role"] == "assistant" for m in messages)
+        typed = sum(len(json.loads(m["content"])["commands"]) for m in messages if m["role"] == "assistant")
+        if typed >= n_commands:
+            return json.dumps({"analysis": "", "plan": "", "commands": [], "task_complete": True})
+        shown = "\n".join(m["content"] for m in messages[1:] if m["role"] == "user")
+        seen = [p for p, _, _ in tree if os.path.basename(p) in shown]
+        rng = random.Random(f"{seed}/cmd/{i}/{turn}")
+        cmds = [_command(rng, tree, seen) for _ in range(rng.choice([1, 1, 1, 2, 3]))]
+        return json.dumps({"analysis": "", "plan": "", "task_complete": False,
+                           "commands": [{"keystrokes": c + "\n", "duration": 2.0} for c in cmds]})
+    return lambda states: [reply(m) for m in states]
+
+
+def session_tasks(n, seed):
+    """Generated tasks of the runner: a random tree each, nothing to verify (the verifier always passes)."""
+    return [envs.Task(f"session-{seed}-{i}", session_instruction(seed, i), agent_timeout=600.0, memory_mb=512,
+                      files=tuple((p, t.encode(), m) for p, t, m in random_tree(random.Random(f"{seed}/tree/{i}"))),
+                      tests={"test.sh": b"#!/bin/bash\necho 1 > /logs/verifier/reward.txt\n"})
+            for i in range(n)]
+
+
+PROMPT_LINE = re.compile(r"^\S+@\S+:.*[#$]$")
+
+
+def transcript(messages):
+    """The terminal as a reader of the screen saw it: each observation's new output, in order, without the
+    runner's headers and without repeating the prompt line that the next observation starts from."""
+    parts = []
+    for m in messages[1:]:
+        c = m["content"]
+        if m["role"] != "user" or not c.startswith(OUTPUT_HEADER):
+            continue
+        lines = c[len(OUTPUT_HEADER):].strip("\n").split("\n")
+        if lines and PROMPT_LINE.match(lines[-1]):
+            lines = lines[:-1]
+        parts += lines
+    return "\n".join(parts) + "\n"
+
+
+def record_sessions(n, n_commands, seed, concurrency=8):
+    """Run n sessions in real sandboxes -> list of transcripts (sessions that failed in Docker are dropped)."""
+    eps = envs.run_episodes(session_tasks(n, seed), user_policy(n_commands), max_turns=n_commands + 4,
+                            concurrency=concurrency)
+    bad = [e for e in eps if e.failure]
+    for e in bad[:5]:
+        print(f"  {e.task}: {e.failure} {e.error[:200]}")
+    return [transcript(e.messages) for e in eps if not e.failure]
+
+
+# ----------------------------------------------------------------------------------------------------------
+
+def main(argv=None):
+    args = get_parser().parse_args(argv)
+    out = args.out
+    out.mkdir(parents=True, exist_ok=True)
+    settings = {k: v for k, v in vars(args).items() if k not in ("out", "concurrency")}
+    if (out / "settings.json").exists():
+        old = json.loads((out / "settings.json").read_text())
+        changed = [f"--{k.replace('_', '-')} {old.get(k)!r} -> {v!r}" for k, v in settings.items() if old.get(k) != v]
+        if changed:
+            raise ValueError(f"{out} holds a base model built with other settings ({', '.join(changed)}); "
+                             "choose another --out")
+    else:
+        (out / "settings.json").write_text(json.dumps(settings, indent=2))
+    if (out / "model" / "config.json").exists():
+        print(f"base model reused: {out / 'model'}")
+        return str(out / "model")
+
+    data = out / "sessions.jsonl"
+    if not data.exists():
+        t0 = time.time()
+        texts = record_sessions(args.sessions, args.commands, args.seed, args.concurrency)
+        envs.write_jsonl(data, [{"conversations": [{"role": "assistant", "content": t}]} for t in texts])
+        print(f"recorded {len(texts)}/{args.sessions} sessions ({sum(map(len, texts)) / 1e6:.2f} MB) -> {data} | "
+              f"{time.time() - t0:.0f}s")
+    run = out / "pretrain"
+    init = run / "init"
+    texts = [c[0]["content"] for c in sft.read_trajectories(data)[0]]
+    if not (init / "config.json").exists():
+        sft.build_tiny(init, texts, vocab_size=args.vocab, hidden=args.hidden, layers=args.layers, heads=args.heads,
+                       kv_heads=args.kv_heads, seed=args.seed)
+    t0 = time.time()
+    # One assistant message per session: everything but its header is ACTION, so --lam 0 is the plain LM loss.
+    sft.main(["--model", str(init), "--data", str(data), "--out", str(run), "--lam", "0", "--seed", str(args.seed),
+              "--epochs", str(args.epochs), "--batch-size", str(args.batch_size), "--lr", str(args.lr),
+              "--warmup-ratio", "0.05", "--dtype", "bf16", "--max-len", str(args.max_len), "--micro-tokens", "16384",
+              "--val-size", str(min(16, len(texts) // 10)), "--eval-every", "0", "--save-every", "20", "--keep", "1", "--resume"])
+    os.replace(run / "final", out / "model")
+    print(f"base model: {out / 'model'} | pre-training {time.time() - t0:.0f}s")
+    return str(out / "model")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,73 @@
+"""The terminal base model: generic sessions recorded in real sandboxes, a tokenizer fit to them, a tiny
+pre-training through sft.py that is reproducible from its seed, and the build cache."""
+import json
+import random
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+import base_model  # noqa: E402
+import labels  # noqa: E402
+import taskgen  # noqa: E402
+
+TINY = ["--sessions", "4", "--commands", "5", "--vocab", "400", "--hidden", "32", "--layers", "1", "--heads", "2",
+        "--kv-heads", "1", "--epochs", "1", "--batch-size", "2", "--max-len", "512", "--concurrency", "4"]
+
+
+def test_sessions_follow_the_seed_and_stay_off_the_tasks():
+    a = [base_model.random_tree(random.Random(f"0/tree/{i}")) for i in range(20)]
+    assert a == [base_model.random_tree(random.Random(f"0/tree/{i}")) for i in range(20)]
+    assert a != [base_model.random_tree(random.Random(f"1/tree/{i}")) for i in range(20)]
+    policy = base_model.user_policy(6)
+    states = [[{"role": "user", "content": base_model.session_instruction(0, i)}] for i in range(8)]
+    first = policy(states)
+    assert first == policy(states)
+    assert len(set(first)) > 1
+    # generic commands on generic files: nothing of the toy tasks' instructions or folders
+    task_dirs = {p.rsplit("/", 1)[0] for s in taskgen.make_splits(45, 0, 9)["sft"] + taskgen.make_splits(0, 0, 9)["eval"]
+                 for p, _, _ in s.files}
+    assert not task_dirs & {p.rsplit("/", 1)[0] for tree in a for p, _, _ in tree}
+
+
+def test_transcript_joins_observations_without_repeating_prompts():
+    msgs = [{"role": "user", "content": "prompt"},
+            {"role": "assistant", "content": "{}"},
+            {"role": "user", "content": "New Terminal Output:\nroot@c1:/app# ls\na.txt  b.csv\nroot@c1:/app#"},
+            {"role": "assistant", "content": "{}"},
+            {"role": "user", "content": "New Terminal Output:\n\nroot@c1:/app# cat a.txt\nhello\nroot@c1:/app#"},
+            {"role": "assistant", "content": "{}"},
+            {"role": "user", "content": "Current terminal state:\nNew Terminal Output:\n\nroot@c1:/app#\n\nAre you sure"}]
+    assert base_model.transcript(msgs) == "root@c1:/app# ls\na.txt  b.csv\nroot@c1:/app# cat a.txt\nhello\n"
+
+
+@pytest.mark.slow
+def test_build_records_pretrains_and_reuses(tmp_path, no_leftovers):
+    out = tmp_path / "base"
+    model_dir = Path(base_model.main(["--out", str(out)] + TINY))
+    rows = [json.loads(line) for line in (out / "sessions.jsonl").read_text().splitlines()]
+    assert len(rows) == 4
+    text = rows[0]["conversations"][0]["content"]
+    tree = base_model.random_tree(random.Random("0/tree/0"))
+    assert "# " in text and any(Path(p).name in text for p, _, _ in tree)  # typed commands and their real output
+    assert "New Terminal Output" not in text and "keystrokes" not in text  # the terminal only, no protocol
+    tok = labels.load_tokenizer(model_dir, "native")
+    assert tok.chat_template == labels.PREFIX_TEMPLATE
+    assert {"<|im_start|>", "<|im_end|>", "<|endoftext|>"} <= set(tok.get_vocab())
+    assert len(tok(text)["input_ids"]) < len(text.encode()) / 2  # the BPE is fit to terminal text
+    # cached: the same settings reuse the model, others are refused
+    assert base_model.main(["--out", str(out)] + TINY) == str(model_dir)
+    with pytest.raises(ValueError, match="--lr"):
+        base_model.main(["--out", str(out), "--lr", "1e-2"] + TINY)
+    # reproducible: the same sessions and seed give the same weights
+    again = tmp_path / "again"
+    again.mkdir()
+    shutil.copy(out / "sessions.jsonl", again / "sessions.jsonl")
+    base_model.main(["--out", str(again)] + TINY)
+    from transformers import AutoModelForCausalLM
+    a = AutoModelForCausalLM.from_pretrained(model_dir).state_dict()
+    b = AutoModelForCausalLM.from_pretrained(again / "model").state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
