@@ -44,7 +44,7 @@ import torch.distributed as dist
 
 import envs
 import sft
-from labels import ACTION, OBS, PROMPT, encode, load_tokenizer, message_spans
+from labels import ACTION, OBS, PROMPT, encode, load_tokenizer, message_spans, special_tokens
 
 
 def get_parser():
@@ -149,8 +149,9 @@ def observation_tokens(tok, message, closed, wrapper_spans=None):
     msgs = _SKELETON + [message]
     ids, roles, text, off = encode(tok, msgs)
     spans = message_spans(tok, msgs, text)
-    reply = spans[1]
-    cut = reply[-1][1] if closed else reply[0][1]  # after the reply's end-of-turn token, or after its content
+    cut = spans[1][-1][1]  # the assistant span runs through its end-of-turn token
+    if not closed:  # a cut reply: its end-of-turn token was not sampled, so it belongs to what follows
+        cut -= max(len(t) for t in special_tokens(tok) if text[:cut].endswith(t))
     k = int(np.searchsorted(off[:, 0], cut))
     if k < len(off) and k > 0 and off[k - 1, 1] > cut:
         raise ValueError("a token straddles the end of the assistant turn: the chat template cannot be used token-in/token-out")
