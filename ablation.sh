@@ -1,32 +1,94 @@
 #!/usr/bin/env bash
-# The main job on a CPU laptop (root; no GPU, no internet): install everything, build the sandbox image,
-# generate an SFT corpus by running the scripted expert in real Docker sandboxes, train ActObs (lam=1) and
-# ActionSFT (lam=0) from the same tiny random Qwen3, and run the probes on both. Results: runs/ablation/.
+# The whole ablation on a CPU machine (root; no GPU, no internet but the Debian and PyPI mirrors): install, build
+# the sandbox images, pre-train a small base model on terminal sessions, generate the toy corpus and disjoint
+# RL / evaluation tasks (the held-out kind only in evaluation), SFT three arms from that base (ActionSFT λ=0,
+# ActObs λ=1, Obs→Act), the same GRPO recipe from each, pass@k of all seven checkpoints on the held-out tasks,
+# the probes, and one run folder with REPORT.md (tables with paired bootstrap intervals) and the plots.
 #
-#   bash ablation.sh                   # RUN_DIR=... to write elsewhere
-# Re-running continues where it stopped: the corpus is kept, and training resumes from its checkpoints.
+#   bash ablation.sh              # the full run -> runs/ablation/     (RUN_DIR=... to write elsewhere)
+#   bash ablation.sh --quick      # smaller everything, same code path -> runs/ablation-quick/ (CI runs it)
+#
+# Re-running resumes: every stage skips or continues when its output exists. settings.json in the run folder
+# records every size and the seed; a run folder is only continued with the same ones.
 set -euo pipefail
 cd "$(dirname "$0")"
+case "${1:-}" in "") MODE=full ;; --quick) MODE=quick ;; *) echo "usage: bash ablation.sh [--quick]" >&2; exit 2 ;; esac
+# Stop the Docker daemon on exit only if this script starts it (CI starts it first and stops it itself).
+if .ci/dockerd.sh status >/dev/null 2>&1; then OWN_DOCKERD=0; else OWN_DOCKERD=1; fi
 . .ci/setup.sh
-trap '.ci/dockerd.sh stop' EXIT
-R=${RUN_DIR:-runs/ablation}
-mkdir -p "$R/probes"
+if [ $OWN_DOCKERD = 1 ]; then trap '.ci/dockerd.sh stop' EXIT; fi
 
-# 1. corpus: expert episodes on SFT tasks; RL and evaluation tasks are disjoint Harbor folders
-[ -f "$R/corpus/sft.jsonl" ] || python envs.py corpus --out "$R/corpus" --n-sft 176 --n-rl 32 --n-eval 32 --seed 0
-head -n -32 "$R/corpus/sft.jsonl" > "$R/train.jsonl"    # held-out trajectories for the probes
-tail -n 32 "$R/corpus/sft.jsonl" > "$R/heldout.jsonl"
+# ---- settings: full, then what --quick shrinks ------------------------------------------------------------
+SEED=0
+BASE=(--sessions 256 --commands 16 --epochs 1 --batch-size 4 --lr 2e-3)                   # scripts/base_model.py
+CORPUS=(--n-sft 320 --n-rl 32 --n-eval 18)                                                # envs.py corpus
+HELDOUT_N=32                                                                              # trajectories for the probes
+SFT=(--lr 2e-3 --warmup-ratio 0.05 --min-lr-ratio 0.1 --batch-size 4 --epochs 3 --max-len 2048 --micro-tokens 8192
+     --dtype bf16 --val-size 16 --eval-every 0 --save-every 40 --keep 1 --probe-every 10)  # sft.py, all arms
+GRPO=(--steps 8 --tasks-per-step 4 --group-size 8 --lr 1e-5 --max-turns 12 --max-new-tokens 384 --max-len 4096
+      --concurrency 8 --save-every 4 --keep 1 --kv-cache-gb 1)                             # grpo.py, all arms
+EVAL=(--attempts 16 --max-turns 12 --max-new-tokens 384 --max-len 4096 --concurrency 8)  # evaluate.py, all models
+PROBE=(--n 32 --max-len 2048)                                                             # probes.py
+SAMPLE=(--max-new-tokens 128)                                                             # probes' own samples
+if [ $MODE = quick ]; then
+    BASE=(--sessions 8 --commands 6 --epochs 1 --batch-size 4 --lr 2e-3 --hidden 64 --layers 2 --heads 2 --kv-heads 1
+          --vocab 1024 --max-len 512)
+    CORPUS=(--n-sft 20 --n-rl 2 --n-eval 3)
+    HELDOUT_N=4
+    SFT=(--lr 2e-3 --batch-size 4 --epochs 1 --max-len 1024 --micro-tokens 8192 --val-size 4 --eval-every 0
+         --save-every 0 --keep 1 --probe-every 2)
+    GRPO=(--steps 2 --tasks-per-step 2 --group-size 2 --lr 1e-5 --max-turns 3 --max-new-tokens 96 --max-len 1536
+          --concurrency 4 --save-every 1 --keep 1 --kv-cache-gb 1)
+    EVAL=(--attempts 2 --max-turns 3 --max-new-tokens 96 --max-len 1536 --concurrency 6)
+    PROBE=(--n 4 --max-len 1024)
+    SAMPLE=(--max-new-tokens 32)
+fi
+R=${RUN_DIR:-runs/ablation$([ $MODE = quick ] && echo -quick)}
+PT=scripts/toy_prompt.txt  # the corpus's short system prompt; RL and evaluation use the same
+mkdir -p "$R/eval" "$R/probes"
+python scripts/report.py settings "$R" mode=$MODE seed=$SEED prompt_template=$PT base="${BASE[*]}" corpus="${CORPUS[*]}" \
+    heldout_n=$HELDOUT_N sft="${SFT[*]}" grpo="${GRPO[*]}" eval="${EVAL[*]}" probe="${PROBE[*]}" sample="${SAMPLE[*]}"
+# stage NAME CMD...: run CMD, append its wall time to $R/times.jsonl
+stage() { local t=$SECONDS; "${@:2}"; echo "{\"stage\": \"$1\", \"seconds\": $((SECONDS - t))}" >> "$R/times.jsonl"; }
 
-# 2. SFT: the two arms differ only in --lam; ActionSFT starts from ActObs's exact initialisation
-TRAIN=(--data "$R/train.jsonl" --lr 5e-4 --warmup-ratio 0.1 --batch-size 8 --epochs 2 --max-len 4096
-       --micro-tokens 8192 --val-size 16 --eval-every 8 --save-every 8 --keep 100 --probe-every 8)
-python sft.py --model tiny --out "$R/actobs" --lam 1 --resume "${TRAIN[@]}"
-python sft.py --model "$R/actobs/init" --out "$R/actionsft" --lam 0 --resume "${TRAIN[@]}"
+# ---- 1. base model: generic terminal sessions recorded in sandboxes -> BPE -> pre-trained small Qwen3 (cached)
+stage base python scripts/base_model.py --out "$R/base" --seed $SEED "${BASE[@]}"
+B="$R/base/model"
 
-# 3. probes: observation prediction (wrapper vs payload), command-token entropy, KL from the initialisation
-P=(--data "$R/heldout.jsonl" --n 32 --max-len 4096)
-python probes.py obs-nll --models "$R/actobs/init" "$R/actionsft/final" "$R/actobs/final" "${P[@]}" --out "$R/probes/obs_nll.json"
-python probes.py cmd-entropy --models "$R/actionsft/final" "$R/actobs/final" "${P[@]}" --out "$R/probes/cmd_entropy.json"
-python probes.py kl --models "$R/actionsft/final" "$R/actobs/final" --init "$R/actobs/init" "${P[@]}" --max-new-tokens 128 \
-    --out "$R/probes/kl.json"
-echo "done: $R (log.jsonl and probe_geometry.png per arm, probes/*.json and *.png)"
+# ---- 2. corpus: expert episodes on SFT tasks; RL and evaluation tasks are disjoint, `archive` only in eval
+[ -f "$R/corpus/sft.jsonl" ] || stage corpus python envs.py corpus --out "$R/corpus" --seed $SEED "${CORPUS[@]}" --prompt-template $PT
+head -n -$HELDOUT_N "$R/corpus/sft.jsonl" > "$R/train.jsonl"   # the probes' trajectories stay out of SFT
+tail -n $HELDOUT_N "$R/corpus/sft.jsonl" > "$R/heldout.jsonl"
+
+# ---- 3. SFT from the same base: same data, order and schedule; only the loss mask differs
+stage sft-actionsft python sft.py --model "$B" --data "$R/train.jsonl" --out "$R/actionsft" --lam 0 --seed $SEED --resume "${SFT[@]}"
+stage sft-actobs python sft.py --model "$B" --data "$R/train.jsonl" --out "$R/actobs" --lam 1 --seed $SEED --resume "${SFT[@]}"
+stage sft-obs-then-act python sft.py --model "$B" --data "$R/train.jsonl" --out "$R/obs-then-act" --schedule obs-then-act \
+    --seed $SEED --resume "${SFT[@]}"
+
+# ---- 4. the same GRPO recipe from each SFT arm, on the RL split
+for A in actionsft actobs obs-then-act; do
+    stage grpo-$A python grpo.py --init "$R/$A/final" --tasks "$R/corpus/rl" --out "$R/$A-grpo" --prompt-template $PT \
+        --seed $SEED --resume "${GRPO[@]}"
+done
+
+# ---- 5. pass@k of the base, each SFT and each GRPO checkpoint on the evaluation split (resumes per attempt)
+for M in base actionsft actobs obs-then-act actionsft-grpo actobs-grpo obs-then-act-grpo; do
+    [ $M = base ] && CK="$B" || CK="$R/$M/final"
+    stage eval-$M python evaluate.py --model "$CK" --tasks "$R/corpus/eval" --out "$R/eval/$M.json" --prompt-template $PT \
+        --seed $SEED "${EVAL[@]}"
+done
+
+# ---- 6. probes on held-out trajectories: observation prediction, command entropy, KL from the base, T*
+S=("$R/actionsft/final" "$R/actobs/final" "$R/obs-then-act/final")
+P=(--data "$R/heldout.jsonl" "${PROBE[@]}")
+[ -f "$R/probes/obs_nll.json" ] || stage probe-obs-nll python probes.py obs-nll --models "$B" "${S[@]}" "${P[@]}" --out "$R/probes/obs_nll.json"
+[ -f "$R/probes/cmd_entropy.json" ] || stage probe-cmd-entropy python probes.py cmd-entropy --models "${S[@]}" "${P[@]}" --out "$R/probes/cmd_entropy.json"
+[ -f "$R/probes/kl.json" ] || stage probe-kl python probes.py kl --models "${S[@]}" --init "$B" "${P[@]}" "${SAMPLE[@]}" --out "$R/probes/kl.json"
+[ -f "$R/probes/entropy_actobs.json" ] || stage probe-entropy python probes.py entropy --model "$R/actobs/final" "${P[@]}" \
+    "${SAMPLE[@]}" --out "$R/probes/entropy_actobs.json"
+[ -f "$R/probes/tstar_actionsft.json" ] || stage probe-tstar python probes.py entropy --model "$R/actionsft/final" \
+    --match-entropy "$R/probes/entropy_actobs.json" "${P[@]}" "${SAMPLE[@]}" --out "$R/probes/tstar_actionsft.json"
+
+# ---- 7. the run folder's REPORT.md, comparison tables and plots; fails if any stage's output is malformed
+python scripts/report.py build "$R"

@@ -1,0 +1,372 @@
+"""
+The ablation's run folder (ablation.sh): its settings, a check of every stage's output, and REPORT.md.
+
+    python scripts/report.py settings RUN mode=full seed=0 sft="--lr 2e-3 ..." ...   # ablation.sh, at start
+    python scripts/report.py build RUN                                              # ablation.sh, at the end
+
+`settings` writes RUN/settings.json (each stage's flags, the seed, the mode, the git commit) and refuses a
+folder that holds a run with other settings, so a resumed run never mixes two. `build` checks that every stage
+left well-formed output (files exist and parse, one GRPO log row per step, every task attempted n times,
+pass@k in [0, 1] and non-decreasing in k, finite probe numbers), then writes REPORT.md, report.json and the
+plots: pass_at_k.png (all checkpoints), grpo_curves.png (reward, entropy, KL from init per arm) and
+geometry.png (cos(g_act, g_obs) and r during SFT per arm). Any problem: one line each, exit status 1.
+"""
+import argparse
+import json
+import math
+import shlex
+import subprocess
+import sys
+import time
+import tomllib
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo's modules, when run as a script
+
+import evaluate  # noqa: E402
+import taskgen  # noqa: E402
+
+ARMS = {"actionsft": "ActionSFT (λ=0)", "actobs": "ActObs (λ=1)", "obs-then-act": "Obs→Act"}
+MODELS = {"base": "base", **ARMS, **{f"{a}-grpo": f"{label} + GRPO" for a, label in ARMS.items()}}
+WEIGHTS = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
+PROBES = ("obs_nll", "cmd_entropy", "kl", "entropy_actobs", "tstar_actionsft")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Settings
+
+def flags(args):
+    """'--steps 8 --lr 1e-5 --resume' -> {'--steps': '8', '--lr': '1e-5', '--resume': True}"""
+    words, out = shlex.split(args), {}
+    for i, w in enumerate(words):
+        if w.startswith("--"):
+            nxt = words[i + 1] if i + 1 < len(words) else None
+            out[w] = True if nxt is None or nxt.startswith("--") else nxt
+    return out
+
+
+def write_settings(run, pairs):
+    settings = {}
+    for p in pairs:
+        key, sep, value = p.partition("=")
+        if not sep:
+            raise SystemExit(f"settings: expected KEY=VALUE, got {p!r}")
+        settings[key] = value
+    path = run / "settings.json"
+    if path.exists():
+        old = json.loads(path.read_text())
+        changed = sorted(k for k in set(old["stages"]) | set(settings) if old["stages"].get(k) != settings.get(k))
+        if changed:
+            raise SystemExit(f"{run} holds a run with other settings ({', '.join(changed)} differ): remove it, or "
+                             "set RUN_DIR to another folder")
+        return
+    git = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent).stdout.strip()
+    run.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"stages": settings, "git": git,
+                                "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}, indent=2))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Checks: each appends a line to `problems` and returns what it could read
+
+def read_json(path, problems):
+    try:
+        return json.loads(Path(path).read_text())
+    except (OSError, ValueError) as e:
+        problems.append(f"{path}: {type(e).__name__}: {e}")
+
+
+def read_jsonl(path, problems):
+    try:
+        return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    except (OSError, ValueError) as e:
+        problems.append(f"{path}: {type(e).__name__}: {e}")
+        return []
+
+
+def finite(x):
+    return isinstance(x, int | float) and math.isfinite(x)
+
+
+def check_model(path, problems):
+    missing = [f for f in WEIGHTS if not (path / f).is_file()]
+    if missing:
+        problems.append(f"{path}: not a complete checkpoint (missing {', '.join(missing)})")
+
+
+def task_names(split_dir, problems):
+    """{name: kind} of the Harbor task folders of a split."""
+    out = {}
+    for toml in sorted(split_dir.glob("*/task.toml")):
+        meta = tomllib.loads(toml.read_text())
+        out[meta["task"]["name"].split("/")[-1]] = meta.get("metadata", {}).get("kind")
+    if not out:
+        problems.append(f"{split_dir}: no task folders")
+    return out
+
+
+def check_corpus(run, st, problems):
+    corpus, n = run / "corpus", flags(st["corpus"])
+    rows = read_jsonl(corpus / "sft.jsonl", problems)
+    if not rows or any("conversations" not in r for r in rows):
+        problems.append(f"{corpus / 'sft.jsonl'}: no rows, or rows without conversations")
+    sft_kinds = {r.get("task", "").rsplit("-", 1)[0] for r in rows}
+    rl, ev = task_names(corpus / "rl", problems), task_names(corpus / "eval", problems)
+    for split, tasks, want in (("rl", rl, n["--n-rl"]), ("eval", ev, n["--n-eval"])):
+        if len(tasks) != int(want):
+            problems.append(f"{corpus / split}: {len(tasks)} tasks, settings say {want}")
+    shared = ({r.get("task") for r in rows} | set(rl)) & set(ev) | {r.get("task") for r in rows} & set(rl)
+    if shared:
+        problems.append(f"{corpus}: splits share tasks: {', '.join(sorted(shared)[:5])}")
+    for kind in taskgen.HELDOUT_KINDS:
+        if kind in sft_kinds or kind in rl.values():
+            problems.append(f"{corpus}: the held-out kind {kind!r} appears in SFT or RL")
+        if kind not in ev.values() and len(ev) >= len(taskgen.HELDOUT_KINDS):
+            problems.append(f"{corpus / 'eval'}: the held-out kind {kind!r} is missing")
+    train, held = read_jsonl(run / "train.jsonl", problems), read_jsonl(run / "heldout.jsonl", problems)
+    if len(held) != int(st["heldout_n"]) or len(train) + len(held) != len(rows):
+        problems.append(f"{run}: train.jsonl ({len(train)}) + heldout.jsonl ({len(held)}) is not the corpus "
+                        f"({len(rows)} rows) split at {st['heldout_n']}")
+    return ev
+
+
+def check_sft(run, arm, problems):
+    d = run / arm
+    check_model(d / "final", problems)
+    log = read_jsonl(d / "log.jsonl", problems)
+    geo = [r for r in log if "probe/cos" in r]
+    if len(geo) < 2 or not all(finite(r["probe/cos"]) and finite(r["probe/r"]) for r in geo):
+        problems.append(f"{d / 'log.jsonl'}: {len(geo)} gradient-geometry rows (need >= 2, finite)")
+    if not any(finite(r.get("train/loss")) for r in log):
+        problems.append(f"{d / 'log.jsonl'}: no finite train/loss")
+    if not (d / "probe_geometry.png").is_file():
+        problems.append(f"{d}: no probe_geometry.png")
+    return geo
+
+
+def check_grpo(run, arm, steps, problems):
+    d = run / f"{arm}-grpo"
+    check_model(d / "final", problems)
+    log = read_jsonl(d / "log.jsonl", problems)
+    if [r.get("step") for r in log] != list(range(1, steps + 1)):
+        problems.append(f"{d / 'log.jsonl'}: steps {[r.get('step') for r in log]}, expected 1..{steps}")
+    for r in log:
+        if not (finite(r.get("rollout/reward_mean")) and 0 <= r["rollout/reward_mean"] <= 1):
+            problems.append(f"{d / 'log.jsonl'} step {r.get('step')}: rollout/reward_mean {r.get('rollout/reward_mean')!r}")
+        bad = [k for k in ("train/entropy", "train/kl_init", "train/loss") if not finite(r.get(k))]
+        if bad:
+            problems.append(f"{d / 'log.jsonl'} step {r.get('step')}: not finite: {', '.join(bad)}")
+    if not (d / "curves.png").is_file():
+        problems.append(f"{d}: no curves.png")
+    return log
+
+
+def check_eval(path, tasks, attempts, checkpoint, problems):
+    res = read_json(path, problems)
+    if res is None:
+        return None
+    where = str(path)
+    if res["settings"]["attempts"] != attempts or Path(res["settings"]["model"]).resolve() != checkpoint.resolve():
+        problems.append(f"{where}: evaluated {res['settings']['model']} with {res['settings']['attempts']} attempts; "
+                        f"expected {checkpoint} with {attempts}")
+    if set(res["tasks"]) != set(tasks):
+        problems.append(f"{where}: tasks differ from the evaluation split ({len(res['tasks'])} vs {len(tasks)})")
+    for name, entry in res["tasks"].items():
+        idx = sorted(a["attempt"] for a in entry["attempts"])
+        if idx != list(range(attempts)):
+            problems.append(f"{where}: task {name} has attempts {idx}, expected 0..{attempts - 1}")
+        if not all(finite(a["reward"]) and 0 <= a["reward"] <= 1 for a in entry["attempts"]):
+            problems.append(f"{where}: task {name} has a reward outside [0, 1]")
+    s = res.get("summary")
+    vals = [v for v in (s or {}).get("pass@k", {}).values() if v is not None]
+    if s is None or not vals:
+        problems.append(f"{where}: no summary pass@k")
+    elif not all(0 <= v <= 1 for v in vals) or any(a > b + 1e-12 for a, b in zip(vals, vals[1:])):
+        problems.append(f"{where}: pass@k {vals} not in [0, 1] or decreasing in k")
+    return res
+
+
+def check_probes(run, problems):
+    out = {}
+    for name in PROBES:
+        res = read_json(run / "probes" / f"{name}.json", problems)
+        if res is None:
+            continue
+        nums = [v for v in _numbers(res)]
+        if not nums or not all(math.isfinite(v) for v in nums):
+            problems.append(f"{run / 'probes' / name}.json: no numbers, or non-finite ones")
+        out[name] = res
+    return out
+
+
+def _numbers(x):
+    if isinstance(x, dict):
+        for v in x.values():
+            yield from _numbers(v)
+    elif isinstance(x, list):
+        for v in x:
+            yield from _numbers(v)
+    elif isinstance(x, int | float) and not isinstance(x, bool):
+        yield float(x)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Tables and plots
+
+def overview(results, attempts):
+    """One row per model: pass@k over all tasks, pass@1 / pass@n on the held-out kind, distinct solved."""
+    ks = evaluate.ks_up_to(attempts)
+    head = "| model | " + " | ".join(f"pass@{k}" for k in ks) + f" | held-out pass@1 / @{ks[-1]} | solved | excluded |"
+    lines = [head, "|" + "---|" * (len(ks) + 4)]
+    for m, res in results.items():
+        s = evaluate.summarize(res["tasks"], ks)
+        held = {n: e for n, e in res["tasks"].items() if e.get("heldout")}
+        h = evaluate.summarize(held, ks) if held else None
+        hcell = f"{evaluate.pct(h['pass@k'][ks[0]])} / {evaluate.pct(h['pass@k'][ks[-1]])}" if h else "-"
+        lines.append(f"| {MODELS[m]} | " + " | ".join(evaluate.pct(s["pass@k"][k]) for k in ks)
+                     + f" | {hcell} | {s['solved']}/{s['tasks']} | {s['excluded']} |")
+    return "\n".join(lines)
+
+
+def comparison(results, models):
+    """evaluate.py compare on these models (the first is the baseline), on all tasks and then by kind."""
+    runs = [(MODELS[m], results[m]) for m in models]
+    cmp = evaluate.compare(runs)
+    text = [evaluate.compare_table(cmp)]
+    for label, tasks in evaluate.groups(results[models[0]])[1:]:
+        sub = evaluate.compare([(name, {**res, "tasks": {t: e for t, e in res["tasks"].items() if t in tasks}})
+                                for name, res in runs])
+        text.append(f"\n== {label}\n" + evaluate.compare_table(sub))
+    return cmp, "\n".join(text)
+
+
+def plot_runs(path, panels, series):
+    """panels: [(key, title)]; series: {label: rows with "step" and the keys} -> one PNG, a panel per key."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.5 * len(panels), 3.5))
+    for ax, (key, title) in zip(axes, panels):
+        for label, rows in series.items():
+            pts = sorted((r["step"], r[key]) for r in rows if r.get("step") is not None and finite(r.get(key)))
+            if pts:
+                ax.plot(*zip(*pts), marker=".", label=label)
+        ax.set(title=title, xlabel="step")
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def probe_table(probes, run):
+    short = lambda p: Path(p).resolve().relative_to(run.resolve()).parts[0] if Path(p).resolve().is_relative_to(run.resolve()) else p
+    name = lambda p: MODELS.get(short(p), "base" if short(p) == "base" else str(p))
+    lines = ["| model | obs NLL | wrapper | payload | KL(ckpt ‖ base) | command entropy, positions 1 / 2 / 3 / 4-7 / 8+ |",
+             "|---|---|---|---|---|---|"]
+    for p, v in probes.get("obs_nll", {}).items():
+        kl = probes.get("kl", {}).get(p, {}).get("kl")
+        ent = probes.get("cmd_entropy", {}).get(p, {}).get("entropy", {})
+        ents = " / ".join("-" if x is None else f"{x:.3f}" for x in ent.values()) or "-"
+        lines.append(f"| {name(p)} | {v['obs_nll']:.3f} | {v['wrapper_nll']:.3f} | {v['payload_nll']:.3f} | "
+                     + ("-" if kl is None else f"{kl:.4f}") + f" | {ents} |")
+    e, t = probes.get("entropy_actobs"), probes.get("tstar_actionsft")
+    if e and t:
+        lines.append(f"\nSelf-entropy of ActObs at T = {e['temperature']}: {e['entropy']:.3f} nats/token; ActionSFT matches "
+                     f"it at T* = {t['t_star']:.3f} (the paper's T* = 0.64 is for Qwen3 after SFT on the real corpus).")
+    return "\n".join(lines)
+
+
+def build(run):
+    problems = []
+    settings = read_json(run / "settings.json", problems)
+    if settings is None:
+        return problems
+    st = settings["stages"]
+    check_model(run / "base" / "model", problems)
+    ev = check_corpus(run, st, problems)
+    geo = {a: check_sft(run, a, problems) for a in ARMS}
+    steps, attempts = int(flags(st["grpo"])["--steps"]), int(flags(st["eval"])["--attempts"])
+    grpo = {a: check_grpo(run, a, steps, problems) for a in ARMS}
+    results = {}
+    for m in MODELS:
+        ck = run / "base" / "model" if m == "base" else run / m / "final"
+        res = check_eval(run / "eval" / f"{m}.json", ev, attempts, ck, problems)
+        if res is not None:
+            results[m] = res
+    probes = check_probes(run, problems)
+    times = read_jsonl(run / "times.jsonl", problems)
+    if problems:
+        return problems
+
+    after, after_txt = comparison(results, [f"{a}-grpo" for a in ARMS])
+    before, before_txt = comparison(results, list(ARMS) + ["base"])
+    effect = {a: comparison(results, [a, f"{a}-grpo"]) for a in ARMS}
+    evaluate.plot_compare(evaluate.compare([(MODELS[m], r) for m, r in results.items()]), run / "pass_at_k.png")
+    plot_runs(run / "grpo_curves.png", [("rollout/reward_mean", "mean reward"), ("train/entropy", "action-token entropy"),
+                                        ("train/kl_init", "KL from the SFT checkpoint")], {ARMS[a]: grpo[a] for a in ARMS})
+    plot_runs(run / "geometry.png", [("probe/cos", "cos(g_act, g_obs) during SFT"), ("probe/r", "r = |g_obs| / |g_act|")],
+              {ARMS[a]: geo[a] for a in ARMS})
+    total = {}
+    for t in times:
+        total[t["stage"]] = total.get(t["stage"], 0) + t["seconds"]
+
+    md = [f"# ActObs CPU ablation: {settings['stages'].get('mode', '?')} run", "",
+          f"Commit {settings['git'][:10]}, started {settings['started']}, seed {st.get('seed')}. Settings of every stage: "
+          "settings.json; each run dir has its own config.json.", "",
+          f"## pass@k on the evaluation split ({len(ev)} tasks × {attempts} attempts; held-out kind: "
+          f"{', '.join(taskgen.HELDOUT_KINDS)})", "", overview(results, attempts), "",
+          "pass@k in %, unbiased estimator over tasks; excluded = attempts lost to infrastructure failures (not counted). "
+          "Plot: pass_at_k.png.", "",
+          "## After the same GRPO: ActionSFT + GRPO is the baseline [0]", "", "```", after_txt, "```", "",
+          "## Before GRPO: the SFT arms and the base model, ActionSFT is the baseline [0]", "", "```", before_txt, "```", ""]
+    for a in ARMS:
+        md += [f"## What GRPO did to {ARMS[a]}", "", "```", effect[a][1].split("\n\n==")[0], "```", ""]
+    md += ["A difference whose 95% interval contains 0 is no evidence of a difference: report it as a null result.", "",
+           "## GRPO runs (grpo_curves.png; each run's own curves.png and log.jsonl)", "",
+           "| arm | steps | reward first → last | solve rate last | groups with signal (sum) | entropy first → last | KL from init last |",
+           "|---|---|---|---|---|---|---|"]
+    for a in ARMS:
+        g = grpo[a]
+        md.append(f"| {ARMS[a]} | {len(g)} | {g[0]['rollout/reward_mean']:.3f} → {g[-1]['rollout/reward_mean']:.3f} | "
+                  f"{g[-1]['rollout/solve_rate']:.3f} | {sum(r['rollout/groups_with_signal'] for r in g)} | "
+                  f"{g[0]['train/entropy']:.3f} → {g[-1]['train/entropy']:.3f} | {g[-1]['train/kl_init']:.2e} |")
+    md += ["", "## Gradient geometry during SFT (geometry.png; each arm's probe_geometry.png)", "",
+           "| arm | cos(g_act, g_obs) first → last | r = ‖g_obs‖/‖g_act‖ first → last |", "|---|---|---|"]
+    for a in ARMS:
+        g = sorted(geo[a], key=lambda r: r["step"])
+        md.append(f"| {ARMS[a]} | {g[0]['probe/cos']:.3f} → {g[-1]['probe/cos']:.3f} | {g[0]['probe/r']:.3f} → {g[-1]['probe/r']:.3f} |")
+    md += ["", "## Probes on held-out trajectories (probes/*.json and *.png)", "", probe_table(probes, run), "",
+           "## Wall time per stage", "", "| stage | seconds |", "|---|---|"]
+    md += [f"| {k} | {v} |" for k, v in total.items()] + [f"| **total** | {sum(total.values())} |", ""]
+    (run / "REPORT.md").write_text("\n".join(md))
+    (run / "report.json").write_text(json.dumps({"after_grpo": after, "before_grpo": before,
+                                                 "grpo_effect": {a: effect[a][0] for a in ARMS},
+                                                 "summary": {m: r["summary"] for m, r in results.items()},
+                                                 "stage_seconds": total}, indent=1))
+    return []
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    s = sub.add_parser("settings", help="record the run's settings; refuse a folder with other ones")
+    s.add_argument("run", type=Path)
+    s.add_argument("pairs", nargs="+", help="KEY=VALUE, e.g. grpo=\"--steps 8 ...\"")
+    b = sub.add_parser("build", help="check every stage's output, write REPORT.md, report.json and the plots")
+    b.add_argument("run", type=Path)
+    args = p.parse_args(argv)
+    if args.cmd == "settings":
+        return write_settings(args.run, args.pairs)
+    problems = build(args.run)
+    if problems:
+        print(f"{args.run}: {len(problems)} problem(s) in the stages' outputs:", file=sys.stderr)
+        for line in problems:
+            print(f"  {line}", file=sys.stderr)
+        raise SystemExit(1)
+    print((args.run / "REPORT.md").read_text())
+    print(f"-> {args.run / 'REPORT.md'}")
+
+
+if __name__ == "__main__":
+    main()
