@@ -11,7 +11,8 @@ name an earlier output showed. Only the terminal is kept: the prompt, the typed 
 never the agent protocol nor the toy tasks (taskgen.py), so the base model knows shells and not the tasks.
 
 Steps, each reused when its output exists (an interrupted pre-training resumes from its last checkpoint):
-    OUT/sessions.jsonl   recorded sessions, one {"conversations": [{"role": "assistant", "content": transcript}]}
+    OUT/sessions.jsonl   recorded sessions: {"conversations": [{"role": "user", "content": ""},
+                                                            {"role": "assistant", "content": transcript}]}
     OUT/pretrain/        sft.py run dir: init/ (tokenizer fit to the sessions + random Qwen3), step-N/, final/
     OUT/model/           the base model: pretrain/final, renamed once complete
 OUT/settings.json holds the settings it was built with; another build into the same OUT must use the same
@@ -42,9 +43,9 @@ def get_parser():
     p.add_argument("--out", required=True, type=Path, help="build dir: sessions.jsonl, pretrain/, model/")
     p.add_argument("--seed", type=int, default=0, help="seeds the trees, the commands, the init and the data order")
     # data
-    p.add_argument("--sessions", type=int, default=600, help="terminal sessions to record")
-    p.add_argument("--commands", type=int, default=24, help="commands typed per session (about)")
-    p.add_argument("--concurrency", type=int, default=8, help="sandboxes live at once while recording")
+    p.add_argument("--sessions", type=int, default=256, help="terminal sessions to record")
+    p.add_argument("--commands", type=int, default=16, help="commands typed per session (about)")
+    p.add_argument("--concurrency", type=int, default=16, help="sandboxes live at once while recording")
     # model
     p.add_argument("--vocab", type=int, default=4096, help="BPE vocabulary, Qwen's special tokens included")
     p.add_argument("--hidden", type=int, default=256)
@@ -52,8 +53,8 @@ def get_parser():
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--kv-heads", type=int, default=2)
     # pre-training (sft.py flags)
-    p.add_argument("--epochs", type=int, default=2)
-    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--epochs", type=int, default=1)
+    p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--max-len", type=int, default=1024, help="tokens kept of a session")
     return p
@@ -254,17 +255,19 @@ def main(argv=None):
     if not data.exists():
         t0 = time.time()
         texts = record_sessions(args.sessions, args.commands, args.seed, args.concurrency)
-        envs.write_jsonl(data, [{"conversations": [{"role": "assistant", "content": t}]} for t in texts])
+        # An empty first user turn (PROMPT, masked) and the session as one assistant turn: its tokens are the
+        # ones supervised, so --lam 0 is the plain language-model loss on the terminal text.
+        envs.write_jsonl(data, [{"conversations": [{"role": "user", "content": ""}, {"role": "assistant", "content": t}]}
+                                for t in texts])
         print(f"recorded {len(texts)}/{args.sessions} sessions ({sum(map(len, texts)) / 1e6:.2f} MB) -> {data} | "
               f"{time.time() - t0:.0f}s")
     run = out / "pretrain"
     init = run / "init"
-    texts = [c[0]["content"] for c in sft.read_trajectories(data)[0]]
+    texts = [c[-1]["content"] for c in sft.read_trajectories(data)[0]]
     if not (init / "config.json").exists():
         sft.build_tiny(init, texts, vocab_size=args.vocab, hidden=args.hidden, layers=args.layers, heads=args.heads,
                        kv_heads=args.kv_heads, seed=args.seed)
     t0 = time.time()
-    # One assistant message per session: everything but its header is ACTION, so --lam 0 is the plain LM loss.
     sft.main(["--model", str(init), "--data", str(data), "--out", str(run), "--lam", "0", "--seed", str(args.seed),
               "--epochs", str(args.epochs), "--batch-size", str(args.batch_size), "--lr", str(args.lr),
               "--warmup-ratio", "0.05", "--dtype", "bf16", "--max-len", str(args.max_len), "--micro-tokens", "16384",

@@ -50,7 +50,7 @@ def test_build_records_pretrains_and_reuses(tmp_path, no_leftovers):
     model_dir = Path(base_model.main(["--out", str(out)] + TINY))
     rows = [json.loads(line) for line in (out / "sessions.jsonl").read_text().splitlines()]
     assert len(rows) == 4
-    text = rows[0]["conversations"][0]["content"]
+    text = rows[0]["conversations"][1]["content"]
     tree = base_model.random_tree(random.Random("0/tree/0"))
     assert "# " in text and any(Path(p).name in text for p, _, _ in tree)  # typed commands and their real output
     assert "New Terminal Output" not in text and "keystrokes" not in text  # the terminal only, no protocol
