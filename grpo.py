@@ -79,6 +79,7 @@ def get_parser():
     p.add_argument("--micro-tokens", type=int, default=32768, help="token budget of one micro-batch (padded rows x length)")
     p.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32"], help="autocast and engine dtype; auto = bf16 on CUDA, fp32 on CPU")
     p.add_argument("--grad-ckpt", action="store_true")
+    p.add_argument("--fsdp", action="store_true", help="shard weights, grads and Adam state with FSDP2 instead of DDP under torchrun")
     p.add_argument("--seed", type=int, default=0)
     # engine
     p.add_argument("--gpu-memory", type=float, default=0.35, help="fraction of GPU memory for the vLLM engine (weights + KV cache)")
@@ -109,12 +110,18 @@ def make_engine(model_dir, *, max_model_len, seed=0, dtype="auto", gpu_memory=0.
                logprobs_mode="processed_logprobs", **kw)
 
 
-def sync_weights(engine, model):
+def sync_weights(engine, model, fsdp=False):
     """Load the trainer's weights into the engine in place, all at once, then drop cached prefixes (their KV was
     computed by the old weights). With tied embeddings lm_head.weight is passed explicitly: the engine keeps a
-    separate head and would otherwise silently keep the old one."""
-    sd = dict(model.state_dict())
-    sd["lm_head.weight"] = model.get_output_embeddings().weight
+    separate head and would otherwise silently keep the old one. Under FSDP2 every rank gathers the full
+    weights for its own engine."""
+    if fsdp:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+        sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    else:
+        sd = dict(model.state_dict())
+    if model.config.tie_word_embeddings:
+        sd["lm_head.weight"] = sd["model.embed_tokens.weight"]
     dtype = engine.llm_engine.model_config.dtype
     engine.collective_rpc("reload_weights", kwargs={"weights_iterator": [(k, v.detach().to(dtype)) for k, v in sd.items()]})
     engine.reset_prefix_cache()
@@ -175,7 +182,8 @@ class VLLMPolicy:
     sequence (prompt, sampled ids exactly as returned, observation turns as the template renders them) in its
     Episode (token_ids, roles, logprobs, obs_wrapper, truncated). A turn is queued with add_request the moment
     its observation is back; poll() runs one engine step (one decoding iteration of every running request).
-    lockstep=True waits for all live sandboxes before generating (the benchmark's baseline)."""
+    lockstep=True is the benchmark's baseline: rounds of generating every live episode's turn to the end, then
+    stepping all their sandboxes."""
 
     def __init__(self, engine, tok, *, temperature, max_new_tokens, max_len, seed=0, lockstep=False, wrapper_re=None):
         from vllm import SamplingParams
@@ -220,7 +228,10 @@ class VLLMPolicy:
         out, self.ready = self.ready, []
         if not self.requests:
             return out
-        for o in self.engine.llm_engine.step():
+        outputs = self.engine.llm_engine.step()
+        while self.lockstep and len(outputs) < len(self.requests):  # a round: every queued turn, then the sandboxes
+            outputs += self.engine.llm_engine.step()
+        for o in outputs:
             if not o.finished:
                 continue
             key = self.requests.pop(o.request_id)
@@ -270,9 +281,9 @@ def group_advantages(rewards, valid=None, scale_std=False, eps=1e-6):
     mean = (rewards * valid).sum(1, keepdim=True) / n
     dev = (rewards - mean) * valid  # (G, S)
     std = (dev.pow(2).sum(1, keepdim=True) / n).sqrt()
-    signal = (std.squeeze(1) > 0) & (valid.sum(1) >= 2)  # (G,)
+    has_signal = (std.squeeze(1) > 0) & (valid.sum(1) >= 2)  # (G,)
     adv = dev / (std + eps) if scale_std else dev
-    return adv * signal[:, None], signal
+    return adv * has_signal[:, None], has_signal
 
 
 @torch.no_grad()
@@ -474,13 +485,14 @@ def main(argv=None):
     if device.type == "cuda":
         torch.cuda.set_device(device)
     print0 = print if rank == 0 else (lambda *a, **k: None)
+    if args.fsdp and not distributed:
+        raise ValueError("--fsdp shards across ranks: launch with torchrun")
     if args.tasks_per_step % world:
         raise ValueError(f"--tasks-per-step {args.tasks_per_step} must be a multiple of the {world} ranks")
     if args.keep < 1 or args.ppo_epochs < 1 or args.temperature <= 0:
         raise ValueError("--keep and --ppo-epochs must be >= 1, --temperature > 0")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    args.fsdp = False  # sft's checkpoint writer reads it; this trainer is DDP
 
     ckpts, state = sft.checkpoint_dirs(out), None
     if not args.resume and (ckpts or (out / "final").exists() or (out / "log.jsonl").exists()):
@@ -501,16 +513,26 @@ def main(argv=None):
     use_bf16 = args.dtype == "bf16" or (args.dtype == "auto" and device.type == "cuda")
     ctx = torch.autocast(device.type, dtype=torch.bfloat16) if use_bf16 else nullcontext()
     raw = sft.load_model(ckpts[-1] if ckpts else args.init, device)
-    ref = sft.load_model(args.init, device).requires_grad_(False).eval()  # the initial policy: KL from init
+    # the initial policy, for the KL from init: a full copy per rank, in the autocast dtype
+    ref = sft.load_model(args.init, device).to(torch.bfloat16 if use_bf16 else torch.float32).requires_grad_(False).eval()
     if args.grad_ckpt:
         raw.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model = PGModule(raw)
-    if distributed:
+    if args.fsdp:
+        from torch.distributed.fsdp import fully_shard
+        for layer in raw.base_model.layers:
+            fully_shard(layer)
+        fully_shard(model)
+    elif distributed:
         model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
     start = 0
     if state is not None:
-        opt.load_state_dict(state["optimizer"])
+        if args.fsdp:
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+            set_optimizer_state_dict(model, opt, state["optimizer"], options=StateDictOptions(full_state_dict=True))
+        else:
+            opt.load_state_dict(state["optimizer"])
         start = state["step"]
     engine = make_engine(ckpts[-1] if ckpts else args.init, max_model_len=args.max_len, seed=args.seed,
                          dtype=args.dtype, gpu_memory=args.gpu_memory, kv_cache_gb=args.kv_cache_gb)
@@ -538,12 +560,14 @@ def main(argv=None):
                            template=template, seed=(args.seed * 100_003 + step) * 64 + rank,
                            on_episode=lambda i, e: bar.update(), stats=gen, wrapper_re=probes.WRAPPER_RE)
         bar.close()
+        if device.type == "cuda":  # the engine's weights go to host memory and its KV cache is freed while training
+            engine.sleep(level=1)
         t_roll = time.time()
 
         # advantages per group; infrastructure failures leave their group's statistics
         rewards = torch.tensor([e.reward for e in episodes], dtype=torch.float32).view(per_rank, args.group_size)
         valid = torch.tensor([not infra_failure(e) for e in episodes]).view(per_rank, args.group_size)
-        adv, signal = group_advantages(rewards, valid, args.scale_std)
+        adv, has_signal = group_advantages(rewards, valid, args.scale_std)
         examples = []
         for e, a, ok in zip(episodes, adv.flatten().tolist(), valid.flatten().tolist()):
             if ok and ACTION in e.roles:
@@ -570,27 +594,31 @@ def main(argv=None):
                 batch = collate([examples[i] for i in g] or [{"ids": [tok.pad_token_id], "roles": [PROMPT], "behav": [0.0],
                                                              "wrapper": [False], "adv": 0.0}], tok.pad_token_id)
                 batch = {key: v.to(device) for key, v in batch.items()}
-                sync = model.no_sync() if distributed and k < len(mbs) - 1 else nullcontext()
+                # DDP: one all-reduce after the last micro-batch; FSDP2 reduce-scatters after each (no full grads kept)
+                sync = model.no_sync() if distributed and not args.fsdp and k < len(mbs) - 1 else nullcontext()
                 with sync, ctx:
                     carrier, st = model(batch, args, max(n_tok, 1), max(n_seq, 1), n_echo)
                     (carrier * world).backward()  # DDP averages over ranks; the normalisers are already global
                 if epoch == 0:
                     for key, v in st.items():
                         tot[key] = tot.get(key, 0.0) + v
-            gnorm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip if args.grad_clip > 0 else float("inf")))
+            gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip if args.grad_clip > 0 else float("inf"))
+            gnorm = float(gnorm.full_tensor() if hasattr(gnorm, "full_tensor") else gnorm)
             if math.isfinite(gnorm):
                 opt.step()
             else:
                 print0(f"step {step + 1}: grad norm {gnorm}, update skipped")
             opt.zero_grad(set_to_none=True)
         t_train = time.time()
-        sync_weights(engine, raw)
+        if device.type == "cuda":
+            engine.wake_up()
+        sync_weights(engine, raw, args.fsdp)
         t_sync = time.time()
 
         # one log row: episode statistics summed over ranks
         ep_sums = {"episodes": len(episodes), "valid": int(valid.sum()), "reward_sum": float((rewards * valid).sum()),
                    "solved": sum(e.reward >= 1.0 and not infra_failure(e) for e in episodes),
-                   "signal": int(signal.sum()), "groups": per_rank, "turns": sum(e.turns for e in episodes),
+                   "signal": int(has_signal.sum()), "groups": per_rank, "turns": sum(e.turns for e in episodes),
                    "tokens": sum(len(e.token_ids) for e in episodes), "truncated": sum(e.truncated for e in episodes),
                    "gen_tokens": sum(e.roles.count(ACTION) for e in episodes),
                    "parse_errors": sum(m["role"] == "user" and m["content"].startswith(parse_error_head)
