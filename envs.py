@@ -41,8 +41,9 @@ from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from pathlib import Path
 
 import taskgen
-from taskgen import (DEFAULT_PROMPT, MAX_DURATION, confirm_message, decode, fill_prompt, load_template, pane_diff,
-                     parse_error_message, parse_reply, truncate_output, visible_screen, with_warnings)
+from terminus import (DEFAULT_PROMPT, MAX_DURATION, OUTPUT_HEADER, SCREEN_HEADER, confirm_message, decode, fill_prompt,
+                      load_template, pane_diff, parse_error_message, parse_reply, truncate_output, visible_screen,
+                      with_warnings)
 
 BASE_IMAGE = "actobs-base:bookworm"
 BASE_PACKAGES = ["tmux", "python3", "procps", "jq"]  # tmux: the terminal; the rest: what generated tasks use
@@ -359,7 +360,7 @@ class Sandbox:
     def screen(self):
         """Initial observation: the visible screen; also marks the read position for the first diff."""
         screen, _ = self._step("", 5.0, read=True)  # returns as soon as the first prompt is drawn
-        return f"Current Terminal Screen:\n{screen}"
+        return SCREEN_HEADER + screen
 
     def send(self, keystrokes, duration=1.0, read=True):
         """Type keystrokes (Terminus-2 semantics) and wait until the shell is idle, at most `duration` seconds.
@@ -369,8 +370,8 @@ class Sandbox:
         if not read:
             return None
         if diff is None or not diff.strip():
-            return f"Current Terminal Screen:\n{screen}"
-        return f"New Terminal Output:\n{truncate_output(diff)}"
+            return SCREEN_HEADER + screen
+        return OUTPUT_HEADER + truncate_output(diff)
 
     def _step(self, keystrokes, duration, read):
         # A keystroke string that is exactly a tmux key name (C-c, Enter, Up...) is a key; all else is text.
@@ -486,7 +487,7 @@ def build_task_image(name, context):
 
 def task_from_spec(spec):
     """A generated task (taskgen.Spec) as a Task on the base image; its files are uploaded at start."""
-    return Task(spec.name, spec.instruction, agent_timeout=300.0, verifier_timeout=60.0, memory_mb=1024,
+    return Task(spec.name, spec.instruction, **taskgen.LIMITS,
                 files=tuple((p, text.encode(), mode) for p, text, mode in spec.files),
                 tests={"test.sh": spec.test.encode()}, solution={"solve.sh": spec.solve.encode()})
 
@@ -759,7 +760,7 @@ def corpus(args):
     args.out.mkdir(parents=True, exist_ok=True)
     for split in ("rl", "eval"):
         for spec in splits[split]:
-            taskgen.write_harbor(spec, args.out / split / spec.name)
+            taskgen.write_harbor(spec, args.out / split / spec.name, BASE_IMAGE)
         write_jsonl(args.out / f"{split}.jsonl", [dataclasses.asdict(s) for s in splits[split]])
     tasks = [task_from_spec(s) for s in splits["sft"]]
     t0 = time.time()

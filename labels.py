@@ -5,9 +5,10 @@ Trajectories in, labelled tokens out: the part of ActObs that SFT, probes, rollo
     tok = load_tokenizer("Qwen/Qwen3-4B", "prefix")           # the chat template everything will use
     ids, roles = render(tok, convs[0], max_len=16384)         # one role per token: PROMPT, ACTION, OBS
 
-render() labels exactly, for any chat template: a message's rendered content and its end-of-turn token get
-its role (system and first user turn PROMPT, assistant ACTION, later user and tool turns OBS), headers are
-PROMPT. The default 'prefix' template renders turn by turn, as a policy sees them at RL and evaluation time.
+render() labels exactly, for any chat template, by what the policy generates: an assistant turn is ACTION
+from the end of the template's generation prompt up to and including its end-of-turn token; a later user or
+tool turn is OBS (its content and end-of-turn token); system and first user turn, and headers, are PROMPT.
+The default 'prefix' template renders turn by turn, as a policy sees them at RL and evaluation time.
 """
 import json
 import os
@@ -138,17 +139,41 @@ def _longest_prefix_found(piece, text, start):
     return (text.find(piece[:lo], start) if lo else -1), lo
 
 
+def special_tokens(tokenizer):
+    """Every special token of the vocabulary: the named ones (eos, pad...) and each added token marked special
+    (e.g. Phi-3's '<|end|>', which closes turns without being eos or a named special token)."""
+    added = [t.content for t in tokenizer.added_tokens_decoder.values() if t.special]
+    return sorted({t for t in list(tokenizer.all_special_tokens) + added if t}, key=len, reverse=True)
+
+
+def generation_prompt(tokenizer, messages):
+    """The text add_generation_prompt=True appends after `messages` ('' if the template writes none)."""
+    from jinja2 import TemplateError
+    try:
+        plain = tokenizer.apply_chat_template(messages, tokenize=False)
+        prompted = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    except TemplateError:  # e.g. Qwen3's template refuses a conversation without a user turn
+        return ""
+    return prompted[len(os.path.commonprefix([plain, prompted])):]
+
+
 def message_spans(tokenizer, messages, text):
-    """Character ranges of each message in `text`: its rendered content and its end-of-turn token.
+    """Character ranges of each message in `text`, the text its role labels.
+
+    An assistant turn is everything the policy generates: from the end of the template's generation prompt
+    (what add_generation_prompt=True appends after the preceding messages; e.g. Qwen3's '<think>\n' after
+    '<|im_start|>assistant\n' is the model's to write) up to and including its end-of-turn token. Other
+    messages are their rendered content and their end-of-turn token; the template text around the content
+    (headers, '\n</tool_response>') is PROMPT. With a template that has no generation prompt, an assistant
+    turn is labelled like the others.
 
     The template is rendered once more with every content replaced by a sentinel; the template text between
-    two sentinels (end-of-turn, next header) is then located in the real rendering. Decoration the template
-    inserts before a content (e.g. Qwen3's '<think>\n' on the final turn) counts as header, i.e. PROMPT. The
-    end-of-turn token is the first special token after the content, if it is one the template closes
-    messages with (found in the text after the last message) or the eos token; wrapper text in between
-    (e.g. '\n</tool_response>') stays PROMPT."""
+    two sentinels (end-of-turn, next header) is then located in the real rendering. The end-of-turn token is
+    the first special token (special_tokens) after the content, if it is one the template closes messages
+    with (found in the text after the last message) or the eos token."""
     sent = [f"\ue000{j}\ue001" for j in range(len(messages))]
-    skel = tokenizer.apply_chat_template([{**m, "content": s} for m, s in zip(messages, sent)], tokenize=False)
+    skel_msgs = [{**m, "content": s} for m, s in zip(messages, sent)]
+    skel = tokenizer.apply_chat_template(skel_msgs, tokenize=False)
     pieces, pos = [], 0
     for j, s in enumerate(sent):
         k = skel.find(s, pos)
@@ -157,7 +182,7 @@ def message_spans(tokenizer, messages, text):
         pieces.append(skel[pos:k])
         pos = k + len(s)
     pieces.append(skel[pos:])
-    specials = sorted({t for t in tokenizer.all_special_tokens if t}, key=len, reverse=True)
+    specials = special_tokens(tokenizer)
     closers = {t for t in specials if t in pieces[-1]} | {tokenizer.eos_token}
 
     def eot(piece):  # (offset, length) of the end-of-turn token in the template text after a content
@@ -167,7 +192,13 @@ def message_spans(tokenizer, messages, text):
         k, _, t = min(hits)
         return (k, len(t)) if t in closers else None
 
+    def generated_from(j):  # offset in pieces[j] where what the policy writes for assistant turn j begins
+        g = generation_prompt(tokenizer, skel_msgs[:j]) if messages[j]["role"] == "assistant" else ""
+        k = pieces[j].find(g) if g else -1
+        return k + len(g) if k >= 0 else len(pieces[j])
+
     start = len(os.path.commonprefix([pieces[0], text]))
+    begin = min(generated_from(0), start)
     spans = []
     for j in range(1, len(pieces)):
         piece = pieces[j]
@@ -179,19 +210,22 @@ def message_spans(tokenizer, messages, text):
             q, n = _longest_prefix_found(piece, text, start)
         if q < 0 or (n == 0 and j < len(messages)):
             raise ValueError(f"cannot find where message {j - 1} ({messages[j - 1]['role']}) ends in the rendered text")
-        ranges = [(start, q)]
         e = eot(piece[:n])
-        if e:
-            ranges.append((q + e[0], q + e[0] + e[1]))
-        spans.append(ranges)
+        if messages[j - 1]["role"] == "assistant":  # one contiguous range: all the policy writes
+            spans.append([(begin, q + e[0] + e[1] if e else q)])
+        else:
+            spans.append([(start, q)] + ([(q + e[0], q + e[0] + e[1])] if e else []))
         start = q + n
+        if j < len(messages):
+            begin = q + min(generated_from(j), n)
     return spans
 
 
 def render(tokenizer, messages, max_len=None):
     """-> (ids, roles): the conversation as the tokenizer's chat template renders it, one role per token.
 
-    A message's role covers its rendered content and its end-of-turn token; headers are PROMPT. A token that a
+    A message's role covers the text message_spans gives it (for an assistant turn, all it generates after the
+    generation prompt; otherwise its content and end-of-turn token); headers are PROMPT. A token that a
     BPE merge makes straddle two segments takes the highest-priority role among its characters,
     ACTION > OBS > PROMPT: every character the model must produce stays supervised (at the cost of a few
     template characters in such rare merged tokens)."""
@@ -203,7 +237,7 @@ def encode(tokenizer, messages, max_len=None):
     """-> (ids, roles (T,) int8, text, offsets (T, 2)): render()'s labels plus the rendered text and each
     token's character span [start, end), for probes that label sub-spans of a message (a token with an empty
     span is given the character at its start)."""
-    specials = [t for t in tokenizer.all_special_tokens if t]
+    specials = special_tokens(tokenizer)
     for j, m in enumerate(messages):
         hit = next((t for t in specials if t in m["content"]), None)
         if hit:  # it would tokenise as a real turn boundary, and its labels would be ambiguous

@@ -1,12 +1,10 @@
 """
-The pure half of ActObs's environments (envs.py runs everything in Docker):
+The embedded task world of ActObs, pure (envs.py runs everything in Docker; terminus.py holds the protocol):
 
-1. The Terminus-2 protocol as text: the default system prompt, parsing a model reply into keystrokes,
-   the observation strings (terminal output diffs, truncation, parse errors, the completion check).
-2. The embedded task world: a seeded generator of small terminal tasks (files to set up, an instruction, a bash
-   verifier, a reference solution), written out as Harbor folders when needed.
-3. A scripted expert policy that solves them the way an agent would: it looks first (ls, cat, grep, head),
-   decides from the observation, sometimes mistypes a path and recovers.
+1. A seeded generator of small terminal tasks (files to set up, an instruction, a bash verifier, a reference
+   solution), written out as Harbor folders when needed.
+2. A scripted expert policy that solves them the way an agent would, in the Terminus-2 protocol: it looks
+   first (ls, cat, grep, head), decides from the observation, sometimes mistypes a path and recovers.
 
 No Docker here: `python envs.py corpus ...` runs the tasks and the expert in sandboxes.
 
@@ -22,172 +20,13 @@ import re
 import shlex
 from pathlib import Path
 
-# ----------------------------------------------------------------------------------------------------------
-# Terminus-2 protocol
-
-MAX_OBS_BYTES = 10_000  # observations keep head and tail within this size
-MAX_DURATION = 60.0  # longest wait one command may ask for
-
-DEFAULT_PROMPT = """\
-You are an agent working in a Linux shell. You get a task and the terminal's state, and you answer with \
-keystrokes to type, one batch per reply, until the task is done.
-
-Reply with a single JSON object of this form:
-
-{
-  "analysis": "What the terminal shows, what is done, what is left.",
-  "plan": "What the next keystrokes do and why.",
-  "commands": [
-    {"keystrokes": "ls -la\\n", "duration": 0.1},
-    {"keystrokes": "grep -rn error /var/log/app\\n", "duration": 1.0}
-  ],
-  "task_complete": false
-}
-
-Fields:
-- "analysis" (string, required) and "plan" (string, required).
-- "commands" (array, required, may be empty to just wait): each item has "keystrokes" (string, required),
-  typed verbatim into the terminal, and "duration" (number of seconds to wait before the next command,
-  1.0 if absent, at most 60).
-- "task_complete" (boolean, optional, false if absent): true when you believe the task is solved; you will be
-  asked to confirm once.
-
-Keystrokes are sent exactly as written: end a command with "\\n" to run it. Control keys are written as
-tmux key names on their own: "C-c" interrupts, "C-d" sends end-of-file. Use short durations for quick
-commands (0.1 for ls, cat, cd) and longer ones for builds or downloads; to wait more, send
-{"keystrokes": "", "duration": 10.0}. Text outside the JSON object is ignored with a warning.
-
-Task:
-{instruction}
-
-Current terminal state:
-{terminal_state}"""
-
-
-def decode(raw):
-    """Terminal bytes -> str; bytes that are not UTF-8 become U+FFFD instead of raising."""
-    return raw.decode("utf-8", errors="replace")
-
-
-def truncate_output(text, limit=MAX_OBS_BYTES):
-    """Keep the first and last limit/2 bytes with a marker between, cutting on UTF-8 character boundaries."""
-    raw = text.encode("utf-8")
-    if len(raw) <= limit:
-        return text
-    half = limit // 2
-    head, tail = decode(raw[:half]).rstrip("\ufffd"), decode(raw[-half:]).lstrip("\ufffd")
-    return f"{head}\n[... {len(raw) - 2 * half} bytes of output omitted ...]\n{tail}"
-
-
-def pane_diff(lines, start, anchor):
-    """New output since the last read: from the line that was last (the prompt the keys were typed at) to the
-    end. Returns None when that line is gone (cleared screen, history overflow), i.e. no diff can be found."""
-    if start >= len(lines) or not lines[start].startswith(anchor):
-        return None
-    new = [ln.rstrip() for ln in lines[start:]]
-    while new and not new[-1]:
-        new.pop()
-    # The first read after the initial screen starts at the top; later ones start after a line break.
-    return ("\n" if start > 0 else "") + "\n".join(new)
-
-
-def visible_screen(lines, rows):
-    screen = [ln.rstrip() for ln in lines[-rows:]]
-    while screen and not screen[-1]:
-        screen.pop()
-    return "\n".join(screen) + "\n"
-
-
-@dataclasses.dataclass
-class Reply:
-    analysis: str
-    plan: str
-    commands: list  # [(keystrokes, duration)]
-    task_complete: bool
-
-
-def parse_reply(text):
-    """Parse a reply: an optional <think>...</think> block, then one JSON object (text around it is tolerated
-    with a warning). Returns (Reply or None, error or None, warnings)."""
-    warnings = []
-    body = text.rsplit("</think>", 1)[1] if "</think>" in text else text
-    if "<think>" in body:
-        return None, "<think> block is not closed with </think>", warnings
-    decoder, obj, first_error = json.JSONDecoder(), None, None
-    for m in list(re.finditer(r"\{", body))[:50]:  # the object may follow prose that itself contains braces
-        try:
-            obj, end = decoder.raw_decode(body, m.start())
-        except json.JSONDecodeError as e:
-            first_error = first_error or e
-            continue
-        if isinstance(obj, dict):
-            break
-        obj = None
-    if obj is None:
-        return None, (f"Invalid JSON: {first_error}" if first_error else "No valid JSON found in response"), warnings
-    if body[:m.start()].strip():
-        warnings.append("Extra text detected before JSON object")
-    if body[end:].strip():
-        warnings.append("Extra text detected after JSON object")
-    missing = [k for k in ("analysis", "plan", "commands") if k not in obj]
-    if missing:
-        return None, f"Missing required fields: {', '.join(missing)}", warnings
-    if not isinstance(obj["commands"], list):
-        return None, "Field 'commands' must be an array", warnings
-    commands = []
-    for i, cmd in enumerate(obj["commands"], 1):
-        if not isinstance(cmd, dict) or not isinstance(cmd.get("keystrokes"), str):
-            return None, f"Command {i} must be an object with a string 'keystrokes' field", warnings
-        duration = cmd.get("duration", 1.0)
-        if isinstance(duration, bool) or not isinstance(duration, (int, float)):
-            warnings.append(f"Command {i}: 'duration' is not a number, using 1.0")
-            duration = 1.0
-        commands.append((cmd["keystrokes"], min(max(float(duration), 0.0), MAX_DURATION)))
-    done = obj.get("task_complete", False)
-    if isinstance(done, str):  # "true"/"false" are common enough to accept
-        warnings.append("Field 'task_complete' should be a boolean")
-        done = done.strip().lower() == "true"
-    return Reply(str(obj["analysis"]), str(obj["plan"]), commands, bool(done)), None, warnings
-
-
-def parse_error_message(error, warnings):
-    text = f"Previous response had parsing errors:\nERROR: {error}"
-    if warnings:
-        text += "\nWARNINGS: - " + "\n- ".join(warnings)
-    return text + "\n\nPlease reply again with one valid JSON object in the required format."
-
-
-def with_warnings(observation, warnings):
-    if not warnings:
-        return observation
-    return "Previous response had warnings:\nWARNINGS: - " + "\n- ".join(warnings) + "\n\n" + observation
-
-
-def confirm_message(observation):
-    return (f"Current terminal state:\n{observation}\n\nAre you sure the task is complete? Your solution will be "
-            'graded and you will not be able to change it afterwards. If so, include "task_complete": true in '
-            "your JSON response again.")
-
-
-def load_template(path=None):
-    """The system prompt template; a user's own corpus prompt keeps RL and evaluation on the SFT format."""
-    if path is None:
-        return DEFAULT_PROMPT
-    text = Path(path).read_text()
-    for field in ("{instruction}", "{terminal_state}"):
-        if field not in text:
-            raise ValueError(f"{path}: prompt template lacks the {field} placeholder")
-    return text
-
-
-def fill_prompt(template, instruction, terminal_state):
-    # str.replace, not str.format: templates hold JSON examples full of braces.
-    return template.replace("{instruction}", instruction.strip()).replace("{terminal_state}", terminal_state)
-
+import terminus
 
 # ----------------------------------------------------------------------------------------------------------
 # Task world
 
+# Limits of every generated task: written into its task.toml, and used as they are when envs runs a spec directly.
+LIMITS = {"agent_timeout": 300.0, "verifier_timeout": 60.0, "cpus": 1, "memory_mb": 1024}
 WORDS = ("amber basil cedar delta ember fjord garnet harbor indigo juniper kelp lumen maple nectar onyx pepper "
          "quartz raven sierra tundra umber violet willow xenon yarrow zephyr").split()
 HELDOUT_KINDS = ("archive",)
@@ -381,8 +220,9 @@ def make_splits(n_sft, n_rl, n_eval, seed=0):
     return splits
 
 
-def write_harbor(spec, path, base_image="actobs-base:bookworm"):
-    """Write a spec as a Harbor task folder; the environment copies the task's files onto the base image."""
+def write_harbor(spec, path, base_image):
+    """Write a spec as a Harbor task folder; the environment copies the task's files onto base_image (envs.py
+    builds it and passes its tag)."""
     path = Path(path)
     for rel, text, mode in [("instruction.md", spec.instruction + "\n", 0o644), ("tests/test.sh", spec.test, 0o755),
                             ("solution/solve.sh", spec.solve, 0o755),
@@ -393,8 +233,8 @@ def write_harbor(spec, path, base_image="actobs-base:bookworm"):
         (path / rel).chmod(mode)
     (path / "task.toml").write_text(
         f'version = "1.0"\n\n[task]\nname = "actobs/{spec.name}"\n\n[metadata]\nkind = "{spec.kind}"\n\n'
-        f"[verifier]\ntimeout_sec = 60.0\n\n[agent]\ntimeout_sec = 300.0\n\n"
-        f"[environment]\ncpus = 1\nmemory_mb = 1024\nallow_internet = false\n")
+        f"[verifier]\ntimeout_sec = {LIMITS['verifier_timeout']}\n\n[agent]\ntimeout_sec = {LIMITS['agent_timeout']}\n\n"
+        f"[environment]\ncpus = {LIMITS['cpus']}\nmemory_mb = {LIMITS['memory_mb']}\nallow_internet = false\n")
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -552,7 +392,7 @@ def expert_reply(messages):
             break
     else:
         return _reply("I do not recognise this task.", "Stop here.", [], done=True)
-    if turn and obs.startswith("Current terminal state:") and '"task_complete": true' in obs:
+    if turn and terminus.is_completion_check(obs):
         return _reply("The checks passed; nothing is left to do.", "Confirm completion.", [], done=True)
     # One episode in four first mistypes the path of its first look and has to recover from the error.
     clumsy = int(hashlib.sha256(prompt.encode()).hexdigest(), 16) % 4 == 0

@@ -2,12 +2,15 @@
 Qwen3 chat template renders with it), and synthetic Terminus-2-style trajectories. No hub access."""
 import json
 import random
+import re
 from pathlib import Path
 
 import pytest
 import torch
 
+import labels
 import sft
+import terminus
 
 FIXTURES = Path(__file__).parent / "fixtures"
 QWEN3_TEMPLATE = (FIXTURES / "qwen3_chat_template.jinja").read_text()
@@ -35,8 +38,27 @@ def synthetic_trajectory(rng, turns=None):
                  "commands": [{"keystrokes": cmd + "\n", "duration": 0.1}], "task_complete": False}
         msgs.append({"role": "assistant", "content": f"<think>\nI should run {cmd}.\n</think>\n\n" + json.dumps(reply, indent=2)})
         out = "\n".join(rng.choice(files) + f" {rng.randint(1, 999)}" for _ in range(rng.randint(1, 4)))
-        msgs.append({"role": "user", "content": f"New Terminal Output:\nroot@box:/app# {cmd}\n{out}\nroot@box:/app# "})
+        msgs.append({"role": "user", "content": terminus.OUTPUT_HEADER + f"root@box:/app# {cmd}\n{out}\nroot@box:/app# "})
     return msgs
+
+
+# Every literal piece of the observation templates (text between their {fields}), as a wrapper recogniser must
+# remove it from the payload; short pieces such as 'bytes;' could occur in real terminal output.
+TEMPLATE_PIECES = [p.strip() for t in (terminus.OUTPUT_HEADER, terminus.SCREEN_HEADER, terminus.TRUNCATION,
+                                       terminus.WARNING_LIST, terminus.PARSE_ERRORS, terminus.WARNINGS,
+                                       terminus.COMPLETION_CHECK) for p in re.split(r"\{\w+\}", t) if len(p.strip()) >= 8]
+
+
+def split_observation(obs):
+    """-> (wrapper text, payload pieces) of one observation turn, checked: it is in a Terminus-2 form and no
+    template text is left in its payload."""
+    spans = terminus.wrapper_spans(obs)
+    assert spans is not None, f"not a Terminus-2 observation: {obs[:300]!r}"
+    cuts = [0] + [x for s in spans for x in s] + [len(obs)]
+    payload = [obs[a:b] for a, b in zip(cuts[::2], cuts[1::2]) if b > a]
+    for piece in TEMPLATE_PIECES:
+        assert not any(piece in p for p in payload), f"{piece!r} left in the payload of {obs[:300]!r}"
+    return "".join(obs[s:e] for s, e in spans), payload
 
 
 @pytest.fixture(scope="session")
@@ -55,13 +77,13 @@ def tiny_dir(tmp_path_factory, synthetic):
 
 @pytest.fixture(scope="session")
 def tokenizer(tiny_dir):
-    return sft.load_tokenizer(tiny_dir, "prefix")
+    return labels.load_tokenizer(tiny_dir, "prefix")
 
 
 @pytest.fixture(scope="session")
 def qwen3_tokenizer(tiny_dir):
     """The same tokenizer with the real Qwen3 chat template (not prefix-preserving)."""
-    tok = sft.load_tokenizer(tiny_dir, "native")
+    tok = labels.load_tokenizer(tiny_dir, "native")
     tok.chat_template = QWEN3_TEMPLATE
     return tok
 

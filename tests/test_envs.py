@@ -1,6 +1,5 @@
-"""envs.py / taskgen.py without Docker: the Terminus-2 protocol, observations, task loading, the generator and
-the expert. Exact strings where the format decides what the model learns."""
-import json
+"""envs.py / taskgen.py without Docker: task loading, the generator and the expert (the protocol's own tests
+are in test_terminus.py)."""
 import random
 from pathlib import Path
 
@@ -8,103 +7,10 @@ import pytest
 
 import envs
 import taskgen
+import terminus
 
 FIXTURES = Path(__file__).parent / "fixtures"
 HARBOR = FIXTURES / "harbor-tasks"
-GOOD = {"analysis": "a", "plan": "p", "commands": [{"keystrokes": "ls\n", "duration": 0.1}], "task_complete": False}
-
-
-# ---------------------------------------------------------------------------------------------- protocol
-
-def test_parse_reply_think_and_json():
-    reply, err, warnings = taskgen.parse_reply("<think>\nlook first {not json}\n</think>\n\n" + json.dumps(GOOD, indent=2))
-    assert err is None and warnings == []
-    assert reply == taskgen.Reply("a", "p", [("ls\n", 0.1)], False)
-
-
-def test_parse_reply_extra_text_warns():
-    reply, err, warnings = taskgen.parse_reply("Sure! " + json.dumps(GOOD) + "\nHope this helps")
-    assert err is None and reply.commands == [("ls\n", 0.1)]
-    assert warnings == ["Extra text detected before JSON object", "Extra text detected after JSON object"]
-
-
-def test_parse_reply_defaults_and_caps():
-    reply, err, _ = taskgen.parse_reply(json.dumps({"analysis": "", "plan": "", "commands": [
-        {"keystrokes": "C-c"}, {"keystrokes": "sleep 100\n", "duration": 500}, {"keystrokes": "", "duration": -1}]}))
-    assert err is None and reply.task_complete is False
-    assert reply.commands == [("C-c", 1.0), ("sleep 100\n", 60.0), ("", 0.0)]
-
-
-@pytest.mark.parametrize("text, error", [
-    ("no json here", "No valid JSON found in response"),
-    ('{"analysis": "a", "plan": "p"}', "Missing required fields: commands"),
-    ('{"analysis": "a", "plan": "p", "commands": "ls"}', "Field 'commands' must be an array"),
-    ('{"analysis": "a", "plan": "p", "commands": [{"duration": 1}]}', "Command 1 must be an object with a string 'keystrokes' field"),
-    ("<think>never closed {", "<think> block is not closed with </think>"),
-])
-def test_parse_reply_errors(text, error):
-    reply, err, _ = taskgen.parse_reply(text)
-    assert reply is None and err == error
-
-
-def test_parse_reply_invalid_json_names_the_problem():
-    reply, err, _ = taskgen.parse_reply('{"analysis": "a", "plan": "p", "commands": [}')
-    assert reply is None and err.startswith("Invalid JSON: ")
-
-
-def test_messages_have_the_corpus_form():
-    assert taskgen.parse_error_message("No valid JSON found in response", ["No valid JSON object found"]) == (
-        "Previous response had parsing errors:\nERROR: No valid JSON found in response\n"
-        "WARNINGS: - No valid JSON object found\n\nPlease reply again with one valid JSON object in the required format.")
-    confirm = taskgen.confirm_message("New Terminal Output:\n\nroot@x:/app#")
-    assert confirm.startswith("Current terminal state:\nNew Terminal Output:\n\nroot@x:/app#\n\n")
-    assert '"task_complete": true' in confirm
-    assert taskgen.with_warnings("OBS", ["w1", "w2"]) == "Previous response had warnings:\nWARNINGS: - w1\n- w2\n\nOBS"
-    assert taskgen.with_warnings("OBS", []) == "OBS"
-
-
-def test_prompt_template_from_a_corpus_row(tmp_path):
-    """A user's corpus prompt (here a real Nemotron row) becomes a template that reproduces that row exactly."""
-    first = json.loads((FIXTURES / "nemotron_terminal_sample.json").read_text())[0]["conversations"][0]["content"]
-    head, rest = first.split("Task Description:\n", 1)
-    instruction, state = rest.split("\n\nCurrent terminal state:\n", 1)
-    path = tmp_path / "prompt.txt"
-    path.write_text(head + "Task Description:\n{instruction}\n\nCurrent terminal state:\n{terminal_state}")
-    template = taskgen.load_template(path)
-    assert taskgen.fill_prompt(template, instruction, state) == first
-    bad = tmp_path / "bad.txt"
-    bad.write_text("no placeholders {instruction}")
-    with pytest.raises(ValueError, match=r"bad.txt: prompt template lacks the \{terminal_state\} placeholder"):
-        taskgen.load_template(bad)
-    default = taskgen.fill_prompt(taskgen.load_template(None), "Do X.", "Current Terminal Screen:\nroot@h:/app#\n")
-    assert default.endswith("Task:\nDo X.\n\nCurrent terminal state:\nCurrent Terminal Screen:\nroot@h:/app#\n")
-    assert '"keystrokes": "ls -la\\n"' in default
-
-
-# ---------------------------------------------------------------------------------------------- observations
-
-def test_truncate_output_keeps_head_and_tail_within_utf8():
-    text = "H" * 6000 + "é" * 3000 + "T" * 6000  # 18,000 bytes
-    out = taskgen.truncate_output(text)
-    assert out.startswith("H" * 5000) and out.endswith("T" * 5000)
-    assert "\n[... 8000 bytes of output omitted ...]\n" in out
-    assert taskgen.truncate_output("short") == "short"
-    cut = taskgen.truncate_output("é" * 6000)  # 12,000 bytes: cuts fall inside characters
-    assert "\ufffd" not in cut and len(cut.encode()) <= 10_000 + 60
-
-
-def test_decode_replaces_invalid_utf8():
-    assert taskgen.decode(b"ok \xff\xfe end") == "ok \ufffd\ufffd end"
-
-
-def test_pane_diff_matches_terminus_incremental_output():
-    first = ["root@h:/app# ls", "a.txt", "root@h:/app#", "", ""]
-    assert taskgen.pane_diff(first, 0, "root@h:/app#") == "root@h:/app# ls\na.txt\nroot@h:/app#"
-    later = ["old output", "root@h:/app# echo hi", "hi", "root@h:/app#"]
-    assert taskgen.pane_diff(later, 1, "root@h:/app#") == "\nroot@h:/app# echo hi\nhi\nroot@h:/app#"
-    assert taskgen.pane_diff(later, 1, "root@other:/#") is None  # the line the keys were typed at is gone
-    assert taskgen.pane_diff(later, 9, "root@h:/app#") is None
-    assert taskgen.visible_screen(["x"] * 50 + ["root@h:/app#", "", ""], rows=4) == "x\nroot@h:/app#\n"
 
 
 # ---------------------------------------------------------------------------------------------- tasks
@@ -156,7 +62,7 @@ def test_splits_are_disjoint_and_hold_out_kinds():
 
 def test_write_harbor_round_trips(tmp_path):
     spec = taskgen.generate("permissions", random.Random(0))
-    taskgen.write_harbor(spec, tmp_path / spec.name)
+    taskgen.write_harbor(spec, tmp_path / spec.name, envs.BASE_IMAGE)
     task = envs.load_task(tmp_path / spec.name, build=False)
     assert task.name == f"actobs/{spec.name}" and task.instruction.strip() == spec.instruction
     assert task.tests == {"test.sh": spec.test.encode()} and task.solution == {"solve.sh": spec.solve.encode()}
@@ -167,17 +73,17 @@ def test_write_harbor_round_trips(tmp_path):
 def test_expert_replies_parse_and_decide_from_observations():
     spec = taskgen.generate("find_copy", random.Random(0))
     target, token = spec.params["target"], spec.params["token"]
-    prompt = taskgen.fill_prompt(taskgen.DEFAULT_PROMPT, spec.instruction, "Current Terminal Screen:\nroot@h:/app#\n")
+    prompt = terminus.fill_prompt(terminus.DEFAULT_PROMPT, spec.instruction, terminus.SCREEN_HEADER + "root@h:/app#\n")
     msgs = [{"role": "user", "content": prompt}]
     clumsy = "/ap/" in taskgen.expert_reply(msgs)
     if clumsy:  # one episode in four starts with a mistyped path
         msgs += [{"role": "assistant", "content": taskgen.expert_reply(msgs)},
-                 {"role": "user", "content": "New Terminal Output:\nls: cannot access '/ap/notes': No such file or directory"}]
-        reply, err, _ = taskgen.parse_reply(taskgen.expert_reply(msgs))
+                 {"role": "user", "content": terminus.OUTPUT_HEADER + "ls: cannot access '/ap/notes': No such file or directory"}]
+        reply, err, _ = terminus.parse_reply(taskgen.expert_reply(msgs))
         assert "mistyped" in reply.analysis
     msgs += [{"role": "assistant", "content": taskgen.expert_reply(msgs)},
-             {"role": "user", "content": f"New Terminal Output:\nroot@h:/app# grep -rl {token} /app/notes\n{target}\nroot@h:/app#"}]
-    reply, err, warnings = taskgen.parse_reply(taskgen.expert_reply(msgs))
+             {"role": "user", "content": terminus.OUTPUT_HEADER + f"root@h:/app# grep -rl {token} /app/notes\n{target}\nroot@h:/app#"}]
+    reply, err, warnings = terminus.parse_reply(taskgen.expert_reply(msgs))
     assert err is None and warnings == [] and reply.commands == [(f"cp {target} /app/found.txt\n", 0.1)]
     assert taskgen.expert_reply(msgs).startswith("<think>\n")
 

@@ -10,6 +10,8 @@ import pytest
 
 import envs
 import taskgen
+import terminus
+from conftest import split_observation
 
 HARBOR = Path(__file__).parent / "fixtures" / "harbor-tasks"
 
@@ -107,7 +109,7 @@ def test_harbor_build_failure_explains_offline_from(tmp_path):
 
 def test_generated_harbor_folder_runs_oracle(tmp_path):
     spec = taskgen.generate("replace_host", random.Random(5))
-    taskgen.write_harbor(spec, tmp_path / spec.name)
+    taskgen.write_harbor(spec, tmp_path / spec.name, envs.BASE_IMAGE)
     task = envs.load_task(tmp_path / spec.name)
     assert [e.reward for e in envs.run_oracle([task]) + envs.run_oracle([task], noop=True)] == [1.0, 0.0]
 
@@ -172,6 +174,10 @@ def test_corpus_command_end_to_end(tmp_path, base_image):
         roles = [m["role"] for m in r["conversations"]]
         assert roles[0] == "user" and roles[1::2] == ["assistant"] * (len(roles) // 2) and set(roles[2::2]) == {"user"}
         assert r["conversations"][1]["content"].startswith("<think>\n")
+        for obs in (m["content"] for m in r["conversations"][2::2]):  # the harness's text and the terminal's, told apart exactly
+            wrapper, _ = split_observation(obs)
+            assert "root@" not in wrapper
+        assert terminus.is_completion_check(r["conversations"][-2]["content"])
     rl = sorted(p.name for p in (tmp_path / "rl").iterdir())
     assert len(rl) == 2 and not set(rl) & {r["task"] for r in rows}
     assert sorted(json.loads(x)["name"] for x in (tmp_path / "rl.jsonl").read_text().splitlines()) == rl

@@ -3,8 +3,8 @@ Benchmark sft.py's training loop on a randomly initialised model of a real archi
 Qwen3-4B config) with long synthetic trajectories: tokens/s, MFU and peak GPU memory, read from the run's own
 log.jsonl. Nothing is downloaded: the tokenizer is trained here, the weights are a random init.
 
-    python bench_train.py                                  # one GPU: Qwen3-4B config, 16k-token trajectories
-    python bench_train.py --config tiny --seq-len 2048     # CPU smoke run of the same path
+    python -m bench.train                                  # one GPU: Qwen3-4B config, 16k-token trajectories
+    python -m bench.train --config tiny --seq-len 2048     # CPU smoke run of the same path
 
 MFU = (6 N + 12 L d T) tokens/s / peak FLOP/s, N = non-embedding params, L layers, d hidden size, T sequence
 length (the attention term); peak defaults to an H100/H200's dense bf16 989 TFLOP/s.
@@ -16,6 +16,7 @@ import tempfile
 from pathlib import Path
 
 import sft
+import terminus
 
 QWEN3_4B = dict(hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32,
                 num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=True,
@@ -43,7 +44,7 @@ def long_trajectory(rng, n_chars):
         msgs.append({"role": "assistant", "content": json.dumps({"analysis": "look", "plan": cmd, "commands": [
             {"keystrokes": cmd + "\n", "duration": 0.1}], "task_complete": False})})
         out = "\n".join(f"/srv/data/f{rng.randint(0, 9999)}.log:{rng.randint(1, 500)}: value={rng.random():.6f}" for _ in range(40))
-        msgs.append({"role": "user", "content": f"New Terminal Output:\nroot@box:/app# {cmd}\n{out}\nroot@box:/app# "})
+        msgs.append({"role": "user", "content": terminus.OUTPUT_HEADER + f"root@box:/app# {cmd}\n{out}\nroot@box:/app# "})
     return msgs
 
 

@@ -1,0 +1,272 @@
+"""
+The Terminus-2 protocol as text, the one home of every string an agent and its harness exchange: the system
+prompt template, the observation headers, the truncation notice, the parse-error / warnings / completion-check
+messages, the reply parser, and the recogniser that splits an observation into the harness's wrapper text and
+its payload (derived from the same templates, so the two cannot drift apart).
+
+The wording of the observation messages is Terminus-2's, as it appears in Nemotron-Terminal-Corpus rows
+(tests/fixtures/nemotron_terminal_sample.json); the default system prompt is ours (pass a corpus's own prompt
+with load_template). Pure: no Docker, no torch. envs.py runs the protocol in sandboxes, taskgen.py's expert
+speaks it, probes.py splits observations with it.
+
+    reply, error, warnings = parse_reply(text)      # Reply(analysis, plan, commands [(keys, duration)], task_complete)
+    obs = OUTPUT_HEADER + truncate_output(diff)      # what the agent sees after its commands ran
+    wrapper_spans(obs)                               # [(start, end)] of harness text; None if not a Terminus-2 observation
+"""
+import dataclasses
+import json
+import re
+from pathlib import Path
+
+MAX_OBS_BYTES = 10_000  # observations keep head and tail within this size
+MAX_DURATION = 60.0  # longest wait one command may ask for
+DEFAULT_DURATION = 1.0  # a command's wait when its reply gives none
+
+# Observation text. A template's {fields} are filled by the harness: the terminal's output, the parser's
+# error and warnings; everything else in it is fixed wrapper text.
+OUTPUT_HEADER = "New Terminal Output:\n"  # + the new output since the last read (a pane diff)
+SCREEN_HEADER = "Current Terminal Screen:\n"  # + the visible screen, when no diff can be found
+TRUNCATION = "\n[... output limited to {limit} bytes; {omitted} interior bytes omitted ...]\n"
+WARNING_LIST = "\nWARNINGS: - {warnings}"  # the warnings joined by WARNING_SEP
+WARNING_SEP = "\n- "
+PARSE_ERRORS = ("Previous response had parsing errors:\nERROR: {error}{warnings}\n\n"
+                "Please fix these issues and provide a proper JSON response.")
+WARNINGS = "Previous response had warnings:{warnings}\n\n{observation}"
+COMPLETION_CHECK = ("Current terminal state:\n{observation}\n\nAre you sure you want to mark the task as complete? "
+                    "This will trigger your solution to be graded and you won't be able to make any further "
+                    'corrections. If so, include "task_complete": true in your JSON response again.')
+
+DEFAULT_PROMPT = """\
+You are an agent working in a Linux shell. You get a task and the terminal's state, and you answer with \
+keystrokes to type, one batch per reply, until the task is done.
+
+Reply with a single JSON object of this form:
+
+{
+  "analysis": "What the terminal shows, what is done, what is left.",
+  "plan": "What the next keystrokes do and why.",
+  "commands": [
+    {"keystrokes": "ls -la\\n", "duration": 0.1},
+    {"keystrokes": "grep -rn error /var/log/app\\n", "duration": 1.0}
+  ],
+  "task_complete": false
+}
+
+Fields:
+- "analysis" (string, required) and "plan" (string, required).
+- "commands" (array, required, may be empty to just wait): each item has "keystrokes" (string, required),
+  typed verbatim into the terminal, and "duration" (number of seconds to wait before the next command,
+  1.0 if absent, at most 60).
+- "task_complete" (boolean, optional, false if absent): true when you believe the task is solved; you will be
+  asked to confirm once.
+
+Keystrokes are sent exactly as written: end a command with "\\n" to run it. Control keys are written as
+tmux key names on their own: "C-c" interrupts, "C-d" sends end-of-file. Use short durations for quick
+commands (0.1 for ls, cat, cd) and longer ones for builds or downloads; to wait more, send
+{"keystrokes": "", "duration": 10.0}. Text outside the JSON object is ignored with a warning.
+
+Task:
+{instruction}
+
+Current terminal state:
+{terminal_state}"""
+
+
+def load_template(path=None):
+    """The system prompt template; a user's own corpus prompt keeps RL and evaluation on the SFT format."""
+    if path is None:
+        return DEFAULT_PROMPT
+    text = Path(path).read_text()
+    for field in ("{instruction}", "{terminal_state}"):
+        if field not in text:
+            raise ValueError(f"{path}: prompt template lacks the {field} placeholder")
+    return text
+
+
+def fill_prompt(template, instruction, terminal_state):
+    # str.replace, not str.format: templates hold JSON examples full of braces.
+    return template.replace("{instruction}", instruction.strip()).replace("{terminal_state}", terminal_state)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Terminal output
+
+def decode(raw):
+    """Terminal bytes -> str; bytes that are not UTF-8 become U+FFFD instead of raising."""
+    return raw.decode("utf-8", errors="replace")
+
+
+def truncate_output(text, limit=MAX_OBS_BYTES):
+    """Keep the first and last limit/2 bytes with the TRUNCATION notice between, cut on UTF-8 character
+    boundaries (a character split by a cut is dropped and counted as omitted)."""
+    raw = text.encode("utf-8")
+    if len(raw) <= limit:
+        return text
+    half = limit // 2
+    head, tail = raw[:half].decode("utf-8", errors="ignore"), raw[-half:].decode("utf-8", errors="ignore")
+    omitted = len(raw) - len(head.encode()) - len(tail.encode())
+    return head + TRUNCATION.format(limit=limit, omitted=omitted) + tail
+
+
+def pane_diff(lines, start, anchor):
+    """New output since the last read: from the line that was last (the prompt the keys were typed at) to the
+    end. Returns None when that line is gone (cleared screen, history overflow), i.e. no diff can be found."""
+    if start >= len(lines) or not lines[start].startswith(anchor):
+        return None
+    new = [ln.rstrip() for ln in lines[start:]]
+    while new and not new[-1]:
+        new.pop()
+    # The first read after the initial screen starts at the top; later ones start after a line break.
+    return ("\n" if start > 0 else "") + "\n".join(new)
+
+
+def visible_screen(lines, rows):
+    screen = [ln.rstrip() for ln in lines[-rows:]]
+    while screen and not screen[-1]:
+        screen.pop()
+    return "\n".join(screen) + "\n"
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Replies
+
+@dataclasses.dataclass
+class Reply:
+    analysis: str
+    plan: str
+    commands: list  # [(keystrokes, duration)]
+    task_complete: bool
+
+
+def parse_reply(text):
+    """Parse a reply: an optional <think>...</think> block, then one JSON object (text around it is tolerated
+    with a warning). Returns (Reply or None, error or None, warnings)."""
+    warnings = []
+    body = text.rsplit("</think>", 1)[1] if "</think>" in text else text
+    if "<think>" in body:
+        return None, "<think> block is not closed with </think>", warnings
+    decoder, obj, first_error = json.JSONDecoder(), None, None
+    for m in list(re.finditer(r"\{", body))[:50]:  # the object may follow prose that itself contains braces
+        try:
+            obj, end = decoder.raw_decode(body, m.start())
+        except json.JSONDecodeError as e:
+            first_error = first_error or e
+            continue
+        if isinstance(obj, dict):
+            break
+        obj = None
+    if obj is None:
+        if first_error:
+            return None, f"Invalid JSON: {first_error}", warnings
+        return None, "No valid JSON found in response", warnings + ["No valid JSON object found"]
+    if body[:m.start()].strip():
+        warnings.append("Extra text detected before JSON object")
+    if body[end:].strip():
+        warnings.append("Extra text detected after JSON object")
+    missing = [k for k in ("analysis", "plan", "commands") if k not in obj]
+    if missing:
+        return None, f"Missing required fields: {', '.join(missing)}", warnings
+    if not isinstance(obj["commands"], list):
+        return None, "Field 'commands' must be an array", warnings
+    commands = []
+    for i, cmd in enumerate(obj["commands"], 1):
+        if not isinstance(cmd, dict) or not isinstance(cmd.get("keystrokes"), str):
+            return None, f"Command {i} must be an object with a string 'keystrokes' field", warnings
+        duration = cmd.get("duration", DEFAULT_DURATION)
+        if isinstance(duration, bool) or not isinstance(duration, (int, float)):
+            warnings.append(f"Command {i}: 'duration' is not a number, using {DEFAULT_DURATION}")
+            duration = DEFAULT_DURATION
+        commands.append((cmd["keystrokes"], min(max(float(duration), 0.0), MAX_DURATION)))
+    done = obj.get("task_complete", False)
+    if isinstance(done, str):  # "true"/"false" are common enough to accept
+        warnings.append("Field 'task_complete' should be a boolean")
+        done = done.strip().lower() == "true"
+    return Reply(str(obj["analysis"]), str(obj["plan"]), commands, bool(done)), None, warnings
+
+
+def _warning_list(warnings):
+    return WARNING_LIST.format(warnings=WARNING_SEP.join(warnings)) if warnings else ""
+
+
+def parse_error_message(error, warnings):
+    """The observation that answers a reply that could not be parsed."""
+    return PARSE_ERRORS.format(error=error, warnings=_warning_list(warnings))
+
+
+def with_warnings(observation, warnings):
+    """An observation with the parser's warnings about the reply that produced it in front, if any."""
+    return WARNINGS.format(warnings=_warning_list(warnings), observation=observation) if warnings else observation
+
+
+def confirm_message(observation):
+    """The answer to a first task_complete: true, asking the agent to confirm."""
+    return COMPLETION_CHECK.format(observation=observation)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Recognising the wrapper: the templates above turned into regexes (literal text escaped, fields captured)
+
+def _regex(template, **fields):
+    parts = re.split(r"\{(\w+)\}", template)  # literal, field, literal, ...
+    return "".join(fields[p] if i % 2 else re.escape(p) for i, p in enumerate(parts))
+
+
+_WARNED = re.compile(_regex(WARNINGS, warnings=_regex(WARNING_LIST, warnings="(?P<list>.*?)"),
+                            observation="(?P<rest>.*)"), re.S)
+_CHECK = re.compile(_regex(COMPLETION_CHECK, observation="(?P<rest>.*)"), re.S)
+_TERMINAL = re.compile(f"(?:{re.escape(OUTPUT_HEADER)}|{re.escape(SCREEN_HEADER)})(?P<rest>.*)", re.S)
+_PARSE = re.compile(_regex(PARSE_ERRORS, error="(?P<error>.*?)",
+                           warnings="(?:" + _regex(WARNING_LIST, warnings="(?P<list>.*?)") + ")?"), re.S)
+_TRUNCATION = re.compile(_regex(TRUNCATION, limit=r"\d+", omitted=r"\d+"))
+_SEP = re.compile(re.escape(WARNING_SEP))
+
+
+def is_completion_check(observation):
+    return _CHECK.fullmatch(observation) is not None or (
+        (m := _WARNED.fullmatch(observation)) is not None and _CHECK.fullmatch(m["rest"]) is not None)
+
+
+def wrapper_spans(observation):
+    """Character spans [(start, end)] of the harness's fixed text in an observation turn; the rest is payload:
+    the terminal's output, and the parser's error and warning texts. None when the text is not in one of the
+    forms above (an observation of another harness)."""
+    m = _PARSE.fullmatch(observation)
+    if m:
+        payload = [m.span("error")] + _items(m)
+        return _complement(payload, len(observation))
+    payload, pos = [], 0
+    m = _WARNED.fullmatch(observation)
+    if m:
+        payload, pos = _items(m), m.start("rest")
+    end = len(observation)
+    m = _CHECK.fullmatch(observation, pos)
+    if m:
+        pos, end = m.span("rest")
+    m = _TERMINAL.fullmatch(observation, pos, end)
+    if m is None:
+        return None
+    pos = m.start("rest")
+    for t in _TRUNCATION.finditer(observation, pos, end):  # the notice is ours, not the terminal's
+        payload.append((pos, t.start()))
+        pos = t.end()
+    return _complement(payload + [(pos, end)], len(observation))
+
+
+def _items(m):
+    """Spans of the warnings in a matched WARNING_LIST (group 'list'), without the separators."""
+    if m.start("list") < 0:
+        return []
+    (pos, end), spans = m.span("list"), []
+    for k in _SEP.finditer(m.string, pos, end):
+        spans.append((pos, k.start()))
+        pos = k.end()
+    return spans + [(pos, end)]
+
+
+def _complement(payload, n):
+    out, pos = [], 0
+    for s, e in sorted(payload):
+        if s > pos:
+            out.append((pos, s))
+        pos = max(pos, e)
+    return out + ([(pos, n)] if pos < n else [])

@@ -1,0 +1,164 @@
+"""The Terminus-2 protocol (terminus.py): the reply parser, the observation messages in the exact wording of
+real Nemotron-Terminal-Corpus rows, output truncation and pane diffs, and the wrapper / payload split of every
+observation turn of the real rows and of the expert's episodes."""
+import json
+import random
+
+import pytest
+
+import taskgen
+import terminus
+from conftest import FIXTURES, nemotron_rows, split_observation
+
+GOOD = {"analysis": "a", "plan": "p", "commands": [{"keystrokes": "ls\n", "duration": 0.1}], "task_complete": False}
+
+
+def observations(conv):
+    return [m["content"] for m in conv[1:] if m["role"] == "user"]
+
+
+# ---------------------------------------------------------------------------------------------- replies
+
+def test_parse_reply_think_and_json():
+    reply, err, warnings = terminus.parse_reply("<think>\nlook first {not json}\n</think>\n\n" + json.dumps(GOOD, indent=2))
+    assert err is None and warnings == []
+    assert reply == terminus.Reply("a", "p", [("ls\n", 0.1)], False)
+
+
+def test_parse_reply_extra_text_warns():
+    reply, err, warnings = terminus.parse_reply("Sure! " + json.dumps(GOOD) + "\nHope this helps")
+    assert err is None and reply.commands == [("ls\n", 0.1)]
+    assert warnings == ["Extra text detected before JSON object", "Extra text detected after JSON object"]
+
+
+def test_parse_reply_defaults_and_caps():
+    reply, err, _ = terminus.parse_reply(json.dumps({"analysis": "", "plan": "", "commands": [
+        {"keystrokes": "C-c"}, {"keystrokes": "sleep 100\n", "duration": 500}, {"keystrokes": "", "duration": -1}]}))
+    assert err is None and reply.task_complete is False
+    assert reply.commands == [("C-c", 1.0), ("sleep 100\n", 60.0), ("", 0.0)]
+
+
+@pytest.mark.parametrize("text, error", [
+    ("no json here", "No valid JSON found in response"),
+    ('{"analysis": "a", "plan": "p"}', "Missing required fields: commands"),
+    ('{"analysis": "a", "plan": "p", "commands": "ls"}', "Field 'commands' must be an array"),
+    ('{"analysis": "a", "plan": "p", "commands": [{"duration": 1}]}', "Command 1 must be an object with a string 'keystrokes' field"),
+    ("<think>never closed {", "<think> block is not closed with </think>"),
+])
+def test_parse_reply_errors(text, error):
+    reply, err, _ = terminus.parse_reply(text)
+    assert reply is None and err == error
+
+
+def test_parse_reply_invalid_json_names_the_problem():
+    reply, err, _ = terminus.parse_reply('{"analysis": "a", "plan": "p", "commands": [}')
+    assert reply is None and err.startswith("Invalid JSON: ")
+
+
+# ---------------------------------------------------------------------------------------------- messages
+
+def test_messages_are_those_of_the_real_rows():
+    """A reply with no JSON and a first task_complete get exactly the observations of the published rows."""
+    real = [o for row in nemotron_rows() for o in observations(row["conversations"])]
+    reply, err, warnings = terminus.parse_reply("I will look at the files first.")
+    assert terminus.parse_error_message(err, warnings) in real
+    checks = [o for o in real if o.startswith("Current terminal state:\n")]
+    assert len(checks) == 4
+    for o in checks:
+        inner = o[len("Current terminal state:\n"): o.index("\n\nAre you sure")]
+        assert terminus.confirm_message(inner) == o and terminus.is_completion_check(o)
+    assert not any(terminus.is_completion_check(o) for o in real if o not in checks)
+    assert terminus.parse_error_message("E", []) == (
+        "Previous response had parsing errors:\nERROR: E\n\nPlease fix these issues and provide a proper JSON response.")
+    assert terminus.with_warnings("OBS", ["w1", "w2"]) == "Previous response had warnings:\nWARNINGS: - w1\n- w2\n\nOBS"
+    assert terminus.with_warnings("OBS", []) == "OBS"
+
+
+def test_prompt_template_from_a_corpus_row(tmp_path):
+    """A user's corpus prompt (here a real Nemotron row) becomes a template that reproduces that row exactly."""
+    first = json.loads((FIXTURES / "nemotron_terminal_sample.json").read_text())[0]["conversations"][0]["content"]
+    head, rest = first.split("Task Description:\n", 1)
+    instruction, state = rest.split("\n\nCurrent terminal state:\n", 1)
+    path = tmp_path / "prompt.txt"
+    path.write_text(head + "Task Description:\n{instruction}\n\nCurrent terminal state:\n{terminal_state}")
+    template = terminus.load_template(path)
+    assert terminus.fill_prompt(template, instruction, state) == first
+    bad = tmp_path / "bad.txt"
+    bad.write_text("no placeholders {instruction}")
+    with pytest.raises(ValueError, match=r"bad.txt: prompt template lacks the \{terminal_state\} placeholder"):
+        terminus.load_template(bad)
+    default = terminus.fill_prompt(terminus.load_template(None), "Do X.", "Current Terminal Screen:\nroot@h:/app#\n")
+    assert default.endswith("Task:\nDo X.\n\nCurrent terminal state:\nCurrent Terminal Screen:\nroot@h:/app#\n")
+    assert '"keystrokes": "ls -la\\n"' in default
+
+
+# ---------------------------------------------------------------------------------------------- terminal output
+
+def test_truncate_output_keeps_head_and_tail_within_utf8():
+    text = "H" * 6000 + "é" * 3000 + "T" * 6000  # 18,000 bytes
+    out = terminus.truncate_output(text)
+    assert out.startswith("H" * 5000) and out.endswith("T" * 5000)
+    assert "\n[... output limited to 10000 bytes; 8000 interior bytes omitted ...]\n" in out
+    assert terminus.truncate_output("short") == "short"
+    cut = terminus.truncate_output("a" + "é" * 6000)  # 12,001 bytes: the head's cut falls inside a character
+    marker = "\n[... output limited to 10000 bytes; 2002 interior bytes omitted ...]\n"  # 2001 + the split one
+    assert "\ufffd" not in cut and marker in cut and len(cut.encode()) <= 10_000 + len(marker)
+
+
+def test_decode_replaces_invalid_utf8():
+    assert terminus.decode(b"ok \xff\xfe end") == "ok \ufffd\ufffd end"
+
+
+def test_pane_diff_matches_terminus_incremental_output():
+    first = ["root@h:/app# ls", "a.txt", "root@h:/app#", "", ""]
+    assert terminus.pane_diff(first, 0, "root@h:/app#") == "root@h:/app# ls\na.txt\nroot@h:/app#"
+    later = ["old output", "root@h:/app# echo hi", "hi", "root@h:/app#"]
+    assert terminus.pane_diff(later, 1, "root@h:/app#") == "\nroot@h:/app# echo hi\nhi\nroot@h:/app#"
+    assert terminus.pane_diff(later, 1, "root@other:/#") is None  # the line the keys were typed at is gone
+    assert terminus.pane_diff(later, 9, "root@h:/app#") is None
+    assert terminus.visible_screen(["x"] * 50 + ["root@h:/app#", "", ""], rows=4) == "x\nroot@h:/app#\n"
+
+
+# ---------------------------------------------------------------------------------------------- wrapper / payload
+
+def test_every_observation_of_the_real_rows_splits():
+    for row in nemotron_rows():
+        for obs in observations(row["conversations"]):
+            wrapper, payload = split_observation(obs)
+            assert "root@" not in wrapper and wrapper.startswith(obs[:20])
+
+
+def test_split_of_each_form_is_exact():
+    out = "root@h:/app# cat big\n" + "x" * 12_000 + "\nroot@h:/app# "
+    cut = terminus.OUTPUT_HEADER + terminus.truncate_output(out)
+    notice = "\n[... output limited to 10000 bytes; 2035 interior bytes omitted ...]\n"
+    assert split_observation(cut) == (terminus.OUTPUT_HEADER + notice, [out[:5000], out[-5000:]])
+    warned = terminus.with_warnings(terminus.confirm_message(terminus.SCREEN_HEADER + "$ \n"), ["w1", "w2"])
+    assert split_observation(warned)[1] == ["w1", "w2", "$ \n"]
+    err = terminus.parse_error_message("Invalid JSON: Expecting value: line 1 column 2 (char 1)", ["No valid JSON object found"])
+    assert split_observation(err)[1] == ["Invalid JSON: Expecting value: line 1 column 2 (char 1)", "No valid JSON object found"]
+    assert terminus.wrapper_spans("plain text from another harness") is None
+
+
+def test_every_observation_of_an_expert_episode_splits():
+    """The expert's episode with observations made by the protocol's functions (Docker runs the real ones in
+    test_envs_docker's corpus test): look, act, check, confirm, including a parse error and warnings."""
+    spec = taskgen.generate("find_copy", random.Random(0))
+    msgs = [{"role": "user", "content": terminus.fill_prompt(terminus.DEFAULT_PROMPT, spec.instruction,
+                                                             terminus.SCREEN_HEADER + "root@h:/app#\n")}]
+    screen = "\nroot@h:/app# ls\n" + "a.txt\n" * 3000 + "root@h:/app#"
+    while len(msgs) < 20:
+        reply = taskgen.expert_reply(msgs)
+        parsed, err, warnings = terminus.parse_reply(reply)
+        if parsed.task_complete and terminus.is_completion_check(msgs[-1]["content"]):
+            break
+        obs = terminus.OUTPUT_HEADER + terminus.truncate_output(screen)
+        obs = terminus.confirm_message(obs) if parsed.task_complete else terminus.with_warnings(obs, ["w"])
+        msgs += [{"role": "assistant", "content": reply}, {"role": "user", "content": obs}]
+    msgs += [{"role": "assistant", "content": "oops"},
+             {"role": "user", "content": terminus.parse_error_message(*terminus.parse_reply("oops")[1:])}]
+    obs = observations(msgs)
+    assert len(obs) >= 5 and terminus.is_completion_check(obs[-2])
+    for o in obs:
+        wrapper, payload = split_observation(o)
+        assert "root@" not in wrapper and "a.txt" not in wrapper
