@@ -44,6 +44,7 @@ import torch.distributed as dist
 
 import envs
 import sft
+import terminus
 from labels import ACTION, OBS, PROMPT, encode, load_tokenizer, message_spans
 
 
@@ -53,7 +54,7 @@ def get_parser():
     p.add_argument("--init", required=True, help="HF checkpoint to start from (an sft.py final/ dir carries its chat template)")
     p.add_argument("--chat-template", default="native", help="'native' (the checkpoint's own), 'prefix', or a .jinja path")
     p.add_argument("--tasks", required=True, help="folder of Harbor task folders (e.g. the toy world's rl/ split)")
-    p.add_argument("--prompt-template", help="file with {instruction} and {terminal_state} (default: taskgen's Terminus-2 prompt)")
+    p.add_argument("--prompt-template", help="file with {instruction} and {terminal_state} (default: terminus.DEFAULT_PROMPT)")
     # rollouts
     p.add_argument("--tasks-per-step", type=int, default=32, help="groups per step (global, across ranks)")
     p.add_argument("--group-size", type=int, default=16, help="episodes per task per step")
@@ -144,30 +145,29 @@ def _generation_header(tok, messages, text):
     return tok(full[len(text):], add_special_tokens=False)["input_ids"]
 
 
-def observation_tokens(tok, message, closed, wrapper_re=None):
+def observation_tokens(tok, message, closed):
     """(ids, roles, wrapper) the chat template adds after an assistant reply: the reply's end-of-turn token
     unless it was sampled (closed=False: the reply was cut by max_tokens; that token is PROMPT, nothing sampled
     it), the template's text between turns, the observation `message` (its content and end-of-turn token OBS)
     and the next assistant header. The template renders the turn after a one-exchange skeleton: for a
     prefix-preserving template that is exactly the text the whole conversation would add here, and it starts
     right after a special token, so tokenising it alone gives the same tokens as tokenising everything.
-    wrapper: per token, True for OBS tokens whose characters all match `wrapper_re` (the protocol's fixed text)
-    or are the end-of-turn token."""
+    wrapper: per token, True for OBS tokens that are all the protocol's fixed text (terminus.wrapper_spans)
+    or the end-of-turn token."""
     msgs = _SKELETON + [message]
     ids, roles, text, off = encode(tok, msgs)
     spans = message_spans(tok, msgs, text)
-    reply = spans[1]
-    cut = reply[-1][1] if closed else reply[0][1]  # after the reply's end-of-turn token, or after its content
-    k = int(np.searchsorted(off[:, 0], cut))
-    if k < len(off) and k > 0 and off[k - 1, 1] > cut:
+    k = int(np.searchsorted(off[:, 0], spans[1][-1][1]))  # the first token after the reply's end-of-turn token
+    if k == 0 or (k < len(off) and off[k - 1, 1] > spans[1][-1][1]):
         raise ValueError("a token straddles the end of the assistant turn: the chat template cannot be used token-in/token-out")
+    if not closed:
+        k -= 1  # the end-of-turn token, which the cut reply lacks
     roles = roles.copy()
     roles[roles == ACTION] = PROMPT  # the unsampled end-of-turn token of a cut reply
-    wrap = np.zeros(len(text) + 1, dtype=np.int64)
+    wrap = np.zeros(len(text) + 1, dtype=np.int64)  # per character
     (s, e), eot = spans[2][0], spans[2][1:]
-    if wrapper_re is not None:
-        for m in wrapper_re.finditer(text[s:e]):
-            wrap[s + m.start(): s + m.end()] = 1
+    for a, b in terminus.wrapper_spans(text[s:e]) or ():  # None: not a Terminus-2 observation, all payload
+        wrap[s + a: s + b] = 1
     for a, b in eot:
         wrap[a:b] = 1
     csum = np.concatenate([[0], np.cumsum(wrap)])
@@ -185,11 +185,11 @@ class VLLMPolicy:
     lockstep=True is the benchmark's baseline: rounds of generating every live episode's turn to the end, then
     stepping all their sandboxes."""
 
-    def __init__(self, engine, tok, *, temperature, max_new_tokens, max_len, seed=0, lockstep=False, wrapper_re=None):
+    def __init__(self, engine, tok, *, temperature, max_new_tokens, max_len, seed=0, lockstep=False):
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
         self.engine, self.tok, self.max_new_tokens, self.max_len, self.seed = engine, tok, max_new_tokens, max_len, seed
-        self.lockstep, self.wrapper_re = lockstep, wrapper_re
+        self.lockstep = lockstep
         # top_p 1 and top_k 0 (off): the ratio's denominator is the full softmax at T; a model's generation
         # config (Qwen3: top_k 20) must not apply. logprobs=0: the sampled token's own log-prob.
         self.params = dict(temperature=temperature, top_p=1.0, top_k=0, logprobs=0, detokenize=False,
@@ -202,7 +202,7 @@ class VLLMPolicy:
             ids, roles = prompt_tokens(self.tok, ep.messages[:1])
             wrapper = [False] * len(ids)
         else:
-            ids, roles, wrapper = observation_tokens(self.tok, ep.messages[-1], self.closed[key], self.wrapper_re)
+            ids, roles, wrapper = observation_tokens(self.tok, ep.messages[-1], self.closed[key])
         ep.token_ids += ids
         ep.roles += roles
         ep.obs_wrapper += wrapper
@@ -257,13 +257,13 @@ class VLLMPolicy:
 
 
 def rollout(engine, tokenizer, tasks, *, temperature, max_turns, max_new_tokens, max_len, concurrency, template=None,
-            seed=0, on_episode=None, stats=None, lockstep=False, wrapper_re=None):
+            seed=0, on_episode=None, stats=None, lockstep=False):
     """One episode per entry of `tasks` (repeat a task for several attempts) with the engine's current weights.
     Episodes come back in the order of `tasks`, with reward, turns, failure, timings, and the token sequence
     (token_ids, roles, logprobs, obs_wrapper, truncated). on_episode(i, episode) is called as each ends.
     stats (a dict) receives the generator's wall / busy / idle seconds."""
     policy = VLLMPolicy(engine, tokenizer, temperature=temperature, max_new_tokens=max_new_tokens, max_len=max_len,
-                        seed=seed, lockstep=lockstep, wrapper_re=wrapper_re)
+                        seed=seed, lockstep=lockstep)
     return envs.run_episodes(tasks, policy, max_turns=max_turns, concurrency=concurrency, template=template,
                              on_episode=on_episode, stats=stats)
 
@@ -472,8 +472,6 @@ def main(argv=None):
     from tqdm import tqdm
     from transformers.utils import logging as hf_logging
     hf_logging.disable_progress_bar()
-    import taskgen
-    import probes
 
     # a terminated run unwinds like an exception: run_episodes removes its sandboxes on the way out
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
@@ -508,7 +506,7 @@ def main(argv=None):
             raise ValueError(f"--resume from {ckpts[-1]} with other settings than it was trained with: {', '.join(changed)}")
 
     tok = load_tokenizer(ckpts[-1] if ckpts else args.init, "native" if ckpts else args.chat_template)
-    template = taskgen.load_template(args.prompt_template)
+    template = terminus.load_template(args.prompt_template)
     tasks = load_tasks(args.tasks)
     use_bf16 = args.dtype == "bf16" or (args.dtype == "auto" and device.type == "cuda")
     ctx = torch.autocast(device.type, dtype=torch.bfloat16) if use_bf16 else nullcontext()
@@ -546,7 +544,7 @@ def main(argv=None):
     print0(f"{len(tasks)} tasks | {sum(p.numel() for p in raw.parameters()) / 1e6:.1f}M params | {args.steps} steps x "
            f"{args.tasks_per_step} tasks x {args.group_size} episodes | world {world} | "
            + (f"resumed at step {start}" if start else "fresh start"))
-    parse_error_head = taskgen.parse_error_message("", []).split("\n")[0]
+    parse_error_head = terminus.PARSE_ERRORS.split("{")[0]
 
     raw.train()
     for step in range(start, args.steps):
@@ -558,7 +556,7 @@ def main(argv=None):
         episodes = rollout(engine, tok, todo, temperature=args.temperature, max_turns=args.max_turns,
                            max_new_tokens=args.max_new_tokens, max_len=args.max_len, concurrency=args.concurrency,
                            template=template, seed=(args.seed * 100_003 + step) * 64 + rank,
-                           on_episode=lambda i, e: bar.update(), stats=gen, wrapper_re=probes.WRAPPER_RE)
+                           on_episode=lambda i, e: bar.update(), stats=gen)
         bar.close()
         if device.type == "cuda":  # the engine's weights go to host memory and its KV cache is freed while training
             engine.sleep(level=1)

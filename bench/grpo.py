@@ -7,24 +7,22 @@ Benchmark of the GRPO rollout stage, ratios measured in one process:
    observation is back) vs lock-step rounds (generate only once every live sandbox has answered), on toy
    tasks in real sandboxes -> idle fractions and wall-time ratio.
 
-    python bench/grpo.py                       # a random ~20M-param Qwen3 built here (tokenizer trained on toy text)
-    python bench/grpo.py --model runs/actobs/final --episodes 16 --concurrency 8
+    python -m bench.grpo                       # a random 3.5M-param Qwen3 built here (tokenizer trained on toy text)
+    python -m bench.grpo --model runs/actobs/final --episodes 16 --concurrency 8
 """
 import argparse
 import random
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
 
-import torch  # noqa: E402
-
-import envs  # noqa: E402
-import grpo  # noqa: E402
-import sft  # noqa: E402
-import taskgen  # noqa: E402
-from labels import load_tokenizer  # noqa: E402
+import envs
+import grpo
+import sft
+import taskgen
+import terminus
+from labels import load_tokenizer
 
 
 def main(argv=None):
@@ -46,7 +44,7 @@ def main(argv=None):
     if model_dir is None:
         model_dir = Path(args.workdir) / f"qwen3-h{args.hidden}-l{args.layers}"
         if not (model_dir / "config.json").exists():
-            texts = [taskgen.DEFAULT_PROMPT] + [s.instruction + s.solve + s.test for s in specs]
+            texts = [terminus.DEFAULT_PROMPT] + [s.instruction + s.solve + s.test for s in specs]
             sft.build_tiny(model_dir, texts, vocab_size=4096, hidden=args.hidden, layers=args.layers,
                            heads=args.hidden // 64, kv_heads=max(1, args.hidden // 128))
     tok = load_tokenizer(model_dir, "native" if args.model else "prefix")
@@ -56,7 +54,7 @@ def main(argv=None):
 
     # 1. generation: vLLM vs HF generate, same prompts and sampling
     from vllm import SamplingParams
-    prompts = [grpo.prompt_tokens(tok, [{"role": "user", "content": taskgen.fill_prompt(taskgen.DEFAULT_PROMPT, s.instruction,
+    prompts = [grpo.prompt_tokens(tok, [{"role": "user", "content": terminus.fill_prompt(terminus.DEFAULT_PROMPT, s.instruction,
                                                                                            "root@box:/app# ")}])[0]
                for s in specs[: args.prompts]]
     params = SamplingParams(temperature=1.0, top_p=1.0, top_k=0, max_tokens=args.new_tokens, min_tokens=args.new_tokens,

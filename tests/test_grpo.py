@@ -140,7 +140,7 @@ def test_observation_after_a_cut_reply(tokenizer):
     """A reply cut by max_tokens has no end-of-turn: the template's is added, as PROMPT (nothing sampled it)."""
     obs = {"role": "user", "content": "New Terminal Output:\nroot@box:/app# ls\nfile.txt\nroot@box:/app# "}
     closed, _, _ = grpo.observation_tokens(tokenizer, obs, closed=True)
-    cut, roles, wrapper = grpo.observation_tokens(tokenizer, obs, closed=False, wrapper_re=__import__("probes").WRAPPER_RE)
+    cut, roles, wrapper = grpo.observation_tokens(tokenizer, obs, closed=False)
     assert cut[1:] == closed and cut[0] == tokenizer.convert_tokens_to_ids("<|im_end|>") and roles[0] == PROMPT
     text = [tokenizer.decode([t]) for t, w in zip(cut, wrapper) if w]
     assert "".join(text).startswith("New Terminal Output:\n") and text[-1] == "<|im_end|>"
@@ -235,7 +235,7 @@ def toy_tasks(tmp_path_factory, base_image):
     d = tmp_path_factory.mktemp("rl")
     for kind in ("find_copy", "rename"):
         spec = taskgen.generate(kind, random.Random(3))
-        taskgen.write_harbor(spec, d / spec.name)
+        taskgen.write_harbor(spec, d / spec.name, envs.BASE_IMAGE)
     return d
 
 
