@@ -20,11 +20,13 @@ if [ $OWN_DOCKERD = 1 ]; then trap '.ci/dockerd.sh stop' EXIT; fi
 
 # ---- settings: full, then what --quick shrinks ------------------------------------------------------------
 SEED=0
+ARMS=(actionsft actobs obs-then-act)  # SFT arms; the first is the baseline of every comparison in the report
+declare -A LOSS=([actionsft]="--lam 0" [actobs]="--lam 1" [obs-then-act]="--schedule obs-then-act")
 BASE=(--sessions 256 --commands 16 --epochs 1 --batch-size 4 --lr 2e-3)                   # scripts/base_model.py
 CORPUS=(--n-sft 320 --n-rl 32 --n-eval 18)                                                # envs.py corpus
 HELDOUT_N=32                                                                              # trajectories for the probes
-SFT=(--lr 2e-3 --warmup-ratio 0.05 --min-lr-ratio 0.1 --batch-size 4 --epochs 3 --max-len 2048 --micro-tokens 8192
-     --dtype bf16 --val-size 16 --eval-every 0 --save-every 40 --keep 1 --probe-every 10)  # sft.py, all arms
+SFT=(--lr 2e-3 --warmup-ratio 0.05 --min-lr-ratio 0.1 --batch-size 4 --epochs 1 --max-len 3072 --micro-tokens 8192
+     --dtype bf16 --val-size 16 --eval-every 0 --save-every 20 --keep 1 --probe-every 10)  # sft.py, all arms
 GRPO=(--steps 8 --tasks-per-step 4 --group-size 8 --lr 1e-5 --max-turns 12 --max-new-tokens 384 --max-len 4096
       --concurrency 8 --save-every 4 --keep 1 --kv-cache-gb 1)                             # grpo.py, all arms
 EVAL=(--attempts 16 --max-turns 12 --max-new-tokens 384 --max-len 4096 --concurrency 8)  # evaluate.py, all models
@@ -33,21 +35,23 @@ SAMPLE=(--max-new-tokens 128)                                                   
 if [ $MODE = quick ]; then
     BASE=(--sessions 8 --commands 6 --epochs 1 --batch-size 4 --lr 2e-3 --hidden 64 --layers 2 --heads 2 --kv-heads 1
           --vocab 1024 --max-len 512)
-    CORPUS=(--n-sft 20 --n-rl 2 --n-eval 3)
+    CORPUS=(--n-sft 20 --n-rl 2 --n-eval 2)
     HELDOUT_N=4
     SFT=(--lr 2e-3 --batch-size 4 --epochs 1 --max-len 1024 --micro-tokens 8192 --val-size 4 --eval-every 0
          --save-every 0 --keep 1 --probe-every 2)
-    GRPO=(--steps 2 --tasks-per-step 2 --group-size 2 --lr 1e-5 --max-turns 3 --max-new-tokens 96 --max-len 1536
-          --concurrency 4 --save-every 1 --keep 1 --kv-cache-gb 1)
-    EVAL=(--attempts 2 --max-turns 3 --max-new-tokens 96 --max-len 1536 --concurrency 6)
+    GRPO=(--steps 2 --tasks-per-step 1 --group-size 2 --lr 1e-5 --max-turns 2 --max-new-tokens 48 --max-len 1024
+          --concurrency 2 --save-every 1 --keep 1 --kv-cache-gb 1)
+    EVAL=(--attempts 2 --max-turns 2 --max-new-tokens 48 --max-len 1024 --concurrency 4)
     PROBE=(--n 4 --max-len 1024)
     SAMPLE=(--max-new-tokens 32)
 fi
 R=${RUN_DIR:-runs/ablation$([ $MODE = quick ] && echo -quick)}
 PT=scripts/toy_prompt.txt  # the corpus's short system prompt; RL and evaluation use the same
 mkdir -p "$R/eval" "$R/probes"
+ARM_LOSS=(); for A in "${ARMS[@]}"; do ARM_LOSS+=("loss_$A=${LOSS[$A]}"); done
 python scripts/report.py settings "$R" mode=$MODE seed=$SEED prompt_template=$PT base="${BASE[*]}" corpus="${CORPUS[*]}" \
-    heldout_n=$HELDOUT_N sft="${SFT[*]}" grpo="${GRPO[*]}" eval="${EVAL[*]}" probe="${PROBE[*]}" sample="${SAMPLE[*]}"
+    heldout_n=$HELDOUT_N arms="${ARMS[*]}" "${ARM_LOSS[@]}" sft="${SFT[*]}" grpo="${GRPO[*]}" eval="${EVAL[*]}" \
+    probe="${PROBE[*]}" sample="${SAMPLE[*]}"
 # stage NAME CMD...: run CMD, append its wall time to $R/times.jsonl
 stage() { local t=$SECONDS; "${@:2}"; echo "{\"stage\": \"$1\", \"seconds\": $((SECONDS - t))}" >> "$R/times.jsonl"; }
 
@@ -60,27 +64,27 @@ B="$R/base/model"
 head -n -$HELDOUT_N "$R/corpus/sft.jsonl" > "$R/train.jsonl"   # the probes' trajectories stay out of SFT
 tail -n $HELDOUT_N "$R/corpus/sft.jsonl" > "$R/heldout.jsonl"
 
-# ---- 3. SFT from the same base: same data, order and schedule; only the loss mask differs
-stage sft-actionsft python sft.py --model "$B" --data "$R/train.jsonl" --out "$R/actionsft" --lam 0 --seed $SEED --resume "${SFT[@]}"
-stage sft-actobs python sft.py --model "$B" --data "$R/train.jsonl" --out "$R/actobs" --lam 1 --seed $SEED --resume "${SFT[@]}"
-stage sft-obs-then-act python sft.py --model "$B" --data "$R/train.jsonl" --out "$R/obs-then-act" --schedule obs-then-act \
-    --seed $SEED --resume "${SFT[@]}"
+# ---- 3. SFT from the same base: same data, order and schedule; only the loss (LOSS above) differs
+for A in "${ARMS[@]}"; do
+    stage sft-$A python sft.py --model "$B" --data "$R/train.jsonl" --out "$R/$A" ${LOSS[$A]} --seed $SEED --resume "${SFT[@]}"
+done
 
 # ---- 4. the same GRPO recipe from each SFT arm, on the RL split
-for A in actionsft actobs obs-then-act; do
+for A in "${ARMS[@]}"; do
     stage grpo-$A python grpo.py --init "$R/$A/final" --tasks "$R/corpus/rl" --out "$R/$A-grpo" --prompt-template $PT \
         --seed $SEED --resume "${GRPO[@]}"
 done
 
 # ---- 5. pass@k of the base, each SFT and each GRPO checkpoint on the evaluation split (resumes per attempt)
-for M in base actionsft actobs obs-then-act actionsft-grpo actobs-grpo obs-then-act-grpo; do
+for M in base "${ARMS[@]}" "${ARMS[@]/%/-grpo}"; do
     [ $M = base ] && CK="$B" || CK="$R/$M/final"
     stage eval-$M python evaluate.py --model "$CK" --tasks "$R/corpus/eval" --out "$R/eval/$M.json" --prompt-template $PT \
         --seed $SEED "${EVAL[@]}"
 done
 
-# ---- 6. probes on held-out trajectories: observation prediction, command entropy, KL from the base, T*
-S=("$R/actionsft/final" "$R/actobs/final" "$R/obs-then-act/final")
+# ---- 6. probes on held-out trajectories: observation prediction, command entropy, KL from the base, and the
+# temperature T* at which ActionSFT's self-entropy matches ActObs's
+S=("${ARMS[@]/#/$R/}"); S=("${S[@]/%//final}")
 P=(--data "$R/heldout.jsonl" "${PROBE[@]}")
 [ -f "$R/probes/obs_nll.json" ] || stage probe-obs-nll python probes.py obs-nll --models "$B" "${S[@]}" "${P[@]}" --out "$R/probes/obs_nll.json"
 [ -f "$R/probes/cmd_entropy.json" ] || stage probe-cmd-entropy python probes.py cmd-entropy --models "${S[@]}" "${P[@]}" --out "$R/probes/cmd_entropy.json"

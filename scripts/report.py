@@ -26,10 +26,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo's modul
 import evaluate  # noqa: E402
 import taskgen  # noqa: E402
 
-ARMS = {"actionsft": "ActionSFT (λ=0)", "actobs": "ActObs (λ=1)", "obs-then-act": "Obs→Act"}
-MODELS = {"base": "base", **ARMS, **{f"{a}-grpo": f"{label} + GRPO" for a, label in ARMS.items()}}
+LABELS = {"actionsft": "ActionSFT (λ=0)", "actobs": "ActObs (λ=1)", "obs-then-act": "Obs→Act"}  # else the arm's name
 WEIGHTS = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
 PROBES = ("obs_nll", "cmd_entropy", "kl", "entropy_actobs", "tstar_actionsft")
+
+
+def model_names(arms):
+    """{run folder: label} of every evaluated checkpoint: the base, each SFT arm, each arm after GRPO."""
+    labels = {a: LABELS.get(a, a) for a in arms}
+    return {"base": "base", **labels, **{f"{a}-grpo": f"{label} + GRPO" for a, label in labels.items()}}
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -99,7 +104,7 @@ def task_names(split_dir, problems):
     out = {}
     for toml in sorted(split_dir.glob("*/task.toml")):
         meta = tomllib.loads(toml.read_text())
-        out[meta["task"]["name"].split("/")[-1]] = meta.get("metadata", {}).get("kind")
+        out[meta["task"]["name"]] = meta.get("metadata", {}).get("kind")
     if not out:
         problems.append(f"{split_dir}: no task folders")
     return out
@@ -115,7 +120,9 @@ def check_corpus(run, st, problems):
     for split, tasks, want in (("rl", rl, n["--n-rl"]), ("eval", ev, n["--n-eval"])):
         if len(tasks) != int(want):
             problems.append(f"{corpus / split}: {len(tasks)} tasks, settings say {want}")
-    shared = ({r.get("task") for r in rows} | set(rl)) & set(ev) | {r.get("task") for r in rows} & set(rl)
+    sft = {r.get("task") for r in rows}
+    rl_names, ev_names = {n.split("/")[-1] for n in rl}, {n.split("/")[-1] for n in ev}  # "actobs/<spec name>"
+    shared = (sft | rl_names) & ev_names | sft & rl_names
     if shared:
         problems.append(f"{corpus}: splits share tasks: {', '.join(sorted(shared)[:5])}")
     for kind in taskgen.HELDOUT_KINDS:
@@ -213,7 +220,7 @@ def _numbers(x):
 # ----------------------------------------------------------------------------------------------------------
 # Tables and plots
 
-def overview(results, attempts):
+def overview(results, attempts, names):
     """One row per model: pass@k over all tasks, pass@1 / pass@n on the held-out kind, distinct solved."""
     ks = evaluate.ks_up_to(attempts)
     head = "| model | " + " | ".join(f"pass@{k}" for k in ks) + f" | held-out pass@1 / @{ks[-1]} | solved | excluded |"
@@ -223,14 +230,14 @@ def overview(results, attempts):
         held = {n: e for n, e in res["tasks"].items() if e.get("heldout")}
         h = evaluate.summarize(held, ks) if held else None
         hcell = f"{evaluate.pct(h['pass@k'][ks[0]])} / {evaluate.pct(h['pass@k'][ks[-1]])}" if h else "-"
-        lines.append(f"| {MODELS[m]} | " + " | ".join(evaluate.pct(s["pass@k"][k]) for k in ks)
+        lines.append(f"| {names[m]} | " + " | ".join(evaluate.pct(s["pass@k"][k]) for k in ks)
                      + f" | {hcell} | {s['solved']}/{s['tasks']} | {s['excluded']} |")
     return "\n".join(lines)
 
 
-def comparison(results, models):
+def comparison(results, models, names):
     """evaluate.py compare on these models (the first is the baseline), on all tasks and then by kind."""
-    runs = [(MODELS[m], results[m]) for m in models]
+    runs = [(names[m], results[m]) for m in models]
     cmp = evaluate.compare(runs)
     text = [evaluate.compare_table(cmp)]
     for label, tasks in evaluate.groups(results[models[0]])[1:]:
@@ -259,9 +266,9 @@ def plot_runs(path, panels, series):
     plt.close(fig)
 
 
-def probe_table(probes, run):
+def probe_table(probes, run, names):
     short = lambda p: Path(p).resolve().relative_to(run.resolve()).parts[0] if Path(p).resolve().is_relative_to(run.resolve()) else p
-    name = lambda p: MODELS.get(short(p), "base" if short(p) == "base" else str(p))
+    name = lambda p: names.get(short(p), str(p))
     lines = ["| model | obs NLL | wrapper | payload | KL(ckpt ‖ base) | command entropy, positions 1 / 2 / 3 / 4-7 / 8+ |",
              "|---|---|---|---|---|---|"]
     for p, v in probes.get("obs_nll", {}).items():
@@ -273,7 +280,7 @@ def probe_table(probes, run):
     e, t = probes.get("entropy_actobs"), probes.get("tstar_actionsft")
     if e and t:
         lines.append(f"\nSelf-entropy of ActObs at T = {e['temperature']}: {e['entropy']:.3f} nats/token; ActionSFT matches "
-                     f"it at T* = {t['t_star']:.3f} (the paper's T* = 0.64 is for Qwen3 after SFT on the real corpus).")
+                     f"it at T* = {t['t_star']:.3f} (the paper: T* = 0.64).")
     return "\n".join(lines)
 
 
@@ -285,11 +292,13 @@ def build(run):
     st = settings["stages"]
     check_model(run / "base" / "model", problems)
     ev = check_corpus(run, st, problems)
-    geo = {a: check_sft(run, a, problems) for a in ARMS}
+    arms = st["arms"].split()
+    names = model_names(arms)
+    geo = {a: check_sft(run, a, problems) for a in arms}
     steps, attempts = int(flags(st["grpo"])["--steps"]), int(flags(st["eval"])["--attempts"])
-    grpo = {a: check_grpo(run, a, steps, problems) for a in ARMS}
+    grpo = {a: check_grpo(run, a, steps, problems) for a in arms}
     results = {}
-    for m in MODELS:
+    for m in names:
         ck = run / "base" / "model" if m == "base" else run / m / "final"
         res = check_eval(run / "eval" / f"{m}.json", ev, attempts, ck, problems)
         if res is not None:
@@ -299,14 +308,14 @@ def build(run):
     if problems:
         return problems
 
-    after, after_txt = comparison(results, [f"{a}-grpo" for a in ARMS])
-    before, before_txt = comparison(results, list(ARMS) + ["base"])
-    effect = {a: comparison(results, [a, f"{a}-grpo"]) for a in ARMS}
-    evaluate.plot_compare(evaluate.compare([(MODELS[m], r) for m, r in results.items()]), run / "pass_at_k.png")
+    after, after_txt = comparison(results, [f"{a}-grpo" for a in arms], names)
+    before, before_txt = comparison(results, arms + ["base"], names)
+    effect = {a: comparison(results, [a, f"{a}-grpo"], names) for a in arms}
+    evaluate.plot_compare(evaluate.compare([(names[m], r) for m, r in results.items()]), run / "pass_at_k.png")
     plot_runs(run / "grpo_curves.png", [("rollout/reward_mean", "mean reward"), ("train/entropy", "action-token entropy"),
-                                        ("train/kl_init", "KL from the SFT checkpoint")], {ARMS[a]: grpo[a] for a in ARMS})
+                                        ("train/kl_init", "KL from the SFT checkpoint")], {names[a]: grpo[a] for a in arms})
     plot_runs(run / "geometry.png", [("probe/cos", "cos(g_act, g_obs) during SFT"), ("probe/r", "r = |g_obs| / |g_act|")],
-              {ARMS[a]: geo[a] for a in ARMS})
+              {names[a]: geo[a] for a in arms})
     total = {}
     for t in times:
         total[t["stage"]] = total.get(t["stage"], 0) + t["seconds"]
@@ -315,33 +324,34 @@ def build(run):
           f"Commit {settings['git'][:10]}, started {settings['started']}, seed {st.get('seed')}. Settings of every stage: "
           "settings.json; each run dir has its own config.json.", "",
           f"## pass@k on the evaluation split ({len(ev)} tasks × {attempts} attempts; held-out kind: "
-          f"{', '.join(taskgen.HELDOUT_KINDS)})", "", overview(results, attempts), "",
+          f"{', '.join(taskgen.HELDOUT_KINDS)})", "", overview(results, attempts, names), "",
           "pass@k in %, unbiased estimator over tasks; excluded = attempts lost to infrastructure failures (not counted). "
           "Plot: pass_at_k.png.", "",
-          "## After the same GRPO: ActionSFT + GRPO is the baseline [0]", "", "```", after_txt, "```", "",
-          "## Before GRPO: the SFT arms and the base model, ActionSFT is the baseline [0]", "", "```", before_txt, "```", ""]
-    for a in ARMS:
-        md += [f"## What GRPO did to {ARMS[a]}", "", "```", effect[a][1].split("\n\n==")[0], "```", ""]
+          f"## After the same GRPO ({names[arms[0] + '-grpo']} is the baseline [0])", "", "```", after_txt, "```", "",
+          f"## Before GRPO: the SFT arms and the base model ({names[arms[0]]} is the baseline [0])", "", "```",
+          before_txt, "```", ""]
+    for a in arms:
+        md += [f"## What GRPO did to {names[a]}", "", "```", effect[a][1].split("\n\n==")[0], "```", ""]
     md += ["A difference whose 95% interval contains 0 is no evidence of a difference: report it as a null result.", "",
            "## GRPO runs (grpo_curves.png; each run's own curves.png and log.jsonl)", "",
            "| arm | steps | reward first → last | solve rate last | groups with signal (sum) | entropy first → last | KL from init last |",
            "|---|---|---|---|---|---|---|"]
-    for a in ARMS:
+    for a in arms:
         g = grpo[a]
-        md.append(f"| {ARMS[a]} | {len(g)} | {g[0]['rollout/reward_mean']:.3f} → {g[-1]['rollout/reward_mean']:.3f} | "
-                  f"{g[-1]['rollout/solve_rate']:.3f} | {sum(r['rollout/groups_with_signal'] for r in g)} | "
+        md.append(f"| {names[a]} | {len(g)} | {g[0]['rollout/reward_mean']:.3f} → {g[-1]['rollout/reward_mean']:.3f} | "
+                  f"{g[-1]['rollout/solve_rate']:.3f} | {sum(r['rollout/groups_with_signal'] for r in g):.0f} | "
                   f"{g[0]['train/entropy']:.3f} → {g[-1]['train/entropy']:.3f} | {g[-1]['train/kl_init']:.2e} |")
     md += ["", "## Gradient geometry during SFT (geometry.png; each arm's probe_geometry.png)", "",
            "| arm | cos(g_act, g_obs) first → last | r = ‖g_obs‖/‖g_act‖ first → last |", "|---|---|---|"]
-    for a in ARMS:
+    for a in arms:
         g = sorted(geo[a], key=lambda r: r["step"])
-        md.append(f"| {ARMS[a]} | {g[0]['probe/cos']:.3f} → {g[-1]['probe/cos']:.3f} | {g[0]['probe/r']:.3f} → {g[-1]['probe/r']:.3f} |")
-    md += ["", "## Probes on held-out trajectories (probes/*.json and *.png)", "", probe_table(probes, run), "",
-           "## Wall time per stage", "", "| stage | seconds |", "|---|---|"]
+        md.append(f"| {names[a]} | {g[0]['probe/cos']:.3f} → {g[-1]['probe/cos']:.3f} | {g[0]['probe/r']:.3f} → {g[-1]['probe/r']:.3f} |")
+    md += ["", "## Probes on held-out trajectories (probes/*.json and *.png)", "", probe_table(probes, run, names), "",
+           "## Wall time per stage (seconds, summed over the sessions of a resumed run)", "", "| stage | seconds |", "|---|---|"]
     md += [f"| {k} | {v} |" for k, v in total.items()] + [f"| **total** | {sum(total.values())} |", ""]
     (run / "REPORT.md").write_text("\n".join(md))
     (run / "report.json").write_text(json.dumps({"after_grpo": after, "before_grpo": before,
-                                                 "grpo_effect": {a: effect[a][0] for a in ARMS},
+                                                 "grpo_effect": {a: effect[a][0] for a in arms},
                                                  "summary": {m: r["summary"] for m, r in results.items()},
                                                  "stage_seconds": total}, indent=1))
     return []

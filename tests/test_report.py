@@ -1,0 +1,81 @@
+"""scripts/report.py: the run folder's settings guard and the output checks that make the quick ablation fail CI."""
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+import report  # noqa: E402
+
+
+def test_flags():
+    assert report.flags("--steps 8 --lr 1e-5 --resume --name 'a b'") == {"--steps": "8", "--lr": "1e-5", "--resume": True,
+                                                                         "--name": "a b"}
+
+
+def test_settings_refuse_another_run(tmp_path):
+    report.write_settings(tmp_path, ["mode=quick", "grpo=--steps 2"])
+    first = json.loads((tmp_path / "settings.json").read_text())
+    assert first["stages"] == {"mode": "quick", "grpo": "--steps 2"}
+    report.write_settings(tmp_path, ["mode=quick", "grpo=--steps 2"])  # the same settings: a resume
+    assert json.loads((tmp_path / "settings.json").read_text()) == first
+    with pytest.raises(SystemExit, match="grpo differ"):
+        report.write_settings(tmp_path, ["mode=quick", "grpo=--steps 3"])
+    with pytest.raises(SystemExit, match="KEY=VALUE"):
+        report.write_settings(tmp_path / "other", ["mode"])
+
+
+def eval_results(ck, attempts=2, rewards=((1.0, 0.0), (0.0, 0.0)), pass_at_k=(0.25, 0.5)):
+    tasks = {f"t{i}": {"attempts": [{"attempt": j, "reward": r, "failure": None} for j, r in enumerate(rs)]}
+             for i, rs in enumerate(rewards)}
+    return {"settings": {"attempts": attempts, "model": str(ck)}, "tasks": tasks,
+            "summary": {"pass@k": {str(2 ** i): v for i, v in enumerate(pass_at_k)}}}
+
+
+@pytest.mark.parametrize("case", ["ok", "missing_attempt", "reward_range", "decreasing", "other_model", "other_tasks"])
+def test_check_eval(tmp_path, case):
+    ck, path = tmp_path / "ck", tmp_path / "eval.json"
+    res = eval_results(ck)
+    if case == "missing_attempt":
+        res["tasks"]["t1"]["attempts"].pop()
+    elif case == "reward_range":
+        res["tasks"]["t0"]["attempts"][0]["reward"] = 1.5
+    elif case == "decreasing":
+        res["summary"]["pass@k"] = {"1": 0.5, "2": 0.25}
+    elif case == "other_model":
+        res["settings"]["model"] = str(tmp_path / "elsewhere")
+    path.write_text(json.dumps(res))
+    problems = []
+    tasks = {"t0": "a", "t1": "b", **({"t2": "c"} if case == "other_tasks" else {})}
+    report.check_eval(path, tasks, 2, ck, problems)
+    assert (problems == []) == (case == "ok"), problems
+
+
+def grpo_run(run, steps, bad_step=None):
+    d = run / "arm-grpo"
+    (d / "final").mkdir(parents=True)
+    for f in report.WEIGHTS:
+        (d / "final" / f).write_text("{}")
+    (d / "curves.png").write_bytes(b"")
+    rows = [{"step": s, "rollout/reward_mean": 0.5, "train/entropy": 1.0, "train/kl_init": 0.0,
+             "train/loss": float("nan") if s == bad_step else 0.1} for s in range(1, steps + 1)]
+    (d / "log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+@pytest.mark.parametrize("steps,bad_step,want", [(3, None, 0), (2, None, 1), (3, 2, 1)])
+def test_check_grpo(tmp_path, steps, bad_step, want):
+    grpo_run(tmp_path, steps, bad_step)
+    problems = []
+    report.check_grpo(tmp_path, "arm", 3, problems)
+    assert len(problems) == want, problems
+
+
+def test_build_names_what_is_missing(tmp_path):
+    report.write_settings(tmp_path, ["arms=actionsft actobs", "corpus=--n-rl 2 --n-eval 2", "heldout_n=1",
+                                     "grpo=--steps 2", "eval=--attempts 2"])
+    problems = report.build(tmp_path)
+    text = "\n".join(problems)
+    for piece in ("base/model", "corpus/sft.jsonl", "actobs/log.jsonl", "actionsft-grpo", "eval/actobs-grpo.json",
+                  "probes/kl.json", "times.jsonl"):
+        assert piece in text, piece
