@@ -58,7 +58,7 @@ LABEL = "actobs.sandbox"  # every container carries it; value = "<hostname>:<pid
 SCREEN = (160, 40)  # tmux window (columns, rows)
 DEFAULT_STORAGE_MB = 10240  # disk budget when a task names none (Harbor's default)
 GENERATED_STORAGE_MB = 1024  # disk budget of taskgen's tasks
-DISK_POLL_S = 0.5  # how often a sandbox's writable layer is measured
+DISK_POLL_S = 0.2  # how often a sandbox's writable layer is measured (a walk of a small one: ~0.2 ms)
 VERIFIER_TAIL = 2000  # characters of the verifier's output kept on each episode
 
 # ----------------------------------------------------------------------------------------------------------
@@ -424,12 +424,15 @@ class Sandbox:
         upper = driver.get("Data", {}).get("UpperDir") if driver.get("Name") == "overlay2" else None
         if upper is None or not os.access(upper, os.R_OK):
             upper = None  # a remote daemon or another storage driver: ask the daemon (slower, same result)
-        while not self._closed.wait(DISK_POLL_S):
+        took = 0.0
+        while not self._closed.wait(max(DISK_POLL_S, 10 * took)):  # a huge tree: at most ~10% of a core
+            t = time.time()
             try:
                 used = _tree_bytes(upper) if upper else \
                     docker_client().api.inspect_container(container.id, size=True).get("SizeRw", 0)
             except Exception:
                 return  # the container is gone
+            took = time.time() - t
             if used > limit:
                 self.disk_exceeded = f"wrote {used / 2**20:.0f} MB, over the disk budget of {self.storage_mb} MB"
                 try:
