@@ -396,19 +396,26 @@ class Sandbox:
 
     def start(self):
         t0 = time.time()
-        self.container = docker_client().containers.run(
-            # The image's own entrypoint is replaced: the container only has to stay up for our execs. A fixed
-            # hostname keeps prompts and observations reproducible from the seed.
-            self.image, entrypoint=["bash", "-c", INIT], detach=True, labels={LABEL: owner_label()},
+        import docker
+        # Created, then started: a container that fails to start is still ours to remove (close()).
+        self.container = docker_client().containers.create(
+            # The image's own entrypoint is replaced: the container only has to stay up for our execs. PID 1 is
+            # bash (INIT). A fixed hostname keeps prompts and observations reproducible from the seed.
+            self.image, entrypoint=["bash", "-c", INIT], labels={LABEL: owner_label()},
             hostname="sandbox", network_mode="host" if self.network else "none", mem_limit=f"{self.memory_mb}m",
             memswap_limit=f"{self.memory_mb}m", pids_limit=self.pids, nano_cpus=int(host_cpus(self.cpus) * 1e9),
             working_dir=self.workdir, environment={"LANG": "C.UTF-8"})
+        try:
+            self.container.start()
+        except docker.errors.APIError as e:
+            raise SandboxError(f"{self.image}: the container did not start (the image needs bash): "
+                               f"{e.explanation}") from None
         threading.Thread(target=self._watch_disk, daemon=True).start()
         # Harbor tasks expect these to exist and be writable by the agent's user.
         code, out = self.exec(f"mkdir -p {self.workdir} /logs/agent /logs/verifier && "
                               "chmod 777 /logs/agent /logs/verifier", user="root")
         if code != 0:
-            raise SandboxError(f"{self.image}: could not prepare the container (needs bash): {decode(out)[-300:]}")
+            raise SandboxError(f"{self.image}: could not prepare the container: {decode(out)[-300:]}")
         if self.files:
             self.put_files(self.files)
         code, out = self.exec(["bash", "-c", TERMINAL_SETUP, "setup", str(SCREEN[0]), str(SCREEN[1])])

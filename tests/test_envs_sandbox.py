@@ -131,6 +131,13 @@ def test_disk_budget_ends_the_episode_and_scores_0(base_image):
     assert [(e.failure, e.reward) for e in solved] == [("disk_limit", 0.0)]
 
 
+def test_an_image_without_bash_is_explained(tmp_path, base_image):
+    (tmp_path / "Dockerfile").write_text("FROM scratch\nCOPY Dockerfile /Dockerfile\n")
+    image = envs.build_task_image("no-bash", tmp_path)
+    ep, = envs.run_episodes([envs.Task("no-bash", "x", image=image)], by_instruction({}), max_turns=1)
+    assert (ep.failure, ep.reward) == ("sandbox_error", 0.0) and "the image needs bash" in ep.error
+
+
 # ---------------------------------------------------------------------------------------------- task.toml
 
 def test_task_toml_limits_as_harbor_reads_them(tmp_path, base_image, capsys):
