@@ -60,7 +60,7 @@ def test_processes_left_running_cannot_forge_the_reward(base_image):
         for keys in FORGERS:
             sb.send(keys, 0.2)
         time.sleep(0.3)
-        assert any(sb.get_file("/logs/verifier/reward.txt") == b"1\n" for _ in range(50))  # the forgers are at work
+        assert any(sb.exec("cat /logs/verifier/reward.txt")[1] == b"1\n" for _ in range(50))  # the forgers are at work
         reward, error, output = envs.verify(sb, task)
         assert (reward, error) == (0.0, None)
         # Nothing of the agent's is left: only init (bash), init's sleep and this exec.
