@@ -367,6 +367,10 @@ class DiskLimit(SandboxError):
     """The sandbox wrote more than its disk budget; its processes were killed."""
 
 
+class ProcessLimit(SandboxError):
+    """The agent's processes hold every process slot of the sandbox (a fork bomb): the terminal cannot run."""
+
+
 class Sandbox:
     """A container with the task's limits and a tmux terminal; use as a context manager (always removed).
     storage_mb: the disk budget of the container's writable layer, watched every DISK_POLL_S seconds."""
@@ -496,8 +500,14 @@ class Sandbox:
             return tar.extractfile(member).read() if member and member.isfile() else None
 
     def _shell_gone(self):
-        code, _ = self.exec(["bash", "-c", 'read -r p < /dev/shm/.actobs-$UID/shellpid && [ -d /proc/$p ]'])
-        return code != 0
+        """True only when a probe ran and found no shell (a probe that cannot even start says nothing)."""
+        code, out = self.exec(["bash", "-c", 'read -r p 2>/dev/null < /dev/shm/.actobs-$UID/shellpid && '
+                               '[ -d /proc/$p ] && echo alive || echo gone'])
+        return out.strip() == b"gone"
+
+    def _pids_full(self):
+        stats = self.container.stats(stream=False, one_shot=True)
+        return stats.get("pids_stats", {}).get("current", 0) >= 0.95 * self.pids
 
     def screen(self):
         """Initial observation: the visible screen; also marks the read position for the first diff."""
@@ -532,6 +542,9 @@ class Sandbox:
         if fields[:1] == ["exited"]:
             raise ShellExited("the agent's shell exited (exit, or its shell or tmux was killed)")
         if code != 0 or len(fields) != 3:
+            if self._pids_full():  # the step itself could not fork: the agent's processes hold them all
+                raise ProcessLimit(f"all {self.pids} processes of the sandbox in use; terminal step failed "
+                                   f"(exit {code}): {text[-300:]}")
             raise SandboxError(f"terminal step failed (exit {code}): {text[-500:]}")
         self.last_idle = fields[0] == "idle"  # whether the step ended early on an idle prompt
         if not read:
@@ -722,8 +735,9 @@ def verify(sb, task):
 # Episodes
 
 # Failure kinds. The agent's doing (scored; the reward goes with it): timeout, parse_errors, max_turns,
-# shell_exited (the verifier still scores what was done), disk_limit (reward 0), verifier_error (reward 0: the
-# verifier timed out, wrote no reward, or its test runner never started; an agent can break its own checker).
+# shell_exited (the verifier still scores what was done), disk_limit and pids_limit (reward 0), verifier_error
+# (reward 0: the verifier timed out, wrote no reward, or its test runner never started; an agent can break its
+# own checker).
 # Infrastructure, never the agent's doing: GRPO and evaluation leave these episodes out.
 INFRA_FAILURES = frozenset({"sandbox_error", "image_build_error"})
 
@@ -770,6 +784,8 @@ class _Run:
             failure, error = self._act(reply, max_parse_errors, last_turn=self.ep.turns >= max_turns)
         except DiskLimit as e:
             return self.finish("disk_limit", str(e), verify_=False)
+        except ProcessLimit as e:
+            return self.finish("pids_limit", str(e), verify_=False)
         except ShellExited as e:
             return self.finish("shell_exited", str(e))
         except Exception as e:

@@ -16,7 +16,7 @@ pytestmark = pytest.mark.usefixtures("no_leftovers")
 # Writes the right answer only if /app/answer holds "right"; the agent's forgers below write 1 all the time.
 CHECK = b'grep -qx right /app/answer && echo 1 > /logs/verifier/reward.txt || echo 0 > /logs/verifier/reward.txt\n'
 FORGERS = [  # three ways to outlive the terminal: a new session, nohup, a disowned supervisor that respawns
-    "setsid bash -c 'while :; do echo 1 > /logs/verifier/reward.txt; done' >/dev/null 2>&1 &\n",
+    "setsid bash -c 'while :; do echo 1 > /tmp/r; mv -f /tmp/r /logs/verifier/reward.txt; done' >/dev/null 2>&1 &\n",
     "nohup bash -c 'while :; do echo 1 > /logs/verifier/reward.txt 2>/dev/null; done' >/dev/null 2>&1 &\n",
     "(while :; do (echo 1 > /logs/verifier/reward.txt; sleep 0.01) & sleep 0.005; done) >/dev/null 2>&1 & disown\n",
 ]
@@ -161,8 +161,9 @@ def test_task_toml_limits_as_harbor_reads_them(tmp_path, base_image, capsys):
 
 
 def test_build_timeout_and_failures_are_recorded_and_the_others_run(tmp_path, base_image, capsys):
+    # Abandoned after 2 s (the daemon may go on with it: this one then fails, so no image is ever cached)
     slow = tree(tmp_path, "slow", "[environment]\nbuild_timeout_sec = 2\n",
-                dockerfile="FROM ubuntu:24.04\nRUN echo slow-build-$RANDOM && sleep 60\n")
+                dockerfile="FROM ubuntu:24.04\nRUN sleep 20 && false\n")
     broken = tree(tmp_path, "broken", dockerfile="FROM ubuntu:24.04\nRUN echo about to fail && exit 3\n")
     missing = tree(tmp_path, "missing", dockerfile="FROM actobs-missing/image:1\n")
     t0 = time.time()
