@@ -57,7 +57,6 @@ PRIVATE_SOCKET = os.environ.get("ACTOBS_DOCKER_ROOT", "/var/lib/actobs-docker") 
 LABEL = "actobs.sandbox"  # every container carries it; value = "<hostname>:<pid>" of the owning process
 SCREEN = (160, 40)  # tmux window (columns, rows)
 DEFAULT_STORAGE_MB = 10240  # disk budget when a task names none (Harbor's default)
-GENERATED_STORAGE_MB = 1024  # disk budget of taskgen's tasks
 DISK_POLL_S = 0.2  # how often a sandbox's writable layer is measured (a walk of a small one: ~0.2 ms)
 VERIFIER_TAIL = 2000  # characters of the verifier's output kept on each episode
 
@@ -690,8 +689,8 @@ def build_task_image(name, context, timeout=600.0):
 
 def task_from_spec(spec):
     """A generated task (taskgen.Spec) as a Task on the base image; its files are uploaded at start."""
-    return Task(spec.name, spec.instruction, agent_timeout=300.0, verifier_timeout=60.0, memory_mb=1024,
-                storage_mb=GENERATED_STORAGE_MB, files=tuple((p, text.encode(), mode) for p, text, mode in spec.files),
+    return Task(spec.name, spec.instruction, **taskgen.LIMITS,
+                files=tuple((p, text.encode(), mode) for p, text, mode in spec.files),
                 tests={"test.sh": spec.test.encode()}, solution={"solve.sh": spec.solve.encode()})
 
 
@@ -929,7 +928,7 @@ def corpus(args):
     args.out.mkdir(parents=True, exist_ok=True)
     for split in ("rl", "eval"):
         for spec in splits[split]:
-            taskgen.write_harbor(spec, args.out / split / spec.name)
+            taskgen.write_harbor(spec, args.out / split / spec.name, BASE_IMAGE)
         write_jsonl(args.out / f"{split}.jsonl", [dataclasses.asdict(s) for s in splits[split]])
     tasks = [task_from_spec(s) for s in splits["sft"]]
     t0 = time.time()
