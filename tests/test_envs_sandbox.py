@@ -39,14 +39,14 @@ def by_instruction(replies):
     return policy
 
 
-def tree(tmp_path, name, toml="", dockerfile="FROM ubuntu:24.04\nWORKDIR /app\n", test=CHECK):
+def tree(tmp_path, name, toml="", dockerfile="FROM ubuntu:24.04\nWORKDIR /app\n"):
     d = tmp_path / name
     (d / "environment").mkdir(parents=True)
     (d / "tests").mkdir()
     (d / "task.toml").write_text(toml)
     (d / "instruction.md").write_text("Write right to /app/answer.\n")
     (d / "environment" / "Dockerfile").write_text(dockerfile)
-    (d / "tests" / "test.sh").write_bytes(test)
+    (d / "tests" / "test.sh").write_bytes(CHECK)
     return d
 
 
