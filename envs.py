@@ -58,8 +58,7 @@ PRIVATE_SOCKET = os.environ.get("ACTOBS_DOCKER_ROOT", "/var/lib/actobs-docker") 
 LABEL = "actobs.sandbox"  # every container carries it; value = "<hostname>:<pid>" of the owning process
 SCREEN = (160, 40)  # tmux window (columns, rows)
 DEFAULT_STORAGE_MB = 10240  # disk budget when a task names none (Harbor's default)
-GENERATED_STORAGE_MB = 1024  # disk budget of taskgen's tasks
-DISK_POLL_S = 0.5  # how often a sandbox's writable layer is measured
+DISK_POLL_S = 0.2  # how often a sandbox's writable layer is measured (a walk of a small one: ~0.2 ms)
 VERIFIER_TAIL = 2000  # characters of the verifier's output kept on each episode
 
 # ----------------------------------------------------------------------------------------------------------
@@ -368,6 +367,10 @@ class DiskLimit(SandboxError):
     """The sandbox wrote more than its disk budget; its processes were killed."""
 
 
+class ProcessLimit(SandboxError):
+    """The agent's processes hold every process slot of the sandbox (a fork bomb): the terminal cannot run."""
+
+
 class Sandbox:
     """A container with the task's limits and a tmux terminal; use as a context manager (always removed).
     storage_mb: the disk budget of the container's writable layer, watched every DISK_POLL_S seconds."""
@@ -397,19 +400,26 @@ class Sandbox:
 
     def start(self):
         t0 = time.time()
-        self.container = docker_client().containers.run(
-            # The image's own entrypoint is replaced: the container only has to stay up for our execs. A fixed
-            # hostname keeps prompts and observations reproducible from the seed.
-            self.image, entrypoint=["bash", "-c", INIT], detach=True, labels={LABEL: owner_label()},
+        import docker
+        # Created, then started: a container that fails to start is still ours to remove (close()).
+        self.container = docker_client().containers.create(
+            # The image's own entrypoint is replaced: the container only has to stay up for our execs. PID 1 is
+            # bash (INIT). A fixed hostname keeps prompts and observations reproducible from the seed.
+            self.image, entrypoint=["bash", "-c", INIT], labels={LABEL: owner_label()},
             hostname="sandbox", network_mode="host" if self.network else "none", mem_limit=f"{self.memory_mb}m",
             memswap_limit=f"{self.memory_mb}m", pids_limit=self.pids, nano_cpus=int(host_cpus(self.cpus) * 1e9),
             working_dir=self.workdir, environment={"LANG": "C.UTF-8"})
+        try:
+            self.container.start()
+        except docker.errors.APIError as e:
+            raise SandboxError(f"{self.image}: the container did not start (the image needs bash): "
+                               f"{e.explanation}") from None
         threading.Thread(target=self._watch_disk, daemon=True).start()
         # Harbor tasks expect these to exist and be writable by the agent's user.
         code, out = self.exec(f"mkdir -p {self.workdir} /logs/agent /logs/verifier && "
                               "chmod 777 /logs/agent /logs/verifier", user="root")
         if code != 0:
-            raise SandboxError(f"{self.image}: could not prepare the container (needs bash): {decode(out)[-300:]}")
+            raise SandboxError(f"{self.image}: could not prepare the container: {decode(out)[-300:]}")
         if self.files:
             self.put_files(self.files)
         code, out = self.exec(["bash", "-c", TERMINAL_SETUP, "setup", str(SCREEN[0]), str(SCREEN[1])])
@@ -425,12 +435,15 @@ class Sandbox:
         upper = driver.get("Data", {}).get("UpperDir") if driver.get("Name") == "overlay2" else None
         if upper is None or not os.access(upper, os.R_OK):
             upper = None  # a remote daemon or another storage driver: ask the daemon (slower, same result)
-        while not self._closed.wait(DISK_POLL_S):
+        took = 0.0
+        while not self._closed.wait(max(DISK_POLL_S, 10 * took)):  # a huge tree: at most ~10% of a core
+            t = time.time()
             try:
                 used = _tree_bytes(upper) if upper else \
                     docker_client().api.inspect_container(container.id, size=True).get("SizeRw", 0)
             except Exception:
                 return  # the container is gone
+            took = time.time() - t
             if used > limit:
                 self.disk_exceeded = f"wrote {used / 2**20:.0f} MB, over the disk budget of {self.storage_mb} MB"
                 try:
@@ -487,8 +500,14 @@ class Sandbox:
             return tar.extractfile(member).read() if member and member.isfile() else None
 
     def _shell_gone(self):
-        code, _ = self.exec(["bash", "-c", 'read -r p < /dev/shm/.actobs-$UID/shellpid && [ -d /proc/$p ]'])
-        return code != 0
+        """True only when a probe ran and found no shell (a probe that cannot even start says nothing)."""
+        code, out = self.exec(["bash", "-c", 'read -r p 2>/dev/null < /dev/shm/.actobs-$UID/shellpid && '
+                               '[ -d /proc/$p ] && echo alive || echo gone'])
+        return out.strip() == b"gone"
+
+    def _pids_full(self):
+        stats = self.container.stats(stream=False, one_shot=True)
+        return stats.get("pids_stats", {}).get("current", 0) >= 0.95 * self.pids
 
     def screen(self):
         """Initial observation: the visible screen; also marks the read position for the first diff."""
@@ -523,6 +542,9 @@ class Sandbox:
         if fields[:1] == ["exited"]:
             raise ShellExited("the agent's shell exited (exit, or its shell or tmux was killed)")
         if code != 0 or len(fields) != 3:
+            if self._pids_full():  # the step itself could not fork: the agent's processes hold them all
+                raise ProcessLimit(f"all {self.pids} processes of the sandbox in use; terminal step failed "
+                                   f"(exit {code}): {text[-300:]}")
             raise SandboxError(f"terminal step failed (exit {code}): {text[-500:]}")
         self.last_idle = fields[0] == "idle"  # whether the step ended early on an idle prompt
         if not read:
@@ -668,7 +690,7 @@ def build_task_image(name, context, timeout=600.0):
 
 def task_from_spec(spec):
     """A generated task (taskgen.Spec) as a Task on the base image; its files are uploaded at start."""
-    return Task(spec.name, spec.instruction, **taskgen.LIMITS, storage_mb=GENERATED_STORAGE_MB,
+    return Task(spec.name, spec.instruction, **taskgen.LIMITS,
                 files=tuple((p, text.encode(), mode) for p, text, mode in spec.files),
                 tests={"test.sh": spec.test.encode()}, solution={"solve.sh": spec.solve.encode()})
 
@@ -714,8 +736,8 @@ def verify(sb, task):
 
 # Failure kinds. The agent's doing (scored; the reward goes with it): timeout, parse_errors, max_turns,
 # shell_exited (the verifier still scores what was done), max_len (the policy's context is full; the verifier
-# scores what was done), disk_limit (reward 0), verifier_error (reward 0: the verifier timed out, wrote no reward,
-# or its test runner never started; an agent can break its own checker).
+# scores what was done), disk_limit and pids_limit (reward 0), verifier_error (reward 0: the verifier timed out,
+# wrote no reward, or its test runner never started; an agent can break its own checker).
 # Infrastructure, never the agent's doing: GRPO and evaluation leave these episodes out.
 INFRA_FAILURES = frozenset({"sandbox_error", "image_build_error"})
 
@@ -771,6 +793,8 @@ class _Run:
             failure, error = self._act(reply, max_parse_errors, last_turn=self.ep.turns >= max_turns)
         except DiskLimit as e:
             return self.finish("disk_limit", str(e), verify_=False)
+        except ProcessLimit as e:
+            return self.finish("pids_limit", str(e), verify_=False)
         except ShellExited as e:
             return self.finish("shell_exited", str(e))
         except Exception as e:

@@ -16,7 +16,7 @@ pytestmark = pytest.mark.usefixtures("no_leftovers")
 # Writes the right answer only if /app/answer holds "right"; the agent's forgers below write 1 all the time.
 CHECK = b'grep -qx right /app/answer && echo 1 > /logs/verifier/reward.txt || echo 0 > /logs/verifier/reward.txt\n'
 FORGERS = [  # three ways to outlive the terminal: a new session, nohup, a disowned supervisor that respawns
-    "setsid bash -c 'while :; do echo 1 > /logs/verifier/reward.txt; done' >/dev/null 2>&1 &\n",
+    "setsid bash -c 'while :; do echo 1 > /tmp/r; mv -f /tmp/r /logs/verifier/reward.txt; done' >/dev/null 2>&1 &\n",
     "nohup bash -c 'while :; do echo 1 > /logs/verifier/reward.txt 2>/dev/null; done' >/dev/null 2>&1 &\n",
     "(while :; do (echo 1 > /logs/verifier/reward.txt; sleep 0.01) & sleep 0.005; done) >/dev/null 2>&1 & disown\n",
 ]
@@ -39,14 +39,14 @@ def by_instruction(replies):
     return policy
 
 
-def tree(tmp_path, name, toml="", dockerfile="FROM ubuntu:24.04\nWORKDIR /app\n", test=CHECK):
+def tree(tmp_path, name, toml="", dockerfile="FROM ubuntu:24.04\nWORKDIR /app\n"):
     d = tmp_path / name
     (d / "environment").mkdir(parents=True)
     (d / "tests").mkdir()
     (d / "task.toml").write_text(toml)
     (d / "instruction.md").write_text("Write right to /app/answer.\n")
     (d / "environment" / "Dockerfile").write_text(dockerfile)
-    (d / "tests" / "test.sh").write_bytes(test)
+    (d / "tests" / "test.sh").write_bytes(CHECK)
     return d
 
 
@@ -60,7 +60,7 @@ def test_processes_left_running_cannot_forge_the_reward(base_image):
         for keys in FORGERS:
             sb.send(keys, 0.2)
         time.sleep(0.3)
-        assert any(sb.get_file("/logs/verifier/reward.txt") == b"1\n" for _ in range(50))  # the forgers are at work
+        assert any(sb.exec("cat /logs/verifier/reward.txt")[1] == b"1\n" for _ in range(50))  # the forgers are at work
         reward, error, output = envs.verify(sb, task)
         assert (reward, error) == (0.0, None)
         # Nothing of the agent's is left: only init (bash), init's sleep and this exec.
@@ -126,9 +126,16 @@ def test_disk_budget_ends_the_episode_and_scores_0(base_image):
     assert [(e.failure, e.reward) for e in eps] == [("disk_limit", 0.0), ("disk_limit", 0.0), (None, 1.0)]
     assert time.time() - t0 < 20  # the 30 s step was cut as soon as the budget was passed
     used = int(eps[0].error.split("wrote ")[1].split(" MB")[0])
-    assert 64 < used < 64 + 400, eps[0].error  # stopped within one poll of the budget
+    assert 64 <= used < 1024, eps[0].error  # stopped within a poll of the budget (unbounded: ~20 GB in 30 s)
     solved = envs.run_oracle([envs.Task("oracle", "x", storage_mb=64, tests=pay, solution={"solve.sh": fill.encode()})])
     assert [(e.failure, e.reward) for e in solved] == [("disk_limit", 0.0)]
+
+
+def test_an_image_without_bash_is_explained(tmp_path, base_image):
+    (tmp_path / "Dockerfile").write_text("FROM scratch\nCOPY Dockerfile /Dockerfile\n")
+    image = envs.build_task_image("no-bash", tmp_path)
+    ep, = envs.run_episodes([envs.Task("no-bash", "x", image=image)], by_instruction({}), max_turns=1)
+    assert (ep.failure, ep.reward) == ("sandbox_error", 0.0) and "the image needs bash" in ep.error
 
 
 # ---------------------------------------------------------------------------------------------- task.toml
@@ -154,8 +161,9 @@ def test_task_toml_limits_as_harbor_reads_them(tmp_path, base_image, capsys):
 
 
 def test_build_timeout_and_failures_are_recorded_and_the_others_run(tmp_path, base_image, capsys):
+    # Abandoned after 2 s (the daemon may go on with it: this one then fails, so no image is ever cached)
     slow = tree(tmp_path, "slow", "[environment]\nbuild_timeout_sec = 2\n",
-                dockerfile="FROM ubuntu:24.04\nRUN echo slow-build-$RANDOM && sleep 60\n")
+                dockerfile="FROM ubuntu:24.04\nRUN sleep 20 && false\n")
     broken = tree(tmp_path, "broken", dockerfile="FROM ubuntu:24.04\nRUN echo about to fail && exit 3\n")
     missing = tree(tmp_path, "missing", dockerfile="FROM actobs-missing/image:1\n")
     t0 = time.time()
