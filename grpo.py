@@ -25,9 +25,18 @@ With --tis-cap C, rho_i is taken against the trainer's own log-prob before the s
 w_i = min(pi_old(a_i) / pi_behaviour(a_i), C) corrects the trainer/vLLM mismatch (truncated importance
 sampling); without it w_i = 1. Episodes that failed for infrastructure reasons (sandbox or verifier error)
 are left out of their group's mean and of the loss. After every optimizer step the weights go into the
-engine in place. Memory plan for Qwen3-4B / 8B on 80 GB GPUs: see README ("GRPO").
+engine in place. Each episode's token sequence is exactly what the policy saw and sampled (token-in/token-out):
+observation turns are tokenised as the chat template renders them, never the history re-tokenised.
+
+GPU memory plan (80 GB GPUs, bf16 autocast over fp32 master weights; per GPU): Qwen3-4B with --fsdp on 8 GPUs:
+weights + grads + AdamW = 16 B/param, sharded: 8 GB; the initial policy for the KL, a bf16 copy: 8 GB; the
+engine, --gpu-memory 0.35: 28 GB (8 GB weights, the rest KV cache), asleep while training (weights to host
+memory, KV cache freed); activations with --grad-ckpt and --micro-tokens 16384: ~10 GB. Qwen3-8B, same
+layout: 16 + 16 GB, engine 0.4 (16 GB weights + 16 GB KV cache), --micro-tokens 8192. Weight sync gathers
+one tensor at a time. DDP (no --fsdp) keeps the full 16 B/param per GPU: models up to ~1.5B.
 """
 import argparse
+import gc
 import json
 import math
 import os
@@ -111,20 +120,21 @@ def make_engine(model_dir, *, max_model_len, seed=0, dtype="auto", gpu_memory=0.
                logprobs_mode="processed_logprobs", **kw)
 
 
-def sync_weights(engine, model, fsdp=False):
+def sync_weights(engine, model):
     """Load the trainer's weights into the engine in place, all at once, then drop cached prefixes (their KV was
-    computed by the old weights). With tied embeddings lm_head.weight is passed explicitly: the engine keeps a
-    separate head and would otherwise silently keep the old one. Under FSDP2 every rank gathers the full
-    weights for its own engine."""
-    if fsdp:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-        sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
-    else:
-        sd = dict(model.state_dict())
-    if model.config.tie_word_embeddings:
-        sd["lm_head.weight"] = sd["model.embed_tokens.weight"]
+    computed by the old weights). With tied embeddings lm_head.weight must be among them: the engine keeps a
+    separate head and would otherwise silently keep the old one. Under FSDP2 each rank gathers the full
+    tensors for its own engine one at a time, so the transient memory is one tensor, not the model."""
     dtype = engine.llm_engine.model_config.dtype
-    engine.collective_rpc("reload_weights", kwargs={"weights_iterator": [(k, v.detach().to(dtype)) for k, v in sd.items()]})
+    sd = model.state_dict()
+    if model.config.tie_word_embeddings and "lm_head.weight" not in sd:
+        sd["lm_head.weight"] = sd["model.embed_tokens.weight"]
+
+    def weights():  # consumed in order by the engine; FSDP2's gathers happen in the same order on every rank
+        for k, v in sd.items():
+            yield k, (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().to(dtype)
+
+    engine.collective_rpc("reload_weights", kwargs={"weights_iterator": weights()})
     engine.reset_prefix_cache()
 
 
@@ -610,7 +620,7 @@ def main(argv=None):
         t_train = time.time()
         if device.type == "cuda":
             engine.wake_up()
-        sync_weights(engine, raw, args.fsdp)
+        sync_weights(engine, raw)
         t_sync = time.time()
 
         # one log row: episode statistics summed over ranks
@@ -666,7 +676,9 @@ def main(argv=None):
         print0(f"final model: {out / 'final'}")
     if log:
         log.close()
-    if distributed:
+    del engine  # its shutdown also tears down the process group it joined (torchrun): before ours, not after
+    gc.collect()
+    if dist.is_initialized():
         dist.destroy_process_group()
 
 
