@@ -23,8 +23,10 @@ sampling temperature (logits / T, top-p 1, top-k off); n_i = 1 / (action tokens 
 `--loss-norm token` (default) or 1 / (|ACTION(seq)| * sequences in the step) for `--loss-norm sequence`.
 With --tis-cap C, rho_i is taken against the trainer's own log-prob before the step's first update and
 w_i = min(pi_old(a_i) / pi_behaviour(a_i), C) corrects the trainer/vLLM mismatch (truncated importance
-sampling); without it w_i = 1. Episodes that failed for infrastructure reasons (sandbox or verifier error)
-are left out of their group's mean and of the loss. After every optimizer step the weights go into the
+sampling); without it w_i = 1. Episodes that failed for infrastructure reasons (envs.INFRA_FAILURES) are
+left out of their group's mean and of the loss; the token normaliser counts every other episode, those of
+groups without signal included. An episode cut at --max-len keeps the reward the verifier gives the sandbox
+as it stands, and is counted (rollout/truncated). After every optimizer step the weights go into the
 engine in place. Each episode's token sequence is exactly what the policy saw and sampled (token-in/token-out):
 observation turns are tokenised as the chat template renders them, never the history re-tokenised.
 
@@ -44,6 +46,7 @@ import shutil
 import signal
 import sys
 import time
+from collections import Counter
 from contextlib import nullcontext
 from pathlib import Path
 
@@ -631,8 +634,12 @@ def main(argv=None):
                    "gen_tokens": sum(e.roles.count(ACTION) for e in episodes),
                    "parse_errors": sum(m["role"] == "user" and m["content"].startswith(parse_error_head)
                                        for e in episodes for m in e.messages),
-                   "gen_busy_s": gen["policy_s"], "gen_idle_s": gen["idle_s"], "rollout_s": gen["wall_s"],
-                   **{f"fail_{k}": sum(e.failure == k for e in episodes) for k in FAILURE_KINDS}}
+                   "gen_busy_s": gen["policy_s"], "gen_idle_s": gen["idle_s"], "rollout_s": gen["wall_s"]}
+        failures = Counter(e.failure for e in episodes if e.failure)  # by kind, whichever kinds envs reports
+        if distributed:
+            parts = [None] * world
+            dist.all_gather_object(parts, failures)
+            failures = sum(parts, Counter())
         keys = sorted(set(ep_sums) | set(tot))
         sums = dict(zip(keys, sft.all_reduce([ep_sums.get(k, tot.get(k, 0.0)) for k in keys], device)))
         na, nv = max(sums.get("act_tokens", 0), 1), max(sums["valid"], 1)
@@ -643,7 +650,7 @@ def main(argv=None):
                "rollout/episode_tokens_mean": sums["tokens"] / sums["episodes"],
                "rollout/response_tokens_mean": sums["gen_tokens"] / max(sums["turns"], 1),
                "rollout/truncated": sums["truncated"], "rollout/parse_error_rate": sums["parse_errors"] / max(sums["turns"], 1),
-               **{f"rollout/failures/{k}": sums[f"fail_{k}"] for k in FAILURE_KINDS},
+               **{f"rollout/failures/{k}": n for k, n in sorted(failures.items())},
                "rollout/gen_tok_per_s": sums["gen_tokens"] / max(sums["gen_busy_s"], 1e-9),
                "rollout/generator_idle_frac": sums["gen_idle_s"] / max(sums["rollout_s"], 1e-9),
                "train/loss": sums.get("loss", 0.0), "train/pg_loss": sums.get("pg_loss", 0.0),
@@ -669,11 +676,8 @@ def main(argv=None):
                 shutil.rmtree(old)
             if rank == 0:
                 plot_curves(out / "log.jsonl", out / "curves.png")
-    if rank == 0 and start < args.steps:
-        final = sft.checkpoint_dirs(out)[-1]
-        shutil.copytree(final, out / "final.tmp", dirs_exist_ok=True)
-        os.replace(out / "final.tmp", out / "final")
-        print0(f"final model: {out / 'final'}")
+    sft.save_checkpoint(out / "final", model, raw, tok, None, args.steps, args, rank)  # weights + tokenizer only
+    print0(f"final model: {out / 'final'}")
     if log:
         log.close()
     del engine  # its shutdown also tears down the process group it joined (torchrun): before ours, not after
@@ -681,8 +685,6 @@ def main(argv=None):
     if dist.is_initialized():
         dist.destroy_process_group()
 
-
-FAILURE_KINDS = ("timeout", "parse_errors", "max_turns", "max_len", "verifier_error", "sandbox_error")
 
 if __name__ == "__main__":
     main()
