@@ -118,14 +118,19 @@ def owner_label():
 def sweep():
     """Remove leftover sandboxes: those whose owning process on this host is gone (killed runs, crashed tests)."""
     removed = 0
-    for c in docker_client().containers.list(all=True, filters={"label": LABEL}):
-        host, _, pid = c.labels.get(LABEL, "").rpartition(":")
+    import docker
+    # sparse: no inspect per container, which would race with other processes removing theirs
+    for c in docker_client().containers.list(all=True, sparse=True, filters={"label": LABEL}):
+        host, _, pid = (c.attrs.get("Labels") or {}).get(LABEL, "").rpartition(":")
         if host != socket.gethostname():
             continue
         if pid.isdigit() and _pid_alive(int(pid)):
             continue
-        c.remove(force=True)
-        removed += 1
+        try:
+            c.remove(force=True)
+            removed += 1
+        except docker.errors.NotFound:
+            pass
     return removed
 
 
