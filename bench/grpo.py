@@ -51,7 +51,7 @@ def main(argv=None):
                            heads=args.hidden // 64, kv_heads=max(1, args.hidden // 128))
     tok = load_tokenizer(model_dir, "native" if args.model else "prefix")
     model = sft.load_model(model_dir, "cpu").eval()
-    batch = torch.randint(0, 4000, (4, 512))
+    batch = torch.randint(0, model.config.vocab_size, (4, 512))
 
     def train_pass_s(n=5):  # median seconds of one forward + backward of a (4, 512) batch
         times = []
