@@ -23,11 +23,22 @@ sampling temperature (logits / T, top-p 1, top-k off); n_i = 1 / (action tokens 
 `--loss-norm token` (default) or 1 / (|ACTION(seq)| * sequences in the step) for `--loss-norm sequence`.
 With --tis-cap C, rho_i is taken against the trainer's own log-prob before the step's first update and
 w_i = min(pi_old(a_i) / pi_behaviour(a_i), C) corrects the trainer/vLLM mismatch (truncated importance
-sampling); without it w_i = 1. Episodes that failed for infrastructure reasons (sandbox or verifier error)
-are left out of their group's mean and of the loss. After every optimizer step the weights go into the
-engine in place. Memory plan for Qwen3-4B / 8B on 80 GB GPUs: see README ("GRPO").
+sampling); without it w_i = 1. Episodes that failed for infrastructure reasons (envs.INFRA_FAILURES) are
+left out of their group's mean and of the loss; the token normaliser counts every other episode, those of
+groups without signal included. An episode cut at --max-len keeps the reward the verifier gives the sandbox
+as it stands, and is counted (rollout/truncated). After every optimizer step the weights go into the
+engine in place. Each episode's token sequence is exactly what the policy saw and sampled (token-in/token-out):
+observation turns are tokenised as the chat template renders them, never the history re-tokenised.
+
+GPU memory plan (80 GB GPUs, bf16 autocast over fp32 master weights; per GPU): Qwen3-4B with --fsdp on 8 GPUs:
+weights + grads + AdamW = 16 B/param, sharded: 8 GB; the initial policy for the KL, a bf16 copy: 8 GB; the
+engine, --gpu-memory 0.35: 28 GB (8 GB weights, the rest KV cache), asleep while training (weights to host
+memory, KV cache freed); activations with --grad-ckpt and --micro-tokens 16384: ~10 GB. Qwen3-8B, same
+layout: 16 + 16 GB, engine 0.4 (16 GB weights + 16 GB KV cache), --micro-tokens 8192. Weight sync gathers
+one tensor at a time. DDP (no --fsdp) keeps the full 16 B/param per GPU: models up to ~1.5B.
 """
 import argparse
+import gc
 import json
 import math
 import os
@@ -35,6 +46,7 @@ import shutil
 import signal
 import sys
 import time
+from collections import Counter
 from contextlib import nullcontext
 from pathlib import Path
 
@@ -111,20 +123,21 @@ def make_engine(model_dir, *, max_model_len, seed=0, dtype="auto", gpu_memory=0.
                logprobs_mode="processed_logprobs", **kw)
 
 
-def sync_weights(engine, model, fsdp=False):
+def sync_weights(engine, model):
     """Load the trainer's weights into the engine in place, all at once, then drop cached prefixes (their KV was
-    computed by the old weights). With tied embeddings lm_head.weight is passed explicitly: the engine keeps a
-    separate head and would otherwise silently keep the old one. Under FSDP2 every rank gathers the full
-    weights for its own engine."""
-    if fsdp:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-        sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
-    else:
-        sd = dict(model.state_dict())
-    if model.config.tie_word_embeddings:
-        sd["lm_head.weight"] = sd["model.embed_tokens.weight"]
+    computed by the old weights). With tied embeddings lm_head.weight must be among them: the engine keeps a
+    separate head and would otherwise silently keep the old one. Under FSDP2 each rank gathers the full
+    tensors for its own engine one at a time, so the transient memory is one tensor, not the model."""
     dtype = engine.llm_engine.model_config.dtype
-    engine.collective_rpc("reload_weights", kwargs={"weights_iterator": [(k, v.detach().to(dtype)) for k, v in sd.items()]})
+    sd = model.state_dict()
+    if model.config.tie_word_embeddings and "lm_head.weight" not in sd:
+        sd["lm_head.weight"] = sd["model.embed_tokens.weight"]
+
+    def weights():  # consumed in order by the engine; FSDP2's gathers happen in the same order on every rank
+        for k, v in sd.items():
+            yield k, (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().to(dtype)
+
+    engine.collective_rpc("reload_weights", kwargs={"weights_iterator": weights()})
     engine.reset_prefix_cache()
 
 
@@ -610,7 +623,7 @@ def main(argv=None):
         t_train = time.time()
         if device.type == "cuda":
             engine.wake_up()
-        sync_weights(engine, raw, args.fsdp)
+        sync_weights(engine, raw)
         t_sync = time.time()
 
         # one log row: episode statistics summed over ranks
@@ -621,8 +634,12 @@ def main(argv=None):
                    "gen_tokens": sum(e.roles.count(ACTION) for e in episodes),
                    "parse_errors": sum(m["role"] == "user" and m["content"].startswith(parse_error_head)
                                        for e in episodes for m in e.messages),
-                   "gen_busy_s": gen["policy_s"], "gen_idle_s": gen["idle_s"], "rollout_s": gen["wall_s"],
-                   **{f"fail_{k}": sum(e.failure == k for e in episodes) for k in FAILURE_KINDS}}
+                   "gen_busy_s": gen["policy_s"], "gen_idle_s": gen["idle_s"], "rollout_s": gen["wall_s"]}
+        failures = Counter(e.failure for e in episodes if e.failure)  # by kind, whichever kinds envs reports
+        if distributed:
+            parts = [None] * world
+            dist.all_gather_object(parts, failures)
+            failures = sum(parts, Counter())
         keys = sorted(set(ep_sums) | set(tot))
         sums = dict(zip(keys, sft.all_reduce([ep_sums.get(k, tot.get(k, 0.0)) for k in keys], device)))
         na, nv = max(sums.get("act_tokens", 0), 1), max(sums["valid"], 1)
@@ -633,7 +650,7 @@ def main(argv=None):
                "rollout/episode_tokens_mean": sums["tokens"] / sums["episodes"],
                "rollout/response_tokens_mean": sums["gen_tokens"] / max(sums["turns"], 1),
                "rollout/truncated": sums["truncated"], "rollout/parse_error_rate": sums["parse_errors"] / max(sums["turns"], 1),
-               **{f"rollout/failures/{k}": sums[f"fail_{k}"] for k in FAILURE_KINDS},
+               **{f"rollout/failures/{k}": n for k, n in sorted(failures.items())},
                "rollout/gen_tok_per_s": sums["gen_tokens"] / max(sums["gen_busy_s"], 1e-9),
                "rollout/generator_idle_frac": sums["gen_idle_s"] / max(sums["rollout_s"], 1e-9),
                "train/loss": sums.get("loss", 0.0), "train/pg_loss": sums.get("pg_loss", 0.0),
@@ -659,18 +676,15 @@ def main(argv=None):
                 shutil.rmtree(old)
             if rank == 0:
                 plot_curves(out / "log.jsonl", out / "curves.png")
-    if rank == 0 and start < args.steps:
-        final = sft.checkpoint_dirs(out)[-1]
-        shutil.copytree(final, out / "final.tmp", dirs_exist_ok=True)
-        os.replace(out / "final.tmp", out / "final")
-        print0(f"final model: {out / 'final'}")
+    sft.save_checkpoint(out / "final", model, raw, tok, None, args.steps, args, rank)  # weights + tokenizer only
+    print0(f"final model: {out / 'final'}")
     if log:
         log.close()
-    if distributed:
+    del engine  # its shutdown also tears down the process group it joined (torchrun): before ours, not after
+    gc.collect()
+    if dist.is_initialized():
         dist.destroy_process_group()
 
-
-FAILURE_KINDS = ("timeout", "parse_errors", "max_turns", "max_len", "verifier_error", "sandbox_error")
 
 if __name__ == "__main__":
     main()

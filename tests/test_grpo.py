@@ -146,6 +146,59 @@ def test_observation_after_a_cut_reply(tokenizer):
     assert "".join(text).startswith("New Terminal Output:\n") and text[-1] == "<|im_end|>"
 
 
+# ---------------------------------------------------------------------------------------------- the episode loop
+
+class ScriptedAsync:
+    """A submit/poll policy with fixed replies per episode, not lock-step: it answers whatever is queued."""
+    lockstep = False
+
+    def __init__(self, replies):
+        self.replies, self.queue, self.asked = replies, [], []
+
+    def submit(self, key, ep):
+        self.asked.append((time.time(), key))
+        self.queue.append((key, sum(m["role"] == "assistant" for m in ep.messages)))
+
+    def pending(self):
+        return len(self.queue)
+
+    def poll(self):
+        out, self.queue = [(k, self.replies[k][turn]) for k, turn in self.queue], []
+        return out
+
+    def abort(self):
+        self.queue = []
+
+
+def reply(keys, duration, done=False):
+    return json.dumps({"analysis": "", "plan": "", "commands": [{"keystrokes": keys, "duration": duration}],
+                       "task_complete": done})
+
+
+def test_next_turn_is_queued_while_other_sandboxes_step(base_image, no_leftovers):
+    """Episode 0 runs three quick turns while episode 1's first command (sleep 3) is still running: no round
+    waits for the slowest sandbox. The batch-function adapter keeps lock-step rounds."""
+    test = b"echo 1 > /logs/verifier/reward.txt\n"
+    tasks = [envs.Task(f"t{i}", "Wait.", memory_mb=256, tests={"test.sh": test}) for i in range(2)]
+    quick = [reply("true\n", 0.1), reply("true\n", 0.1, done=True), reply("", 0.1, done=True)]
+    policy = ScriptedAsync({0: quick, 1: [reply("sleep 3\n", 5), reply("", 0.1, done=True), reply("", 0.1, done=True)]})
+    stats = {}
+    eps = envs.run_episodes(tasks, policy, max_turns=5, concurrency=2, stats=stats)
+    assert [(e.reward, e.failure, e.turns) for e in eps] == [(1.0, None, 3)] * 2
+    t0_done = max(t for t, k in policy.asked if k == 0)
+    t1_second = sorted(t for t, k in policy.asked if k == 1)[1]
+    assert t0_done < t1_second - 2  # episode 0 had all its turns before episode 1's sleep ended
+    assert stats["wall_s"] >= stats["idle_s"] > 0
+
+    rounds = []
+
+    def batch(states):
+        rounds.append(len(states))
+        return [reply("", 0.1, done=True)] * len(states)
+    envs.run_episodes(tasks, batch, max_turns=3, concurrency=2)
+    assert rounds == [2, 2]
+
+
 # ---------------------------------------------------------------------------------------------- with vLLM
 
 @pytest.fixture(scope="module")
@@ -259,7 +312,7 @@ def weights(path):
 
 
 def owned_by(pid):
-    return envs.docker_client().containers.list(all=True, filters={"label": f"{envs.LABEL}={envs.owner_label().rsplit(':', 1)[0]}:{pid}"})
+    return envs.docker_client().containers.list(all=True, sparse=True, filters={"label": f"{envs.LABEL}={envs.owner_label().rsplit(':', 1)[0]}:{pid}"})
 
 
 @pytest.mark.slow
