@@ -182,9 +182,9 @@ def toy_tasks(tmp_path, base_image):
     """Two held-out toy tasks as Harbor folders (archive and find_copy), and one whose image does not build."""
     root = tmp_path / "eval"
     for spec in taskgen.make_splits(0, 0, 2, seed=0)["eval"]:
-        taskgen.write_harbor(spec, root / spec.name)
+        taskgen.write_harbor(spec, root / spec.name, base_image)
     broken = root / "zz-broken"
-    taskgen.write_harbor(taskgen.make_splits(0, 0, 2, seed=1)["eval"][1], broken)
+    taskgen.write_harbor(taskgen.make_splits(0, 0, 2, seed=1)["eval"][1], broken, base_image)
     (broken / "environment" / "Dockerfile").write_text(f"FROM {base_image}\nRUN exit 3\n")
     return root
 
@@ -267,7 +267,7 @@ def test_end_to_end_tiny_checkpoint_with_vllm(vllm_tiny_dir, tmp_path, base_imag
     """grpo's vLLM rollout on a tiny random checkpoint: 2 toy tasks x 4 attempts in real sandboxes."""
     root = tmp_path / "eval"
     for spec in taskgen.make_splits(0, 0, 2, seed=0)["eval"]:
-        taskgen.write_harbor(spec, root / spec.name)
+        taskgen.write_harbor(spec, root / spec.name, base_image)
     out = tmp_path / "tiny.json"
     argv = ["--model", str(vllm_tiny_dir), "--tasks", str(root), "--attempts", "4", "--max-turns", "2",
             "--max-new-tokens", "24", "--max-len", "3072", "--concurrency", "8", "--dtype", "float32", "--out", str(out)]
