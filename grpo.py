@@ -23,11 +23,22 @@ sampling temperature (logits / T, top-p 1, top-k off); n_i = 1 / (action tokens 
 `--loss-norm token` (default) or 1 / (|ACTION(seq)| * sequences in the step) for `--loss-norm sequence`.
 With --tis-cap C, rho_i is taken against the trainer's own log-prob before the step's first update and
 w_i = min(pi_old(a_i) / pi_behaviour(a_i), C) corrects the trainer/vLLM mismatch (truncated importance
-sampling); without it w_i = 1. Episodes that failed for infrastructure reasons (sandbox or verifier error)
-are left out of their group's mean and of the loss. After every optimizer step the weights go into the
-engine in place. Memory plan for Qwen3-4B / 8B on 80 GB GPUs: see README ("GRPO").
+sampling); without it w_i = 1. Episodes that failed for infrastructure reasons (envs.INFRA_FAILURES) are
+left out of their group's mean and of the loss; the token normaliser counts every other episode, those of
+groups without signal included. An episode cut at --max-len keeps the reward the verifier gives the sandbox
+as it stands, and is counted (rollout/truncated). After every optimizer step the weights go into the
+engine in place. Each episode's token sequence is exactly what the policy saw and sampled (token-in/token-out):
+observation turns are tokenised as the chat template renders them, never the history re-tokenised.
+
+GPU memory plan (80 GB GPUs, bf16 autocast over fp32 master weights; per GPU): Qwen3-4B with --fsdp on 8 GPUs:
+weights + grads + AdamW = 16 B/param, sharded: 8 GB; the initial policy for the KL, a bf16 copy: 8 GB; the
+engine, --gpu-memory 0.35: 28 GB (8 GB weights, the rest KV cache), asleep while training (weights to host
+memory, KV cache freed); activations with --grad-ckpt and --micro-tokens 16384: ~10 GB. Qwen3-8B, same
+layout: 16 + 16 GB, engine 0.4 (16 GB weights + 16 GB KV cache), --micro-tokens 8192. Weight sync gathers
+one tensor at a time. DDP (no --fsdp) keeps the full 16 B/param per GPU: models up to ~1.5B.
 """
 import argparse
+import gc
 import json
 import math
 import os
@@ -35,6 +46,7 @@ import shutil
 import signal
 import sys
 import time
+from collections import Counter
 from contextlib import nullcontext
 from pathlib import Path
 
@@ -44,6 +56,7 @@ import torch.distributed as dist
 
 import envs
 import sft
+import terminus
 from labels import ACTION, OBS, PROMPT, encode, load_tokenizer, message_spans
 
 
@@ -53,7 +66,7 @@ def get_parser():
     p.add_argument("--init", required=True, help="HF checkpoint to start from (an sft.py final/ dir carries its chat template)")
     p.add_argument("--chat-template", default="native", help="'native' (the checkpoint's own), 'prefix', or a .jinja path")
     p.add_argument("--tasks", required=True, help="folder of Harbor task folders (e.g. the toy world's rl/ split)")
-    p.add_argument("--prompt-template", help="file with {instruction} and {terminal_state} (default: taskgen's Terminus-2 prompt)")
+    p.add_argument("--prompt-template", help="file with {instruction} and {terminal_state} (default: terminus.DEFAULT_PROMPT)")
     # rollouts
     p.add_argument("--tasks-per-step", type=int, default=32, help="groups per step (global, across ranks)")
     p.add_argument("--group-size", type=int, default=16, help="episodes per task per step")
@@ -79,6 +92,7 @@ def get_parser():
     p.add_argument("--micro-tokens", type=int, default=32768, help="token budget of one micro-batch (padded rows x length)")
     p.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32"], help="autocast and engine dtype; auto = bf16 on CUDA, fp32 on CPU")
     p.add_argument("--grad-ckpt", action="store_true")
+    p.add_argument("--fsdp", action="store_true", help="shard weights, grads and Adam state with FSDP2 instead of DDP under torchrun")
     p.add_argument("--seed", type=int, default=0)
     # engine
     p.add_argument("--gpu-memory", type=float, default=0.35, help="fraction of GPU memory for the vLLM engine (weights + KV cache)")
@@ -111,12 +125,19 @@ def make_engine(model_dir, *, max_model_len, seed=0, dtype="auto", gpu_memory=0.
 
 def sync_weights(engine, model):
     """Load the trainer's weights into the engine in place, all at once, then drop cached prefixes (their KV was
-    computed by the old weights). With tied embeddings lm_head.weight is passed explicitly: the engine keeps a
-    separate head and would otherwise silently keep the old one."""
-    sd = dict(model.state_dict())
-    sd["lm_head.weight"] = model.get_output_embeddings().weight
+    computed by the old weights). With tied embeddings lm_head.weight must be among them: the engine keeps a
+    separate head and would otherwise silently keep the old one. Under FSDP2 each rank gathers the full
+    tensors for its own engine one at a time, so the transient memory is one tensor, not the model."""
     dtype = engine.llm_engine.model_config.dtype
-    engine.collective_rpc("reload_weights", kwargs={"weights_iterator": [(k, v.detach().to(dtype)) for k, v in sd.items()]})
+    sd = model.state_dict()
+    if model.config.tie_word_embeddings and "lm_head.weight" not in sd:
+        sd["lm_head.weight"] = sd["model.embed_tokens.weight"]
+
+    def weights():  # consumed in order by the engine; FSDP2's gathers happen in the same order on every rank
+        for k, v in sd.items():
+            yield k, (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().to(dtype)
+
+    engine.collective_rpc("reload_weights", kwargs={"weights_iterator": weights()})
     engine.reset_prefix_cache()
 
 
@@ -137,30 +158,29 @@ def _generation_header(tok, messages, text):
     return tok(full[len(text):], add_special_tokens=False)["input_ids"]
 
 
-def observation_tokens(tok, message, closed, wrapper_re=None):
+def observation_tokens(tok, message, closed):
     """(ids, roles, wrapper) the chat template adds after an assistant reply: the reply's end-of-turn token
     unless it was sampled (closed=False: the reply was cut by max_tokens; that token is PROMPT, nothing sampled
     it), the template's text between turns, the observation `message` (its content and end-of-turn token OBS)
     and the next assistant header. The template renders the turn after a one-exchange skeleton: for a
     prefix-preserving template that is exactly the text the whole conversation would add here, and it starts
     right after a special token, so tokenising it alone gives the same tokens as tokenising everything.
-    wrapper: per token, True for OBS tokens whose characters all match `wrapper_re` (the protocol's fixed text)
-    or are the end-of-turn token."""
+    wrapper: per token, True for OBS tokens that are all the protocol's fixed text (terminus.wrapper_spans)
+    or the end-of-turn token."""
     msgs = _SKELETON + [message]
     ids, roles, text, off = encode(tok, msgs)
     spans = message_spans(tok, msgs, text)
-    reply = spans[1]
-    cut = reply[-1][1] if closed else reply[0][1]  # after the reply's end-of-turn token, or after its content
-    k = int(np.searchsorted(off[:, 0], cut))
-    if k < len(off) and k > 0 and off[k - 1, 1] > cut:
+    k = int(np.searchsorted(off[:, 0], spans[1][-1][1]))  # the first token after the reply's end-of-turn token
+    if k == 0 or (k < len(off) and off[k - 1, 1] > spans[1][-1][1]):
         raise ValueError("a token straddles the end of the assistant turn: the chat template cannot be used token-in/token-out")
+    if not closed:
+        k -= 1  # the end-of-turn token, which the cut reply lacks
     roles = roles.copy()
     roles[roles == ACTION] = PROMPT  # the unsampled end-of-turn token of a cut reply
-    wrap = np.zeros(len(text) + 1, dtype=np.int64)
+    wrap = np.zeros(len(text) + 1, dtype=np.int64)  # per character
     (s, e), eot = spans[2][0], spans[2][1:]
-    if wrapper_re is not None:
-        for m in wrapper_re.finditer(text[s:e]):
-            wrap[s + m.start(): s + m.end()] = 1
+    for a, b in terminus.wrapper_spans(text[s:e]) or ():  # None: not a Terminus-2 observation, all payload
+        wrap[s + a: s + b] = 1
     for a, b in eot:
         wrap[a:b] = 1
     csum = np.concatenate([[0], np.cumsum(wrap)])
@@ -175,13 +195,14 @@ class VLLMPolicy:
     sequence (prompt, sampled ids exactly as returned, observation turns as the template renders them) in its
     Episode (token_ids, roles, logprobs, obs_wrapper, truncated). A turn is queued with add_request the moment
     its observation is back; poll() runs one engine step (one decoding iteration of every running request).
-    lockstep=True waits for all live sandboxes before generating (the benchmark's baseline)."""
+    lockstep=True is the benchmark's baseline: rounds of generating every live episode's turn to the end, then
+    stepping all their sandboxes."""
 
-    def __init__(self, engine, tok, *, temperature, max_new_tokens, max_len, seed=0, lockstep=False, wrapper_re=None):
+    def __init__(self, engine, tok, *, temperature, max_new_tokens, max_len, seed=0, lockstep=False):
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
         self.engine, self.tok, self.max_new_tokens, self.max_len, self.seed = engine, tok, max_new_tokens, max_len, seed
-        self.lockstep, self.wrapper_re = lockstep, wrapper_re
+        self.lockstep = lockstep
         # top_p 1 and top_k 0 (off): the ratio's denominator is the full softmax at T; a model's generation
         # config (Qwen3: top_k 20) must not apply. logprobs=0: the sampled token's own log-prob.
         self.params = dict(temperature=temperature, top_p=1.0, top_k=0, logprobs=0, detokenize=False,
@@ -194,7 +215,7 @@ class VLLMPolicy:
             ids, roles = prompt_tokens(self.tok, ep.messages[:1])
             wrapper = [False] * len(ids)
         else:
-            ids, roles, wrapper = observation_tokens(self.tok, ep.messages[-1], self.closed[key], self.wrapper_re)
+            ids, roles, wrapper = observation_tokens(self.tok, ep.messages[-1], self.closed[key])
         ep.token_ids += ids
         ep.roles += roles
         ep.obs_wrapper += wrapper
@@ -220,7 +241,10 @@ class VLLMPolicy:
         out, self.ready = self.ready, []
         if not self.requests:
             return out
-        for o in self.engine.llm_engine.step():
+        outputs = self.engine.llm_engine.step()
+        while self.lockstep and len(outputs) < len(self.requests):  # a round: every queued turn, then the sandboxes
+            outputs += self.engine.llm_engine.step()
+        for o in outputs:
             if not o.finished:
                 continue
             key = self.requests.pop(o.request_id)
@@ -246,13 +270,13 @@ class VLLMPolicy:
 
 
 def rollout(engine, tokenizer, tasks, *, temperature, max_turns, max_new_tokens, max_len, concurrency, template=None,
-            seed=0, on_episode=None, stats=None, lockstep=False, wrapper_re=None):
+            seed=0, on_episode=None, stats=None, lockstep=False):
     """One episode per entry of `tasks` (repeat a task for several attempts) with the engine's current weights.
     Episodes come back in the order of `tasks`, with reward, turns, failure, timings, and the token sequence
     (token_ids, roles, logprobs, obs_wrapper, truncated). on_episode(i, episode) is called as each ends.
     stats (a dict) receives the generator's wall / busy / idle seconds."""
     policy = VLLMPolicy(engine, tokenizer, temperature=temperature, max_new_tokens=max_new_tokens, max_len=max_len,
-                        seed=seed, lockstep=lockstep, wrapper_re=wrapper_re)
+                        seed=seed, lockstep=lockstep)
     return envs.run_episodes(tasks, policy, max_turns=max_turns, concurrency=concurrency, template=template,
                              on_episode=on_episode, stats=stats)
 
@@ -270,9 +294,9 @@ def group_advantages(rewards, valid=None, scale_std=False, eps=1e-6):
     mean = (rewards * valid).sum(1, keepdim=True) / n
     dev = (rewards - mean) * valid  # (G, S)
     std = (dev.pow(2).sum(1, keepdim=True) / n).sqrt()
-    signal = (std.squeeze(1) > 0) & (valid.sum(1) >= 2)  # (G,)
+    has_signal = (std.squeeze(1) > 0) & (valid.sum(1) >= 2)  # (G,)
     adv = dev / (std + eps) if scale_std else dev
-    return adv * signal[:, None], signal
+    return adv * has_signal[:, None], has_signal
 
 
 @torch.no_grad()
@@ -461,8 +485,6 @@ def main(argv=None):
     from tqdm import tqdm
     from transformers.utils import logging as hf_logging
     hf_logging.disable_progress_bar()
-    import taskgen
-    import probes
 
     # a terminated run unwinds like an exception: run_episodes removes its sandboxes on the way out
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
@@ -474,13 +496,14 @@ def main(argv=None):
     if device.type == "cuda":
         torch.cuda.set_device(device)
     print0 = print if rank == 0 else (lambda *a, **k: None)
+    if args.fsdp and not distributed:
+        raise ValueError("--fsdp shards across ranks: launch with torchrun")
     if args.tasks_per_step % world:
         raise ValueError(f"--tasks-per-step {args.tasks_per_step} must be a multiple of the {world} ranks")
     if args.keep < 1 or args.ppo_epochs < 1 or args.temperature <= 0:
         raise ValueError("--keep and --ppo-epochs must be >= 1, --temperature > 0")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    args.fsdp = False  # sft's checkpoint writer reads it; this trainer is DDP
 
     ckpts, state = sft.checkpoint_dirs(out), None
     if not args.resume and (ckpts or (out / "final").exists() or (out / "log.jsonl").exists()):
@@ -496,21 +519,31 @@ def main(argv=None):
             raise ValueError(f"--resume from {ckpts[-1]} with other settings than it was trained with: {', '.join(changed)}")
 
     tok = load_tokenizer(ckpts[-1] if ckpts else args.init, "native" if ckpts else args.chat_template)
-    template = taskgen.load_template(args.prompt_template)
+    template = terminus.load_template(args.prompt_template)
     tasks = load_tasks(args.tasks)
     use_bf16 = args.dtype == "bf16" or (args.dtype == "auto" and device.type == "cuda")
     ctx = torch.autocast(device.type, dtype=torch.bfloat16) if use_bf16 else nullcontext()
     raw = sft.load_model(ckpts[-1] if ckpts else args.init, device)
-    ref = sft.load_model(args.init, device).requires_grad_(False).eval()  # the initial policy: KL from init
+    # the initial policy, for the KL from init: a full copy per rank, in the autocast dtype
+    ref = sft.load_model(args.init, device).to(torch.bfloat16 if use_bf16 else torch.float32).requires_grad_(False).eval()
     if args.grad_ckpt:
         raw.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model = PGModule(raw)
-    if distributed:
+    if args.fsdp:
+        from torch.distributed.fsdp import fully_shard
+        for layer in raw.base_model.layers:
+            fully_shard(layer)
+        fully_shard(model)
+    elif distributed:
         model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
     start = 0
     if state is not None:
-        opt.load_state_dict(state["optimizer"])
+        if args.fsdp:
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+            set_optimizer_state_dict(model, opt, state["optimizer"], options=StateDictOptions(full_state_dict=True))
+        else:
+            opt.load_state_dict(state["optimizer"])
         start = state["step"]
     engine = make_engine(ckpts[-1] if ckpts else args.init, max_model_len=args.max_len, seed=args.seed,
                          dtype=args.dtype, gpu_memory=args.gpu_memory, kv_cache_gb=args.kv_cache_gb)
@@ -524,7 +557,7 @@ def main(argv=None):
     print0(f"{len(tasks)} tasks | {sum(p.numel() for p in raw.parameters()) / 1e6:.1f}M params | {args.steps} steps x "
            f"{args.tasks_per_step} tasks x {args.group_size} episodes | world {world} | "
            + (f"resumed at step {start}" if start else "fresh start"))
-    parse_error_head = taskgen.parse_error_message("", []).split("\n")[0]
+    parse_error_head = terminus.PARSE_ERRORS.split("{")[0]
 
     raw.train()
     for step in range(start, args.steps):
@@ -536,14 +569,16 @@ def main(argv=None):
         episodes = rollout(engine, tok, todo, temperature=args.temperature, max_turns=args.max_turns,
                            max_new_tokens=args.max_new_tokens, max_len=args.max_len, concurrency=args.concurrency,
                            template=template, seed=(args.seed * 100_003 + step) * 64 + rank,
-                           on_episode=lambda i, e: bar.update(), stats=gen, wrapper_re=probes.WRAPPER_RE)
+                           on_episode=lambda i, e: bar.update(), stats=gen)
         bar.close()
+        if device.type == "cuda":  # the engine's weights go to host memory and its KV cache is freed while training
+            engine.sleep(level=1)
         t_roll = time.time()
 
         # advantages per group; infrastructure failures leave their group's statistics
         rewards = torch.tensor([e.reward for e in episodes], dtype=torch.float32).view(per_rank, args.group_size)
         valid = torch.tensor([not infra_failure(e) for e in episodes]).view(per_rank, args.group_size)
-        adv, signal = group_advantages(rewards, valid, args.scale_std)
+        adv, has_signal = group_advantages(rewards, valid, args.scale_std)
         examples = []
         for e, a, ok in zip(episodes, adv.flatten().tolist(), valid.flatten().tolist()):
             if ok and ACTION in e.roles:
@@ -570,33 +605,41 @@ def main(argv=None):
                 batch = collate([examples[i] for i in g] or [{"ids": [tok.pad_token_id], "roles": [PROMPT], "behav": [0.0],
                                                              "wrapper": [False], "adv": 0.0}], tok.pad_token_id)
                 batch = {key: v.to(device) for key, v in batch.items()}
-                sync = model.no_sync() if distributed and k < len(mbs) - 1 else nullcontext()
+                # DDP: one all-reduce after the last micro-batch; FSDP2 reduce-scatters after each (no full grads kept)
+                sync = model.no_sync() if distributed and not args.fsdp and k < len(mbs) - 1 else nullcontext()
                 with sync, ctx:
                     carrier, st = model(batch, args, max(n_tok, 1), max(n_seq, 1), n_echo)
                     (carrier * world).backward()  # DDP averages over ranks; the normalisers are already global
                 if epoch == 0:
                     for key, v in st.items():
                         tot[key] = tot.get(key, 0.0) + v
-            gnorm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip if args.grad_clip > 0 else float("inf")))
+            gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip if args.grad_clip > 0 else float("inf"))
+            gnorm = float(gnorm.full_tensor() if hasattr(gnorm, "full_tensor") else gnorm)
             if math.isfinite(gnorm):
                 opt.step()
             else:
                 print0(f"step {step + 1}: grad norm {gnorm}, update skipped")
             opt.zero_grad(set_to_none=True)
         t_train = time.time()
+        if device.type == "cuda":
+            engine.wake_up()
         sync_weights(engine, raw)
         t_sync = time.time()
 
         # one log row: episode statistics summed over ranks
         ep_sums = {"episodes": len(episodes), "valid": int(valid.sum()), "reward_sum": float((rewards * valid).sum()),
                    "solved": sum(e.reward >= 1.0 and not infra_failure(e) for e in episodes),
-                   "signal": int(signal.sum()), "groups": per_rank, "turns": sum(e.turns for e in episodes),
+                   "signal": int(has_signal.sum()), "groups": per_rank, "turns": sum(e.turns for e in episodes),
                    "tokens": sum(len(e.token_ids) for e in episodes), "truncated": sum(e.truncated for e in episodes),
                    "gen_tokens": sum(e.roles.count(ACTION) for e in episodes),
                    "parse_errors": sum(m["role"] == "user" and m["content"].startswith(parse_error_head)
                                        for e in episodes for m in e.messages),
-                   "gen_busy_s": gen["policy_s"], "gen_idle_s": gen["idle_s"], "rollout_s": gen["wall_s"],
-                   **{f"fail_{k}": sum(e.failure == k for e in episodes) for k in FAILURE_KINDS}}
+                   "gen_busy_s": gen["policy_s"], "gen_idle_s": gen["idle_s"], "rollout_s": gen["wall_s"]}
+        failures = Counter(e.failure for e in episodes if e.failure)  # by kind, whichever kinds envs reports
+        if distributed:
+            parts = [None] * world
+            dist.all_gather_object(parts, failures)
+            failures = sum(parts, Counter())
         keys = sorted(set(ep_sums) | set(tot))
         sums = dict(zip(keys, sft.all_reduce([ep_sums.get(k, tot.get(k, 0.0)) for k in keys], device)))
         na, nv = max(sums.get("act_tokens", 0), 1), max(sums["valid"], 1)
@@ -607,7 +650,7 @@ def main(argv=None):
                "rollout/episode_tokens_mean": sums["tokens"] / sums["episodes"],
                "rollout/response_tokens_mean": sums["gen_tokens"] / max(sums["turns"], 1),
                "rollout/truncated": sums["truncated"], "rollout/parse_error_rate": sums["parse_errors"] / max(sums["turns"], 1),
-               **{f"rollout/failures/{k}": sums[f"fail_{k}"] for k in FAILURE_KINDS},
+               **{f"rollout/failures/{k}": n for k, n in sorted(failures.items())},
                "rollout/gen_tok_per_s": sums["gen_tokens"] / max(sums["gen_busy_s"], 1e-9),
                "rollout/generator_idle_frac": sums["gen_idle_s"] / max(sums["rollout_s"], 1e-9),
                "train/loss": sums.get("loss", 0.0), "train/pg_loss": sums.get("pg_loss", 0.0),
@@ -633,18 +676,15 @@ def main(argv=None):
                 shutil.rmtree(old)
             if rank == 0:
                 plot_curves(out / "log.jsonl", out / "curves.png")
-    if rank == 0 and start < args.steps:
-        final = sft.checkpoint_dirs(out)[-1]
-        shutil.copytree(final, out / "final.tmp", dirs_exist_ok=True)
-        os.replace(out / "final.tmp", out / "final")
-        print0(f"final model: {out / 'final'}")
+    sft.save_checkpoint(out / "final", model, raw, tok, None, args.steps, args, rank)  # weights + tokenizer only
+    print0(f"final model: {out / 'final'}")
     if log:
         log.close()
-    if distributed:
+    del engine  # its shutdown also tears down the process group it joined (torchrun): before ours, not after
+    gc.collect()
+    if dist.is_initialized():
         dist.destroy_process_group()
 
-
-FAILURE_KINDS = ("timeout", "parse_errors", "max_turns", "max_len", "verifier_error", "sandbox_error")
 
 if __name__ == "__main__":
     main()

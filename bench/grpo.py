@@ -1,0 +1,101 @@
+"""
+Benchmark of the GRPO rollout stage, ratios measured in one process:
+
+1. generation: the in-process vLLM engine vs Hugging Face `generate` on the same prompts (the toy world's
+   first turns), same sampling (T=1, no top-k/top-p), same number of new tokens -> tokens/s ratio;
+2. the episode loop: generator idle time with the overlapped loop (an episode's next turn is queued when its
+   observation is back) vs lock-step rounds (generate only once every live sandbox has answered), on toy
+   tasks in real sandboxes -> idle fractions and wall-time ratio.
+
+    python -m bench.grpo                       # a random 3.5M-param Qwen3 built here (tokenizer trained on toy text)
+    python -m bench.grpo --model runs/actobs/final --episodes 16 --concurrency 8
+"""
+import argparse
+import random
+import time
+from pathlib import Path
+
+import torch
+
+import envs
+import grpo
+import sft
+import taskgen
+import terminus
+from labels import load_tokenizer
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", help="HF checkpoint (default: a random Qwen3, --hidden wide, built in --workdir)")
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--workdir", default="/tmp/actobs-bench-grpo")
+    p.add_argument("--prompts", type=int, default=16, help="prompts for the generation comparison")
+    p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--episodes", type=int, default=8, help="toy episodes for the loop comparison (0 = skip it)")
+    p.add_argument("--concurrency", type=int, default=8)
+    p.add_argument("--max-turns", type=int, default=3)
+    args = p.parse_args(argv)
+
+    rng = random.Random(0)
+    specs = [taskgen.generate(kind, rng) for kind in sorted(taskgen.GENERATORS) for _ in range(4)]
+    model_dir = args.model
+    if model_dir is None:
+        model_dir = Path(args.workdir) / f"qwen3-h{args.hidden}-l{args.layers}"
+        if not (model_dir / "config.json").exists():
+            texts = [terminus.DEFAULT_PROMPT] + [s.instruction + s.solve + s.test for s in specs]
+            sft.build_tiny(model_dir, texts, vocab_size=4096, hidden=args.hidden, layers=args.layers,
+                           heads=args.hidden // 64, kv_heads=max(1, args.hidden // 128))
+    tok = load_tokenizer(model_dir, "native" if args.model else "prefix")
+    model = sft.load_model(model_dir, "cpu").eval()
+    engine = grpo.make_engine(model_dir, max_model_len=4096, kv_cache_gb=2)
+    print(f"model {model_dir} | {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M params | torch threads {torch.get_num_threads()}")
+
+    # 1. generation: vLLM vs HF generate, same prompts and sampling
+    from vllm import SamplingParams
+    prompts = [grpo.prompt_tokens(tok, [{"role": "user", "content": terminus.fill_prompt(terminus.DEFAULT_PROMPT, s.instruction,
+                                                                                           "root@box:/app# ")}])[0]
+               for s in specs[: args.prompts]]
+    params = SamplingParams(temperature=1.0, top_p=1.0, top_k=0, max_tokens=args.new_tokens, min_tokens=args.new_tokens,
+                            logprobs=0, seed=0)
+    engine.generate([{"prompt_token_ids": prompts[0]}], params, use_tqdm=False)  # warm-up
+    t = time.time()
+    outs = engine.generate([{"prompt_token_ids": q} for q in prompts], params, use_tqdm=False)
+    t_vllm = time.time() - t
+    n_vllm = sum(len(o.outputs[0].token_ids) for o in outs)
+    width = max(map(len, prompts))
+    ids = torch.tensor([[tok.pad_token_id] * (width - len(q)) + q for q in prompts])  # left padding for generate
+    mask = (torch.arange(width)[None] >= torch.tensor([width - len(q) for q in prompts])[:, None]).long()
+    t = time.time()
+    with torch.no_grad():
+        gen = model.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
+                             max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens, pad_token_id=tok.pad_token_id)
+    t_hf = time.time() - t
+    n_hf = (gen.shape[1] - width) * len(prompts)
+    print(f"generation, {len(prompts)} prompts x {args.new_tokens} tokens: vLLM {n_vllm / t_vllm:.0f} tok/s | "
+          f"HF generate {n_hf / t_hf:.0f} tok/s | ratio {n_vllm / t_vllm / (n_hf / t_hf):.2f}x")
+
+    # 2. the episode loop: overlapped vs lock-step, same tasks, same engine
+    if args.episodes:
+        tasks = [envs.task_from_spec(s) for s in specs[: args.episodes]]
+        res = {}
+        for lockstep in (True, False, True, False):  # interleaved: load on the machine drifts
+            st = {}
+            eps = grpo.rollout(engine, tok, tasks, temperature=1.0, max_turns=args.max_turns, max_new_tokens=args.new_tokens,
+                               max_len=4096, concurrency=args.concurrency, stats=st, lockstep=lockstep)
+            gen_tokens = sum(e.roles.count(grpo.ACTION) for e in eps)
+            r = res.setdefault(lockstep, [0.0, 0.0, 0.0, 0])
+            r[0] += st["wall_s"]
+            r[1] += st["idle_s"]
+            r[2] += st["policy_s"]
+            r[3] += gen_tokens
+        for lockstep, (wall, idle, busy, n) in res.items():
+            print(f"loop {'lock-step ' if lockstep else 'overlapped'}: wall {wall / 2:.1f}s | generator idle {idle / wall:.0%} "
+                  f"| generating {busy / 2:.1f}s | {n / wall:.0f} generated tok/s end to end")
+        print(f"overlapped / lock-step: wall {res[False][0] / res[True][0]:.2f}x | idle fraction "
+              f"{res[False][1] / res[False][0]:.2f} vs {res[True][1] / res[True][0]:.2f}")
+
+
+if __name__ == "__main__":
+    main()
