@@ -486,7 +486,7 @@ def build_task_image(name, context):
 
 def task_from_spec(spec):
     """A generated task (taskgen.Spec) as a Task on the base image; its files are uploaded at start."""
-    return Task(spec.name, spec.instruction, agent_timeout=300.0, verifier_timeout=60.0, memory_mb=1024,
+    return Task(spec.name, spec.instruction, **taskgen.LIMITS,
                 files=tuple((p, text.encode(), mode) for p, text, mode in spec.files),
                 tests={"test.sh": spec.test.encode()}, solution={"solve.sh": spec.solve.encode()})
 
@@ -691,7 +691,7 @@ def corpus(args):
     args.out.mkdir(parents=True, exist_ok=True)
     for split in ("rl", "eval"):
         for spec in splits[split]:
-            taskgen.write_harbor(spec, args.out / split / spec.name)
+            taskgen.write_harbor(spec, args.out / split / spec.name, BASE_IMAGE)
         write_jsonl(args.out / f"{split}.jsonl", [dataclasses.asdict(s) for s in splits[split]])
     tasks = [task_from_spec(s) for s in splits["sft"]]
     t0 = time.time()

@@ -109,55 +109,6 @@ def head(model):
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Gradient geometry
-
-def grad_geometry(model, batches):
-    """-> {cos, norm_act, norm_obs, r} of the gradients of the action-only loss (actobs_loss, lam=0) and the
-    observation-only loss (lam=1, w_act=0), each the mean over all trajectories in `batches` (sft.collate outputs,
-    on the model's device) that have such tokens.
-
-    Memory: the action gradient is accumulated in .grad and set aside; the observation gradient then accumulates
-    in .grad, and during the last batch's backward each parameter's dot product and norms are taken as soon as
-    its gradient is final, freeing both of its buffers. With one batch, at most one full gradient is alive at a
-    time, as in training; with several, two. Gradients already in .grad are kept aside (alive) and restored, so
-    call it with .grad cleared. Train/eval mode is left as is (training mode keeps gradient checkpointing on;
-    Qwen3 has no dropout that would make the two passes differ)."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    saved = [p.grad for p in params]
-    n_act, n_obs = (sum(int((b["roles"][:, 1:] == r).any(1).sum()) for b in batches) for r in (sft.ACTION, sft.OBS))
-    if not n_act or not n_obs:
-        raise ValueError(f"grad_geometry needs action and observation tokens: {n_act} / {n_obs} trajectories have them")
-    acc = torch.zeros(3, dtype=torch.float64, device=params[0].device)  # g_act.g_obs, |g_act|^2, |g_obs|^2
-    try:
-        for p in params:
-            p.grad = None
-        for b in batches:
-            sft.actobs_loss(model, b, 0.0, n_traj=n_act)[0].backward()
-        g_act = {p: p.grad for p in params}
-        for p in params:
-            p.grad = None
-
-        def reduce(p):  # p's observation gradient is final: fold it into the sums, free both buffers
-            a, o = ((torch.zeros_like(p) if t is None else t).float().flatten() for t in (g_act.pop(p), p.grad))
-            acc.add_(torch.stack([torch.dot(a, o), torch.dot(a, a), torch.dot(o, o)]).double())
-            p.grad = None
-
-        for i, b in enumerate(batches):
-            hooks = [p.register_post_accumulate_grad_hook(reduce) for p in params] if i == len(batches) - 1 else []
-            sft.actobs_loss(model, b, 1.0, w_act=0.0, n_traj=n_obs)[0].backward()
-            for h in hooks:
-                h.remove()
-        for p in list(g_act):  # parameters the observation loss does not reach
-            reduce(p)
-    finally:
-        for p, g in zip(params, saved):
-            p.grad = g
-    dot, aa, oo = acc.tolist()
-    na, no = aa ** 0.5, oo ** 0.5
-    return {"cos": dot / max(na * no, 1e-30), "norm_act": na, "norm_obs": no, "r": no / max(na, 1e-30)}
-
-
-# ----------------------------------------------------------------------------------------------------------
 # Observation prediction: fixed wrapper vs payload
 
 def obs_split(tok, messages, max_len=None):
@@ -171,14 +122,14 @@ def obs_split(tok, messages, max_len=None):
     ids, roles, text, off = labels.encode(tok, messages, max_len)
     wrap = np.zeros(len(text) + 1, dtype=np.int64)  # per character
     for ranges, role in zip(labels.message_spans(tok, messages, text), labels.message_roles(messages)):
-        if role == sft.OBS:
+        if role == labels.OBS:
             (s, e), eot = ranges[0], ranges[1:]
             for a, b in terminus.wrapper_spans(text[s:e]) or ():
                 wrap[s + a: s + b] = 1
             for a, b in eot:
                 wrap[a:b] = 1
     csum = np.concatenate([[0], np.cumsum(wrap)])
-    return ids, roles, (csum[off[:, 1]] - csum[off[:, 0]] == off[:, 1] - off[:, 0]) & (roles == sft.OBS)
+    return ids, roles, (csum[off[:, 1]] - csum[off[:, 0]] == off[:, 1] - off[:, 0]) & (roles == labels.OBS)
 
 
 @torch.no_grad()
@@ -186,7 +137,7 @@ def obs_nll(model, splits):
     """Per-token observation NLL over obs_split outputs: all, wrapper, payload (nats), and token counts."""
     sums = np.zeros((2, 2))  # [wrapper, payload] x [nll sum, tokens]
     for ids, roles, wrap in splits:
-        t = np.nonzero(roles[1:] == sft.OBS)[0] + 1  # observation positions; position t - 1 predicts token t
+        t = np.nonzero(roles[1:] == labels.OBS)[0] + 1  # observation positions; position t - 1 predicts token t
         h = hidden(model, ids)[torch.as_tensor(t - 1, device=model.device)]  # (N, H)
         nll = token_nll(h, head(model), torch.as_tensor(np.asarray(ids)[t], device=model.device)).cpu().numpy()
         for k, sel in enumerate((wrap[t], ~wrap[t])):
@@ -207,7 +158,7 @@ def command_tokens(tok, messages, max_len=None):
     commands = []
     for m in KEYSTROKES.finditer(text):
         idx = np.nonzero((off[:, 0] < m.end(1)) & (off[:, 1] > m.start(1)))[0]
-        if len(idx) and (roles[idx] == sft.ACTION).all():
+        if len(idx) and (roles[idx] == labels.ACTION).all():
             commands.append(idx.tolist())
     return ids, commands
 
@@ -297,43 +248,11 @@ def kl_from_init(model, init, prompts, completions):
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Plots (matplotlib, Agg backend, imported only when a plot is drawn)
-
-def _pyplot():
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    return plt
-
-
-def plot_geometry(log_path, png_path):
-    """cos(g_act, g_obs) and r against step from the probe/* rows of a JSONL: sft.py's log.jsonl or `geometry`'s."""
-    rows = [json.loads(line) for line in Path(log_path).read_text().splitlines() if line.strip()]
-    rows = sorted((r for r in rows if "probe/cos" in r and r.get("step") is not None), key=lambda r: r["step"])
-    if not rows:
-        raise ValueError(f"{log_path}: no rows with 'probe/cos' and 'step'")
-    plt = _pyplot()
-    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.5))
-    steps = [r["step"] for r in rows]
-    a.plot(steps, [r["probe/cos"] for r in rows], marker="o")
-    a.axhline(0, color="grey", lw=0.5)
-    a.set(xlabel="step", ylabel="cos(g_act, g_obs)")
-    rs = [r["probe/r"] for r in rows]
-    b.plot(steps, rs, marker="o")
-    b.set(xlabel="step", ylabel="r = |g_obs| / |g_act|")
-    if max(rs) > 10 * min(rs):  # e.g. 0.5 -> 41: a log axis, labelled 0.5, 1, 2, 5, 10, ...
-        b.set_yscale("log")
-        b.yaxis.set_major_locator(plt.matplotlib.ticker.LogLocator(subs=(1, 2, 5)))
-        b.yaxis.set_major_formatter(plt.matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}"))
-        b.yaxis.set_minor_formatter(plt.matplotlib.ticker.NullFormatter())
-    fig.tight_layout()
-    fig.savefig(png_path, dpi=120)
-    plt.close(fig)
-
+# Plots (matplotlib through sft.pyplot; plot_geometry lives in sft.py, which draws it after --probe-every runs)
 
 def plot_series(png_path, xs, series, xlabel, ylabel, bars=False, hline=None):
     """One line (or bar group) per name in series {name: ys} over xs: numbers, or categories if strings."""
-    plt = _pyplot()
+    plt = sft.pyplot()
     fig, ax = plt.subplots(figsize=(6.5, 3.8))
     numeric = not bars and all(isinstance(x, (int, float)) for x in xs)
     pos, width = (np.asarray(xs, dtype=float) if numeric else np.arange(len(xs))), 0.8 / max(len(series), 1)
@@ -385,7 +304,7 @@ def main(argv=None):
         return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device).eval()
 
     ctx = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
-    convs = sft.read_trajectories(args.data)[0][: args.n]
+    convs = labels.read_trajectories(args.data)[0][: args.n]
     out, png = Path(args.out), Path(args.out).with_suffix(".png")
     out.parent.mkdir(parents=True, exist_ok=True)
     res = {}
@@ -393,21 +312,21 @@ def main(argv=None):
     if args.probe == "geometry":
         rows = []
         for ck in args.checkpoints:
-            tok, model = sft.load_tokenizer(ck, "native"), load(ck)
-            ex = [sft.render(tok, c, args.max_len) for c in convs]
+            tok, model = labels.load_tokenizer(ck, "native"), load(ck)
+            ex = [labels.render(tok, c, args.max_len) for c in convs]
             groups = sft.micro_batches([len(ids) for ids, _ in ex], args.micro_tokens)
             batches = [{k: v.to(device) for k, v in sft.collate([ex[i] for i in g], tok.pad_token_id).items()} for g in groups]
             with ctx:
-                geo = grad_geometry(model, batches)
+                geo = sft.grad_geometry(model, batches)
             rows.append({"checkpoint": str(ck), "step": _step(ck), **{f"probe/{k}": v for k, v in geo.items()}})
             print(f"{ck} | cos {geo['cos']:.4f} | r {geo['r']:.3f} | |g_act| {geo['norm_act']:.4g} | |g_obs| {geo['norm_obs']:.4g}")
         out.write_text("".join(json.dumps(r) + "\n" for r in rows))
         if any(r["step"] is not None for r in rows):
-            plot_geometry(out, png)
+            sft.plot_geometry(out, png)
         return rows
 
     if args.probe == "obs-nll":
-        tok = sft.load_tokenizer(args.tokenizer or args.models[-1], "native")
+        tok = labels.load_tokenizer(args.tokenizer or args.models[-1], "native")
         splits = [obs_split(tok, c, args.max_len) for c in convs]
         for path in args.models:
             with ctx:
@@ -419,7 +338,7 @@ def main(argv=None):
 
     elif args.probe == "cmd-entropy":
         for path in args.models:
-            tok = sft.load_tokenizer(path, "native")
+            tok = labels.load_tokenizer(path, "native")
             with ctx:
                 r = res[str(path)] = command_entropy(load(path), [command_tokens(tok, c, args.max_len) for c in convs])
             print(f"{path} | " + " | ".join(f"pos {k}: {v:.3f}" for k, v in r["entropy"].items() if v is not None))
@@ -428,7 +347,7 @@ def main(argv=None):
 
     elif args.probe == "entropy":
         target = None if args.match_entropy is None else _target_entropy(args.match_entropy)  # bad input fails first
-        tok, model = sft.load_tokenizer(args.model, "native"), load(args.model)
+        tok, model = labels.load_tokenizer(args.model, "native"), load(args.model)
         prompts, sample = first_turn_prompts(tok, convs, args.max_len), hf_sampler(model, tok, args.sample_batch)
 
         def entropy_at(t):
@@ -447,7 +366,7 @@ def main(argv=None):
                         "self-entropy (nats / token)", hline=target)
 
     else:  # kl
-        tok, init = sft.load_tokenizer(args.models[0], "native"), load(args.init)
+        tok, init = labels.load_tokenizer(args.models[0], "native"), load(args.init)
         prompts = first_turn_prompts(tok, convs, args.max_len)
         for path in args.models:
             model = load(path)

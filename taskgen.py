@@ -25,6 +25,8 @@ import terminus
 # ----------------------------------------------------------------------------------------------------------
 # Task world
 
+# Limits of every generated task: written into its task.toml, and used as they are when envs runs a spec directly.
+LIMITS = {"agent_timeout": 300.0, "verifier_timeout": 60.0, "cpus": 1, "memory_mb": 1024}
 WORDS = ("amber basil cedar delta ember fjord garnet harbor indigo juniper kelp lumen maple nectar onyx pepper "
          "quartz raven sierra tundra umber violet willow xenon yarrow zephyr").split()
 HELDOUT_KINDS = ("archive",)
@@ -218,8 +220,9 @@ def make_splits(n_sft, n_rl, n_eval, seed=0):
     return splits
 
 
-def write_harbor(spec, path, base_image="actobs-base:bookworm"):
-    """Write a spec as a Harbor task folder; the environment copies the task's files onto the base image."""
+def write_harbor(spec, path, base_image):
+    """Write a spec as a Harbor task folder; the environment copies the task's files onto base_image (envs.py
+    builds it and passes its tag)."""
     path = Path(path)
     for rel, text, mode in [("instruction.md", spec.instruction + "\n", 0o644), ("tests/test.sh", spec.test, 0o755),
                             ("solution/solve.sh", spec.solve, 0o755),
@@ -230,8 +233,8 @@ def write_harbor(spec, path, base_image="actobs-base:bookworm"):
         (path / rel).chmod(mode)
     (path / "task.toml").write_text(
         f'version = "1.0"\n\n[task]\nname = "actobs/{spec.name}"\n\n[metadata]\nkind = "{spec.kind}"\n\n'
-        f"[verifier]\ntimeout_sec = 60.0\n\n[agent]\ntimeout_sec = 300.0\n\n"
-        f"[environment]\ncpus = 1\nmemory_mb = 1024\nallow_internet = false\n")
+        f"[verifier]\ntimeout_sec = {LIMITS['verifier_timeout']}\n\n[agent]\ntimeout_sec = {LIMITS['agent_timeout']}\n\n"
+        f"[environment]\ncpus = {LIMITS['cpus']}\nmemory_mb = {LIMITS['memory_mb']}\nallow_internet = false\n")
 
 
 # ----------------------------------------------------------------------------------------------------------

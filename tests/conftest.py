@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import labels
 import sft
 import terminus
 
@@ -76,13 +77,13 @@ def tiny_dir(tmp_path_factory, synthetic):
 
 @pytest.fixture(scope="session")
 def tokenizer(tiny_dir):
-    return sft.load_tokenizer(tiny_dir, "prefix")
+    return labels.load_tokenizer(tiny_dir, "prefix")
 
 
 @pytest.fixture(scope="session")
 def qwen3_tokenizer(tiny_dir):
     """The same tokenizer with the real Qwen3 chat template (not prefix-preserving)."""
-    tok = sft.load_tokenizer(tiny_dir, "native")
+    tok = labels.load_tokenizer(tiny_dir, "native")
     tok.chat_template = QWEN3_TEMPLATE
     return tok
 

@@ -62,7 +62,7 @@ def test_splits_are_disjoint_and_hold_out_kinds():
 
 def test_write_harbor_round_trips(tmp_path):
     spec = taskgen.generate("permissions", random.Random(0))
-    taskgen.write_harbor(spec, tmp_path / spec.name)
+    taskgen.write_harbor(spec, tmp_path / spec.name, envs.BASE_IMAGE)
     task = envs.load_task(tmp_path / spec.name, build=False)
     assert task.name == f"actobs/{spec.name}" and task.instruction.strip() == spec.instruction
     assert task.tests == {"test.sh": spec.test.encode()} and task.solution == {"solve.sh": spec.solve.encode()}

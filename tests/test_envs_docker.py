@@ -109,7 +109,7 @@ def test_harbor_build_failure_explains_offline_from(tmp_path):
 
 def test_generated_harbor_folder_runs_oracle(tmp_path):
     spec = taskgen.generate("replace_host", random.Random(5))
-    taskgen.write_harbor(spec, tmp_path / spec.name)
+    taskgen.write_harbor(spec, tmp_path / spec.name, envs.BASE_IMAGE)
     task = envs.load_task(tmp_path / spec.name)
     assert [e.reward for e in envs.run_oracle([task]) + envs.run_oracle([task], noop=True)] == [1.0, 0.0]
 

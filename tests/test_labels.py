@@ -8,10 +8,9 @@ import pytest
 from tokenizers import AddedToken
 
 import labels
-import sft
 from conftest import QWEN3_TEMPLATE, nemotron_rows, synthetic_trajectory
 
-P, A, O = sft.PROMPT, sft.ACTION, sft.OBS
+P, A, O = labels.PROMPT, labels.ACTION, labels.OBS
 EOT = "<|im_end|>"
 
 
@@ -96,12 +95,12 @@ def conversations():
     return convs
 
 
-TEMPLATES = {"prefix": (sft.PREFIX_TEMPLATE, mirror_prefix), "qwen3": (QWEN3_TEMPLATE, mirror_qwen3),
+TEMPLATES = {"prefix": (labels.PREFIX_TEMPLATE, mirror_prefix), "qwen3": (QWEN3_TEMPLATE, mirror_qwen3),
              "phi3": (PHI3_TEMPLATE, mirror_phi3), "plain": (PLAIN_TEMPLATE, mirror_plain)}
 
 
 def with_template(tokenizer, name):
-    tok = sft.load_tokenizer(tokenizer.name_or_path, "native")
+    tok = labels.load_tokenizer(tokenizer.name_or_path, "native")
     tok.chat_template = TEMPLATES[name][0]
     if name == "phi3":  # its turn tokens, special in the vocabulary only; eos stays another token
         tok.add_tokens([AddedToken(f"<|{t}|>", special=True, normalized=False) for t in ("end", "system", "user", "assistant")])
@@ -122,7 +121,7 @@ def test_roles_match_mirror_for_every_template(templated):
         pieces = mirror(msgs)
         text = tok.apply_chat_template(msgs, tokenize=False)
         assert text == "".join(t for t, _ in pieces), f"{name}: the test's mirror of the template is off"
-        ids, roles = sft.render(tok, msgs)
+        ids, roles = labels.render(tok, msgs)
         assert tok.decode(ids) == text
         assert roles == expected_roles(tok, text, pieces)
 
@@ -131,7 +130,7 @@ def test_roles_match_mirror_for_every_template(templated):
 def test_decoded_action_and_obs_tokens_are_the_contents_as_rendered(name, tokenizer):
     tok, mirror = with_template(tokenizer, name), TEMPLATES[name][1]
     for msgs in conversations():
-        ids, roles = sft.render(tok, msgs)
+        ids, roles = labels.render(tok, msgs)
         pieces = mirror(msgs)
         for r in (A, O):
             want = "".join(t for t, pr in pieces if pr == r)
@@ -144,7 +143,7 @@ def test_qwen3_action_is_all_the_policy_writes_after_the_generation_prompt(qwen3
     """Under Qwen3's own template the last turn's '<think>\\n' (or the empty think block the template writes
     when the turn has no reasoning) follows the generation prompt: the model must write it, so it is ACTION."""
     msgs = conversations()[-1][:-1] + [{"role": "assistant", "content": reasoning + "ok"}]
-    ids, roles = sft.render(qwen3_tokenizer, msgs)
+    ids, roles = labels.render(qwen3_tokenizer, msgs)
     end = max(i for i, r in enumerate(roles) if r == A) + 1
     start = max(i for i, r in enumerate(roles[:end]) if r != A) + 1  # the final turn's first ACTION token
     prompt = qwen3_tokenizer.apply_chat_template(msgs[:-1], tokenize=False, add_generation_prompt=True)
@@ -157,19 +156,19 @@ def test_end_of_turn_token_special_only_in_the_vocabulary(tokenizer):
     tok = with_template(tokenizer, "phi3")
     assert "<|end|>" not in tok.all_special_tokens and tok.eos_token == "<|endoftext|>"
     msgs = [{"role": "user", "content": "go"}, {"role": "assistant", "content": "ls"}, {"role": "user", "content": "a.txt"}]
-    ids, roles = sft.render(tok, msgs)
+    ids, roles = labels.render(tok, msgs)
     assert [tok.decode([i]) for i, r in zip(ids, roles) if r == A] == ["ls", "<|end|>"]
     assert [tok.decode([i]) for i, r in zip(ids, roles) if r == O] == ["a", ".txt", "<|end|>"]
     with pytest.raises(ValueError, match="special token '<\\|end\\|>'"):
-        sft.render(tok, msgs + [{"role": "assistant", "content": "done<|end|>"}])
+        labels.render(tok, msgs + [{"role": "assistant", "content": "done<|end|>"}])
 
 
 def test_straddling_token_takes_highest_priority_role(tokenizer):
-    tok = sft.load_tokenizer(tokenizer.name_or_path, "native")
+    tok = labels.load_tokenizer(tokenizer.name_or_path, "native")
     tok.chat_template = PLAIN_TEMPLATE
     msgs = [{"role": "user", "content": "go"}, {"role": "assistant", "content": '{"a": 1}'},
             {"role": "user", "content": "out: $"}]
-    ids, roles = sft.render(tok, msgs)
+    ids, roles = labels.render(tok, msgs)
     text = tok.apply_chat_template(msgs, tokenize=False)
     pieces = [(text[a:b], r) for (a, b), r in zip(tok(text, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"], roles)]
     # '}' ends the action and '\n\n' is template text: the pre-tokenizer keeps them in one token
@@ -181,16 +180,16 @@ def test_straddling_token_takes_highest_priority_role(tokenizer):
 @pytest.mark.parametrize("cut", [1, 5, 40, 97])
 def test_max_len_truncation_keeps_roles_aligned(tokenizer, cut):
     msgs = nemotron_rows()[1]["conversations"]
-    ids, roles = sft.render(tokenizer, msgs)
-    tids, troles = sft.render(tokenizer, msgs, max_len=cut)
+    ids, roles = labels.render(tokenizer, msgs)
+    tids, troles = labels.render(tokenizer, msgs, max_len=cut)
     assert tids == ids[:cut] and troles == roles[:cut]
 
 
 def test_prefix_template_is_prefix_preserving(tokenizer):
     for msgs in conversations():
         for k in range(1, len(msgs)):
-            a, ra = sft.render(tokenizer, msgs[:k])
-            b, rb = sft.render(tokenizer, msgs[: k + 1])
+            a, ra = labels.render(tokenizer, msgs[:k])
+            b, rb = labels.render(tokenizer, msgs[: k + 1])
             assert b[: len(a)] == a and rb[: len(ra)] == ra
             if msgs[k]["role"] == "assistant":  # what a policy sees before generating this turn
                 g = tokenizer.apply_chat_template(msgs[:k], tokenize=False, add_generation_prompt=True)
@@ -199,15 +198,15 @@ def test_prefix_template_is_prefix_preserving(tokenizer):
 
 def test_native_qwen3_template_is_not_prefix_preserving(qwen3_tokenizer):
     msgs = nemotron_rows()[0]["conversations"]
-    a, _ = sft.render(qwen3_tokenizer, msgs[:2])
-    b, _ = sft.render(qwen3_tokenizer, msgs[:4])
+    a, _ = labels.render(qwen3_tokenizer, msgs[:2])
+    b, _ = labels.render(qwen3_tokenizer, msgs[:4])
     assert b[: len(a)] != a  # earlier reasoning is stripped: why 'prefix' is the default
 
 
 def test_template_choice_is_saved_with_the_tokenizer(tokenizer, tmp_path):
     tokenizer.save_pretrained(tmp_path)
-    again = sft.load_tokenizer(tmp_path, "native")
-    assert again.chat_template == sft.PREFIX_TEMPLATE
+    again = labels.load_tokenizer(tmp_path, "native")
+    assert again.chat_template == labels.PREFIX_TEMPLATE
 
 
 def test_message_roles():
@@ -218,9 +217,9 @@ def test_message_roles():
 def test_nemotron_rows_load_as_is(tmp_path):
     path = tmp_path / "rows.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in nemotron_rows()))
-    convs, bad = sft.read_trajectories(path)
+    convs, bad = labels.read_trajectories(path)
     assert bad == 0 and len(convs) == 3 and [len(c) for c in convs] == [16, 12, 10]
-    convs_json, _ = sft.read_trajectories(_as_json(tmp_path))
+    convs_json, _ = labels.read_trajectories(_as_json(tmp_path))
     assert convs_json == convs
 
 
@@ -248,6 +247,6 @@ def test_bad_rows_name_file_line_and_field(tmp_path, line, msg):
     path = tmp_path / "rows.jsonl"
     path.write_text(good + "\n" + line + "\n" + good + "\n")
     with pytest.raises(ValueError, match=msg.replace("[", r"\[").replace("]", r"\]")):
-        sft.read_trajectories(path)
-    convs, bad = sft.read_trajectories(path, skip_bad=True)
+        labels.read_trajectories(path)
+    convs, bad = labels.read_trajectories(path, skip_bad=True)
     assert (len(convs), bad) == (2, 1)

@@ -4,17 +4,18 @@ import random
 import pytest
 import torch
 
+import labels
 import sft
 from conftest import synthetic_trajectory
 
-P, A, O = sft.PROMPT, sft.ACTION, sft.OBS
+P, A, O = labels.PROMPT, labels.ACTION, labels.OBS
 
 
 
 @pytest.fixture(scope="module")
 def examples(tokenizer):
     rng = random.Random(3)
-    return [sft.render(tokenizer, synthetic_trajectory(rng), max_len=300) for _ in range(6)]
+    return [labels.render(tokenizer, synthetic_trajectory(rng), max_len=300) for _ in range(6)]
 
 
 def reference_loss(model, batch, lam, w_act=1.0):

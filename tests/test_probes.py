@@ -15,14 +15,14 @@ import sft
 import terminus
 from conftest import nemotron_rows, synthetic_trajectory
 
-P, A, O = sft.PROMPT, sft.ACTION, sft.OBS
+P, A, O = labels.PROMPT, labels.ACTION, labels.OBS
 
 
 
 @pytest.fixture(scope="module")
 def examples(tokenizer):
     rng = random.Random(5)
-    return [sft.render(tokenizer, synthetic_trajectory(rng), max_len=200) for _ in range(5)]
+    return [labels.render(tokenizer, synthetic_trajectory(rng), max_len=200) for _ in range(5)]
 
 
 def grads_of(model, loss):
@@ -41,7 +41,7 @@ def test_identical_losses_give_cos_1_and_r_1(model, examples, tokenizer):
     sup = [r != P for r in roles]
     as_act = (ids, [A if s else P for s in sup])  # the same tokens, once as actions, once as observations
     as_obs = (ids, [O if s else P for s in sup])
-    geo = probes.grad_geometry(model, [sft.collate([as_act, as_obs], tokenizer.pad_token_id)])
+    geo = sft.grad_geometry(model, [sft.collate([as_act, as_obs], tokenizer.pad_token_id)])
     assert geo["cos"] == pytest.approx(1.0, abs=1e-5) and geo["r"] == pytest.approx(1.0, rel=1e-4)
     assert geo["norm_act"] > 0
 
@@ -52,7 +52,7 @@ def test_geometry_is_lambda_consistent_and_accumulates_over_batches(model, examp
     must be those of the whole held-out set's mean losses."""
     pad = tokenizer.pad_token_id
     one = sft.collate(examples[:1], pad)
-    geo = probes.grad_geometry(model, [one])
+    geo = sft.grad_geometry(model, [one])
     r = torch.tensor(examples[0][1][1:])
     n_a, n_o = int((r == A).sum()), int((r == O).sum())
     for lam in (0.25, 1.0, 3.0):
@@ -70,7 +70,7 @@ def test_geometry_is_lambda_consistent_and_accumulates_over_batches(model, examp
         p.grad = s
     model.train()
     parts = [sft.collate(examples[:2], pad), sft.collate(examples[2:3], pad), sft.collate(examples[3:], pad)]
-    geo = probes.grad_geometry(model, parts)
+    geo = sft.grad_geometry(model, parts)
     assert geo["norm_act"] == pytest.approx(g_act.norm().item(), rel=1e-4)
     assert geo["norm_obs"] == pytest.approx(g_obs.norm().item(), rel=1e-4)
     assert geo["cos"] == pytest.approx(torch.nn.functional.cosine_similarity(g_act, g_obs, 0).item(), abs=1e-4)
@@ -82,7 +82,7 @@ def test_geometry_is_lambda_consistent_and_accumulates_over_batches(model, examp
 
 def test_geometry_without_observations_is_a_clear_error(model, tokenizer):
     with pytest.raises(ValueError, match="observation"):
-        probes.grad_geometry(model, [sft.collate([([1, 2, 3], [P, A, A])], tokenizer.pad_token_id)])
+        sft.grad_geometry(model, [sft.collate([([1, 2, 3], [P, A, A])], tokenizer.pad_token_id)])
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -226,7 +226,7 @@ def run(tiny_dir, tmp_path_factory):
     from transformers import AutoModelForCausalLM
     root = tmp_path_factory.mktemp("run")
     shutil.copytree(tiny_dir, root / "init")
-    tok = sft.load_tokenizer(tiny_dir, "native")
+    tok = labels.load_tokenizer(tiny_dir, "native")
     m = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32)
     torch.manual_seed(1)
     for step in (2, 4):
@@ -253,9 +253,9 @@ def test_cli_geometry_writes_jsonl_and_curve(run):
     assert [r["step"] for r in rows] == [0, 2, 4]
     assert (run / "geometry.png").stat().st_size > 0
     from transformers import AutoModelForCausalLM  # the CLI's micro-batched value = one whole-set batch
-    tok, m = sft.load_tokenizer(run / "step-000002", "native"), AutoModelForCausalLM.from_pretrained(run / "step-000002")
-    convs = sft.read_trajectories(run / "heldout.jsonl")[0]
-    whole = probes.grad_geometry(m, [sft.collate([sft.render(tok, c, 400) for c in convs], tok.pad_token_id)])
+    tok, m = labels.load_tokenizer(run / "step-000002", "native"), AutoModelForCausalLM.from_pretrained(run / "step-000002")
+    convs = labels.read_trajectories(run / "heldout.jsonl")[0]
+    whole = sft.grad_geometry(m, [sft.collate([labels.render(tok, c, 400) for c in convs], tok.pad_token_id)])
     assert rows[1]["probe/cos"] == pytest.approx(whole["cos"], abs=1e-4) and rows[1]["probe/r"] == pytest.approx(whole["r"], rel=1e-4)
     assert rows[0]["probe/cos"] != pytest.approx(rows[2]["probe/cos"], abs=1e-3)
 

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import labels
 import sft
 from conftest import nemotron_rows, synthetic_trajectory
 
@@ -62,8 +63,8 @@ def test_final_checkpoint_is_a_hf_model_with_the_template(tiny_dir, data, tmp_pa
     from transformers import AutoModelForCausalLM
     sft.main(args(tiny_dir, data, tmp_path, "--stop-after", "0", "--batch-size", "40"))
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "final")
-    tok = sft.load_tokenizer(tmp_path / "final", "native")
-    assert tok.chat_template == sft.PREFIX_TEMPLATE
+    tok = labels.load_tokenizer(tmp_path / "final", "native")
+    assert tok.chat_template == labels.PREFIX_TEMPLATE
     cfg = json.loads((tmp_path / "config.json").read_text())
     assert cfg["args"]["lam"] == 1.0 and cfg["torch"] == torch.__version__
     assert model.config.vocab_size == len(tok)

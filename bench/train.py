@@ -3,8 +3,8 @@ Benchmark sft.py's training loop on a randomly initialised model of a real archi
 Qwen3-4B config) with long synthetic trajectories: tokens/s, MFU and peak GPU memory, read from the run's own
 log.jsonl. Nothing is downloaded: the tokenizer is trained here, the weights are a random init.
 
-    python bench_train.py                                  # one GPU: Qwen3-4B config, 16k-token trajectories
-    python bench_train.py --config tiny --seq-len 2048     # CPU smoke run of the same path
+    python -m bench.train                                  # one GPU: Qwen3-4B config, 16k-token trajectories
+    python -m bench.train --config tiny --seq-len 2048     # CPU smoke run of the same path
 
 MFU = (6 N + 12 L d T) tokens/s / peak FLOP/s, N = non-embedding params, L layers, d hidden size, T sequence
 length (the attention term); peak defaults to an H100/H200's dense bf16 989 TFLOP/s.

@@ -4,8 +4,8 @@ Benchmark: sft.actobs_loss (chunked, log-probs from hidden states) against the n
 where the output head dominates. Both run in this process, interleaved; prints time and peak-memory ratios.
 Targets: peak memory of the loss <= 1/4 of naive, time <= 1.15x.
 
-    python bench_loss.py                       # 4k and 16k tokens (16k naive needs ~30 GB on CPU)
-    python bench_loss.py --tokens 4096 8192    # what fits a 24 GB laptop
+    python -m bench.loss                       # 4k and 16k tokens (16k naive needs ~30 GB on CPU)
+    python -m bench.loss --tokens 4096 8192    # what fits a 24 GB laptop
 
 On CPU, peak memory is the process's resident-set high-water mark above its level before the pass, sampled
 every 0.2 ms by a thread; on CUDA it is torch.cuda.max_memory_allocated above the same baseline.
@@ -17,6 +17,7 @@ import time
 
 import torch
 
+import labels
 import sft
 
 
@@ -68,8 +69,8 @@ class PeakCUDA:
 
 
 def naive(model, batch):
-    labels = batch["input_ids"].masked_fill(batch["roles"] == sft.PROMPT, -100)
-    return model(input_ids=batch["input_ids"], labels=labels).loss
+    targets = batch["input_ids"].masked_fill(batch["roles"] == labels.PROMPT, -100)
+    return model(input_ids=batch["input_ids"], labels=targets).loss
 
 
 def measure(fn, model, batch, device):
@@ -99,8 +100,8 @@ def main(argv=None):
     print(f"{'tokens':>7} | {'naive s':>8} | {'ours s':>8} | {'time ratio':>10} | {'naive GB':>8} | {'ours GB':>8} | {'mem ratio':>9} | loss diff")
     for T in args.tokens:
         ids = torch.randint(0, args.vocab, (1, T), device=device)
-        roles = torch.full((1, T), sft.ACTION, device=device)
-        roles[0, 0] = sft.PROMPT
+        roles = torch.full((1, T), labels.ACTION, device=device)
+        roles[0, 0] = labels.PROMPT
         batch = {"input_ids": ids, "roles": roles, "attention_mask": torch.ones_like(ids)}
         need = 3 * T * args.vocab * 4  # fp32 logits, their log-softmax and its gradient
         free = (torch.cuda.mem_get_info()[0] if device.type == "cuda"

@@ -2,8 +2,8 @@
 Sandbox benchmark: start latency, the terminal step next to a raw `docker exec` round trip, and throughput with
 1, 8 and 32 concurrent sandboxes. All numbers come from the same run, on the same daemon.
 
-    python envs.py base-image && python bench_envs.py
-    python bench_envs.py --reps 50 --steps 20 --concurrency 1 8 32
+    python envs.py base-image && python -m bench.envs
+    python -m bench.envs --reps 50 --steps 20 --concurrency 1 8 32
 """
 import argparse
 import statistics
