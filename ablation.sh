@@ -26,8 +26,8 @@ head -n -32 "$R/corpus/sft.jsonl" > "$R/train.jsonl"    # held-out trajectories 
 tail -n 32 "$R/corpus/sft.jsonl" > "$R/heldout.jsonl"
 
 # 2. SFT from the base model: the two arms differ only in --lam (same data, init, order and token budget)
-TRAIN=(--data "$R/train.jsonl" --lr SFT_LR --warmup-ratio 0.05 --min-lr-ratio 0.1 --batch-size 4 --epochs SFT_EPOCHS
-       --max-len 2048 --micro-tokens 8192 --dtype bf16 --val-size 16 --eval-every 0 --save-every 20 --keep 2 --probe-every 20)
+TRAIN=(--data "$R/train.jsonl" --lr 2e-3 --warmup-ratio 0.05 --min-lr-ratio 0.1 --batch-size 4 --epochs 1
+       --max-len 3072 --micro-tokens 8192 --dtype bf16 --val-size 16 --eval-every 0 --save-every 20 --keep 2 --probe-every 20)
 python sft.py --model "$B" --out "$R/actobs" --lam 1 --resume "${TRAIN[@]}"
 python sft.py --model "$B" --out "$R/actionsft" --lam 0 --resume "${TRAIN[@]}"
 
