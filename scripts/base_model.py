@@ -20,7 +20,6 @@ ones. The trees and commands follow from --seed; the outputs are the real ones, 
 (container ids in the shell prompt, file times) differs between two builds.
 """
 import argparse
-import dataclasses
 import json
 import os
 import random
