@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The whole ablation on a CPU machine (root; no GPU, no internet but the Debian and PyPI mirrors): install, build
-# the sandbox images, pre-train a small base model on terminal sessions, generate the toy corpus and disjoint
+# the sandbox base image, pre-train a small base model on terminal sessions, generate the toy corpus and disjoint
 # RL / evaluation tasks (the held-out kind only in evaluation), SFT three arms from that base (ActionSFT λ=0,
 # ActObs λ=1, Obs→Act), the same GRPO recipe from each, pass@k of all seven checkpoints on the held-out tasks,
 # the probes, and one run folder with REPORT.md (tables with paired bootstrap intervals) and the plots.
@@ -27,10 +27,12 @@ CORPUS=(--n-sft 320 --n-rl 32 --n-eval 18)                                      
 HELDOUT_N=32                                                                              # trajectories for the probes
 SFT=(--lr 2e-3 --warmup-ratio 0.05 --min-lr-ratio 0.1 --batch-size 4 --epochs 1 --max-len 3072 --micro-tokens 8192
      --dtype bf16 --val-size 16 --eval-every 0 --save-every 20 --keep 1 --probe-every 10)  # sft.py, all arms
-GRPO=(--steps 8 --tasks-per-step 4 --group-size 8 --lr 1e-5 --max-turns 12 --max-new-tokens 384 --max-len 4096
-      --concurrency 8 --save-every 4 --keep 1 --kv-cache-gb 1)                             # grpo.py, all arms
-EVAL=(--attempts 16 --max-turns 12 --max-new-tokens 384 --max-len 4096 --concurrency 8)  # evaluate.py, all models
-PROBE=(--n 32 --max-len 2048)                                                             # probes.py
+# RL and evaluation roll out with the same limits; the expert needs ~5 turns of ~100 tokens. One engine step decodes
+# a token for every live episode, so 32 sandboxes at once cost little more per step than 8.
+GRPO=(--steps 6 --tasks-per-step 4 --group-size 8 --lr 1e-5 --max-turns 10 --max-new-tokens 256 --max-len 4096
+      --concurrency 32 --save-every 4 --keep 1 --kv-cache-gb 1)                            # grpo.py, all arms
+EVAL=(--attempts 16 --max-turns 10 --max-new-tokens 256 --max-len 4096 --concurrency 32) # evaluate.py, all models
+PROBE=(--n 32 --max-len 3072)                                                             # probes.py
 SAMPLE=(--max-new-tokens 128)                                                             # probes' own samples
 if [ $MODE = quick ]; then
     BASE=(--sessions 8 --commands 6 --epochs 1 --batch-size 4 --lr 2e-3 --hidden 64 --layers 2 --heads 2 --kv-heads 1
