@@ -26,7 +26,7 @@ import terminus
 # Task world
 
 # Limits of every generated task: written into its task.toml, and used as they are when envs runs a spec directly.
-LIMITS = {"agent_timeout": 300.0, "verifier_timeout": 60.0, "cpus": 1, "memory_mb": 1024}
+LIMITS = {"agent_timeout": 300.0, "verifier_timeout": 60.0, "cpus": 1, "memory_mb": 1024, "storage_mb": 1024}
 WORDS = ("amber basil cedar delta ember fjord garnet harbor indigo juniper kelp lumen maple nectar onyx pepper "
          "quartz raven sierra tundra umber violet willow xenon yarrow zephyr").split()
 HELDOUT_KINDS = ("archive",)
@@ -234,7 +234,8 @@ def write_harbor(spec, path, base_image):
     (path / "task.toml").write_text(
         f'version = "1.0"\n\n[task]\nname = "actobs/{spec.name}"\n\n[metadata]\nkind = "{spec.kind}"\n\n'
         f"[verifier]\ntimeout_sec = {LIMITS['verifier_timeout']}\n\n[agent]\ntimeout_sec = {LIMITS['agent_timeout']}\n\n"
-        f"[environment]\ncpus = {LIMITS['cpus']}\nmemory_mb = {LIMITS['memory_mb']}\nallow_internet = false\n")
+        f"[environment]\ncpus = {LIMITS['cpus']}\nmemory_mb = {LIMITS['memory_mb']}\nstorage_mb = {LIMITS['storage_mb']}\n"
+        "allow_internet = false\n")
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -3,7 +3,9 @@ Benchmark of the GRPO rollout stage, ratios measured in one process:
 
 1. generation: the in-process vLLM engine vs Hugging Face `generate` on the same prompts (the toy world's
    first turns), same sampling (T=1, no top-k/top-p), same number of new tokens -> tokens/s ratio;
-2. the episode loop: generator idle time with the overlapped loop (an episode's next turn is queued when its
+2. the trainer's speed (forward + backward) before and after the engine starts in the process: on CPU vLLM
+   binds threads and replaces torch.set_num_threads;
+3. the episode loop: generator idle time with the overlapped loop (an episode's next turn is queued when its
    observation is back) vs lock-step rounds (generate only once every live sandbox has answered), on toy
    tasks in real sandboxes -> idle fractions and wall-time ratio.
 
@@ -49,8 +51,23 @@ def main(argv=None):
                            heads=args.hidden // 64, kv_heads=max(1, args.hidden // 128))
     tok = load_tokenizer(model_dir, "native" if args.model else "prefix")
     model = sft.load_model(model_dir, "cpu").eval()
+    batch = torch.randint(0, model.config.vocab_size, (4, 512))
+
+    def train_pass_s(n=5):  # median seconds of one forward + backward of a (4, 512) batch
+        times = []
+        for _ in range(n):
+            t = time.time()
+            model(input_ids=batch, labels=batch).loss.backward()
+            times.append(time.time() - t)
+        model.zero_grad(set_to_none=True)
+        return sorted(times)[n // 2]
+
+    before, threads = train_pass_s(), torch.get_num_threads()
     engine = grpo.make_engine(model_dir, max_model_len=4096, kv_cache_gb=2)
-    print(f"model {model_dir} | {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M params | torch threads {torch.get_num_threads()}")
+    after = train_pass_s()
+    print(f"model {model_dir} | {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M params")
+    print(f"trainer fwd+bwd (4 x 512): {before * 1000:.0f} ms before the engine ({threads} threads), {after * 1000:.0f} ms "
+          f"after ({torch.get_num_threads()} threads) | ratio {after / before:.2f}")
 
     # 1. generation: vLLM vs HF generate, same prompts and sampling
     from vllm import SamplingParams
@@ -76,7 +93,7 @@ def main(argv=None):
     print(f"generation, {len(prompts)} prompts x {args.new_tokens} tokens: vLLM {n_vllm / t_vllm:.0f} tok/s | "
           f"HF generate {n_hf / t_hf:.0f} tok/s | ratio {n_vllm / t_vllm / (n_hf / t_hf):.2f}x")
 
-    # 2. the episode loop: overlapped vs lock-step, same tasks, same engine
+    # 3. the episode loop: overlapped vs lock-step, same tasks, same engine
     if args.episodes:
         tasks = [envs.task_from_spec(s) for s in specs[: args.episodes]]
         res = {}

@@ -102,9 +102,11 @@ def model(tiny_dir):
 
 @pytest.fixture(scope="session")
 def base_image():
-    """The project's base image, also tagged ubuntu:24.04 so Harbor Dockerfiles build offline."""
+    """The project's base image; and the offline Terminal-Bench stand-in (trixie + uv, tagged ubuntu:24.04 and
+    python:3.13-slim-bookworm) so Harbor Dockerfiles build offline. Both are reused when present."""
     import envs
-    envs.build_base_image(extra_tags=["ubuntu:24.04"], with_uv=True)
+    envs.build_base_image()
+    envs.build_base_image(envs.STANDIN_SUITE, envs.STANDIN_TAGS, with_uv=True)
     return envs.BASE_IMAGE
 
 

@@ -194,9 +194,9 @@ def test_sweep_removes_sandboxes_of_dead_processes(base_image, capsys):
         mine = envs.Sandbox(base_image)
         mine.start()
         assert envs.sweep() == 1
-        ids = {c.id for c in envs.docker_client().containers.list(all=True)}
+        ids = {c.id for c in envs.docker_client().containers.list(all=True, sparse=True)}
         assert dead.id not in ids and mine.container.id in ids  # live owners keep their sandboxes
     finally:
         mine.close()
-        if dead.id in {c.id for c in envs.docker_client().containers.list(all=True)}:
+        if dead.id in {c.id for c in envs.docker_client().containers.list(all=True, sparse=True)}:
             dead.remove(force=True)

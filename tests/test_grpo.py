@@ -312,7 +312,7 @@ def weights(path):
 
 
 def owned_by(pid):
-    return envs.docker_client().containers.list(all=True, filters={"label": f"{envs.LABEL}={envs.owner_label().rsplit(':', 1)[0]}:{pid}"})
+    return envs.docker_client().containers.list(all=True, sparse=True, filters={"label": f"{envs.LABEL}={envs.owner_label().rsplit(':', 1)[0]}:{pid}"})
 
 
 @pytest.mark.slow

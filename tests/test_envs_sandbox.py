@@ -1,0 +1,194 @@
+"""What an agent must not be able to do to its own score, and failures that explain themselves (real Docker):
+no process outlives the agent's turn to forge the reward, `exit` is the agent's ending, the disk budget holds,
+task.toml's limits are read as Harbor reads them, and a broken task image is recorded, not raised."""
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+import envs
+
+HARBOR = Path(__file__).parent / "fixtures" / "harbor-tasks"
+
+pytestmark = pytest.mark.usefixtures("no_leftovers")
+
+# Writes the right answer only if /app/answer holds "right"; the agent's forgers below write 1 all the time.
+CHECK = b'grep -qx right /app/answer && echo 1 > /logs/verifier/reward.txt || echo 0 > /logs/verifier/reward.txt\n'
+FORGERS = [  # three ways to outlive the terminal: a new session, nohup, a disowned supervisor that respawns
+    "setsid bash -c 'while :; do echo 1 > /tmp/r; mv -f /tmp/r /logs/verifier/reward.txt; done' >/dev/null 2>&1 &\n",
+    "nohup bash -c 'while :; do echo 1 > /logs/verifier/reward.txt 2>/dev/null; done' >/dev/null 2>&1 &\n",
+    "(while :; do (echo 1 > /logs/verifier/reward.txt; sleep 0.01) & sleep 0.005; done) >/dev/null 2>&1 & disown\n",
+]
+
+
+def reply(keys, done=False, duration=0.5):
+    return json.dumps({"analysis": "", "plan": "", "commands": [{"keystrokes": k, "duration": duration} for k in keys],
+                       "task_complete": done})
+
+
+def by_instruction(replies):
+    """A policy whose task's instruction names its list of replies (one per turn, then claims completion)."""
+    def policy(states):
+        out = []
+        for msgs in states:
+            turns = replies[msgs[0]["content"].split("Task:\n")[1].split("\n")[0]]
+            i = sum(m["role"] == "assistant" for m in msgs)
+            out.append(turns[i] if i < len(turns) else reply([], done=True))
+        return out
+    return policy
+
+
+def tree(tmp_path, name, toml="", dockerfile="FROM ubuntu:24.04\nWORKDIR /app\n"):
+    d = tmp_path / name
+    (d / "environment").mkdir(parents=True)
+    (d / "tests").mkdir()
+    (d / "task.toml").write_text(toml)
+    (d / "instruction.md").write_text("Write right to /app/answer.\n")
+    (d / "environment" / "Dockerfile").write_text(dockerfile)
+    (d / "tests" / "test.sh").write_bytes(CHECK)
+    return d
+
+
+# ---------------------------------------------------------------------------------------------- the reward
+
+def test_processes_left_running_cannot_forge_the_reward(base_image):
+    task = envs.Task("forge", "x", tests={"test.sh": CHECK})
+    with envs.Sandbox(base_image) as sb:
+        sb.screen()
+        sb.send("echo wrong > /app/answer\n")
+        for keys in FORGERS:
+            sb.send(keys, 0.2)
+        time.sleep(0.3)
+        assert any(sb.exec("cat /logs/verifier/reward.txt")[1] == b"1\n" for _ in range(50))  # the forgers are at work
+        reward, error, output = envs.verify(sb, task)
+        assert (reward, error) == (0.0, None)
+        # Nothing of the agent's is left: only init (bash), init's sleep and this exec.
+        code, out = sb.exec("for f in /proc/[0-9]*/cmdline; do tr '\\0' ' ' < $f; echo; done", user="root")
+        left = [c for c in out.decode().split("\n") if c.strip()]
+        assert all(c.startswith(("bash -c trap", "sleep 86400", "bash -c for f in", "tr ")) for c in left), left
+        sb.exec("echo right > /app/answer")
+        assert envs.verify(sb, task)[:2] == (1.0, None)  # the same verifier pays for the right answer
+
+
+def test_verifier_timeout_scores_0_even_after_writing_1(base_image):
+    late = envs.Task("late", "x", verifier_timeout=1, tests={"test.sh": b"echo 1 > /logs/verifier/reward.txt; sleep 30\n"})
+    ep, = envs.run_oracle([late], noop=True)
+    assert (ep.reward, ep.failure) == (0.0, "verifier_error") and "timed out" in ep.error
+
+
+def test_verifier_that_never_started_pytest_is_not_a_wrong_answer(base_image):
+    never = b"source $HOME/.local/bin/env\nuvx -p 3.99 -w pytest==8.4.1 pytest /tests/t.py\n" + b"[ $? -eq 0 ] && echo 1 > /logs/verifier/reward.txt " \
+            b"|| echo 0 > /logs/verifier/reward.txt\n"
+    wrong = b"source $HOME/.local/bin/env\nuvx -w pytest==8.4.1 pytest /tests/t.py\n[ $? -eq 0 ] && echo 1 > /logs/verifier/reward.txt " \
+            b"|| echo 0 > /logs/verifier/reward.txt\n"
+    t = b"def test_x():\n    assert open('/app/answer').read() == 'right\\n'\n"
+    eps = envs.run_oracle([envs.Task("never", "x", image="ubuntu:24.04", tests={"test.sh": never, "t.py": t}),
+                           envs.Task("wrong", "x", image="ubuntu:24.04", tests={"test.sh": wrong, "t.py": t})], noop=True)
+    assert [(e.reward, e.failure) for e in eps] == [(0.0, "verifier_error"), (0.0, None)]
+    assert "test runner never started" in eps[0].error and "3.99" in eps[0].verifier_output
+    assert "1 failed" in eps[1].verifier_output  # the verifier's output is kept on every episode
+
+
+# ---------------------------------------------------------------------------------------------- the agent's endings
+
+def test_exit_or_killing_the_terminal_is_the_agents_ending(base_image):
+    endings = {"exit": "exit\n", "kill-shell": "kill -9 $$\n", "kill-tmux": "tmux kill-server\n", "kill-all": "kill -9 -1\n"}
+    tasks = [envs.Task(name, f"{name}\n", tests={"test.sh": CHECK}) for name in endings]
+    policy = by_instruction({name: [reply(["echo right > /app/answer\n", keys])] for name, keys in endings.items()})
+    eps = envs.run_episodes(tasks, policy, max_turns=5, concurrency=4)
+    # The episode ends there, as the agent's outcome; the verifier scores what was done.
+    assert [(e.task, e.failure, e.reward, e.turns) for e in eps] == [(n, "shell_exited", 1.0, 1) for n in endings]
+    assert all(e.failure not in envs.INFRA_FAILURES and e.messages[-1]["role"] == "assistant" for e in eps)
+    assert envs.INFRA_FAILURES == {"sandbox_error", "image_build_error"}
+
+
+def test_wiping_tmp_does_not_cut_the_terminal(base_image):
+    with envs.Sandbox(base_image) as sb:
+        sb.screen()
+        sb.send("rm -rf /tmp/* /tmp/.[!.]*\n")
+        assert sb.send("echo still here\n", 2).endswith("still here\nroot@sandbox:/app#") and sb.last_idle
+
+
+# ---------------------------------------------------------------------------------------------- disk budget
+
+def test_disk_budget_ends_the_episode_and_scores_0(base_image):
+    pay = {"test.sh": b"echo 1 > /logs/verifier/reward.txt\n"}  # pays for anything: the disk limit must win
+    fill = "i=0; while :; do dd if=/dev/zero of=/app/f$i bs=1M count=8 status=none; i=$((i+1)); done\n"
+    tasks = [envs.Task("fill", "fill\n", storage_mb=64, tests=pay),
+             envs.Task("bg", "bg\n", storage_mb=64, tests=pay),  # written in the background, between steps
+             envs.Task("small", "small\n", storage_mb=64, tests=pay)]
+    policy = by_instruction({"fill": [reply([fill], duration=30)],
+                             "bg": [reply(["(fallocate -l 200M /app/big &)\n"]), reply(["sleep 2\n"], duration=3)],
+                             "small": [reply(["fallocate -l 16M /app/ok\n"])]})
+    t0 = time.time()
+    eps = envs.run_episodes(tasks, policy, max_turns=4, concurrency=3)
+    assert [(e.failure, e.reward) for e in eps] == [("disk_limit", 0.0), ("disk_limit", 0.0), (None, 1.0)]
+    assert time.time() - t0 < 20  # the 30 s step was cut as soon as the budget was passed
+    used = int(eps[0].error.split("wrote ")[1].split(" MB")[0])
+    assert 64 <= used < 1024, eps[0].error  # stopped within a poll of the budget (unbounded: ~20 GB in 30 s)
+    solved = envs.run_oracle([envs.Task("oracle", "x", storage_mb=64, tests=pay, solution={"solve.sh": fill.encode()})])
+    assert [(e.failure, e.reward) for e in solved] == [("disk_limit", 0.0)]
+
+
+def test_an_image_without_bash_is_explained(tmp_path, base_image):
+    (tmp_path / "Dockerfile").write_text("FROM scratch\nCOPY Dockerfile /Dockerfile\n")
+    image = envs.build_task_image("no-bash", tmp_path)
+    ep, = envs.run_episodes([envs.Task("no-bash", "x", image=image)], by_instruction({}), max_turns=1)
+    assert (ep.failure, ep.reward) == ("sandbox_error", 0.0) and "the image needs bash" in ep.error
+
+
+# ---------------------------------------------------------------------------------------------- task.toml
+
+def test_task_toml_limits_as_harbor_reads_them(tmp_path, base_image, capsys):
+    sizes = tree(tmp_path, "sizes", '[environment]\nmemory = "4G"\nstorage = "512M"\ncpus = 64\n')
+    mb = tree(tmp_path, "mb", '[environment]\nmemory = "4G"\nmemory_mb = 3000\nstorage_mb = 2048\n')
+    t = envs.load_task(sizes)
+    assert (t.memory_mb, t.storage_mb, t.cpus) == (4096, 512, 64.0)
+    assert (envs.load_task(mb, build=False).memory_mb, envs.load_task(mb, build=False).storage_mb) == (3000, 2048)
+    assert envs.size_mb("1.5Gi") == 1536 and envs.size_mb(256) == 256
+    with pytest.raises(ValueError, match=r"task.toml: bad value of \[environment\] memory: not a size: 'lots'"):
+        envs.load_task(tree(tmp_path, "bad", '[environment]\nmemory = "lots"\n'), build=False)
+    # More CPUs than the host has: capped with a warning, not a sandbox error.
+    t.solution = {"solve.sh": b"echo right > /app/answer\n"}
+    ep, = envs.run_oracle([t])
+    assert (ep.reward, ep.failure) == (1.0, None), ep.error
+    assert "asks for 64 CPUs" in capsys.readouterr().err
+    # docker_image present here: used as is, the Dockerfile is not built.
+    pre = envs.load_task(tree(tmp_path, "pre", f'[environment]\ndocker_image = "{base_image}"\n',
+                              dockerfile="FROM actobs-missing/image:1\n"))
+    assert (pre.image, pre.build_error) == (base_image, "")
+
+
+def test_build_timeout_and_failures_are_recorded_and_the_others_run(tmp_path, base_image, capsys):
+    # Abandoned after 2 s (the daemon may go on with it: this one then fails, so no image is ever cached)
+    slow = tree(tmp_path, "slow", "[environment]\nbuild_timeout_sec = 2\n",
+                dockerfile="FROM ubuntu:24.04\nRUN sleep 20 && false\n")
+    broken = tree(tmp_path, "broken", dockerfile="FROM ubuntu:24.04\nRUN echo about to fail && exit 3\n")
+    missing = tree(tmp_path, "missing", dockerfile="FROM actobs-missing/image:1\n")
+    t0 = time.time()
+    eps = envs.main(["oracle", str(slow), str(broken), str(missing), str(HARBOR / "hello-user")])
+    assert time.time() - t0 < 60
+    assert [(e.failure, e.reward) for e in eps] == [("image_build_error", 0.0)] * 3 + [(None, 1.0)]
+    assert "timed out after 2s" in eps[0].error
+    assert "about to fail" in eps[1].error and "returned a non-zero code: 3" in eps[1].error
+    assert "cannot be pulled" not in eps[1].error and "cannot be pulled" in eps[2].error  # only when FROM is why
+    assert "about to fail" in capsys.readouterr().out  # the oracle CLI tells why
+    # The episode runner records them the same way: an Episode, not an exception.
+    ep, = envs.run_episodes([envs.load_task(broken)], by_instruction({}), max_turns=2)
+    assert (ep.failure, ep.reward, ep.messages) == ("image_build_error", 0.0, [])
+
+
+# ---------------------------------------------------------------------------------------------- Terminal-Bench 2.0 offline
+
+def test_tb2_tasks_score_their_true_result_offline(base_image):
+    """Terminal-Bench 2.0-format tasks (FROM ubuntu:24.04 / python:3.13-slim-bookworm, apt and pip in the build,
+    verifiers running `uvx -p 3.13 -w pytest==8.4.1 -w pytest-json-ctrf==0.3.5 pytest`) on the offline stand-in."""
+    tasks = [envs.load_task(p) for p in sorted((Path(__file__).parent / "fixtures" / "tb2-tasks").iterdir())]
+    assert [t.build_error for t in tasks] == [""] * 3
+    assert tasks[0].image.startswith("actobs-task/")  # docker_image is not here: built from the Dockerfile
+    solved = envs.run_oracle(tasks, concurrency=3)
+    idle = envs.run_oracle(tasks, noop=True, concurrency=3)
+    assert [(e.reward, e.failure) for e in solved] == [(1.0, None)] * 3, [e.verifier_output for e in solved]
+    assert [(e.reward, e.failure) for e in idle] == [(0.0, None)] * 3, [e.verifier_output for e in idle]
+    assert all(" passed" in e.verifier_output for e in solved) and all(" failed" in e.verifier_output for e in idle)
