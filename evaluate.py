@@ -6,9 +6,9 @@ rollout grpo.py trains with (grpo.rollout), then pass@k, distinct tasks solved a
     python evaluate.py --model runs/actobs/final --tasks data/corpus/eval --attempts 4 --max-turns 12 \\
         --max-new-tokens 512 --max-len 8192 --concurrency 8 --out runs/actobs/eval.json
     python evaluate.py compare runs/actionsft/eval.json runs/actobs/eval.json --png runs/pass_at_k.png
-    # Terminal-Bench 2.0 on a GPU: a folder of its task folders, n = 16
-    python evaluate.py --model runs/q4b-actobs-grpo/final --tasks terminal-bench-2/tasks --attempts 16 \\
-        --max-turns 100 --max-new-tokens 8192 --max-len 65536 --concurrency 32 --out runs/q4b-actobs-grpo/tb2.json
+    # Terminal-Bench 2.0 on a GPU: a clone of the benchmark (a folder of its 89 task folders), n = 16
+    python evaluate.py --model runs/q4b-actobs-grpo/final --tasks terminal-bench-2 --attempts 16 \\
+        --max-turns 100 --max-new-tokens 8192 --max-len 32768 --concurrency 32 --out runs/q4b-actobs-grpo/tb2.json
 
 --tasks takes Harbor task folders or folders of them. The chat template comes from the checkpoint (sft.py saves
 the one it trained with), the system prompt from --prompt-template (default: the corpus's), so evaluation sees
