@@ -1,0 +1,428 @@
+"""
+pass@k of a checkpoint on terminal tasks: every task attempted n times in real sandboxes with the same vLLM
+rollout grpo.py trains with (grpo.rollout), then pass@k, distinct tasks solved and failures, by task kind.
+
+    # toy world (CPU): the held-out split written by `python envs.py corpus --out data/corpus ...`
+    python evaluate.py --model runs/actobs/final --tasks data/corpus/eval --attempts 4 --max-turns 12 \\
+        --max-new-tokens 512 --max-len 8192 --concurrency 8 --out runs/actobs/eval.json
+    python evaluate.py compare runs/actionsft/eval.json runs/actobs/eval.json --png runs/pass_at_k.png
+    # Terminal-Bench 2.0 on a GPU: a clone of the benchmark (a folder of its 89 task folders), n = 16
+    python evaluate.py --model runs/q4b-actobs-grpo/final --tasks terminal-bench-2 --attempts 16 \\
+        --max-turns 100 --max-new-tokens 8192 --max-len 32768 --concurrency 32 --out runs/q4b-actobs-grpo/tb2.json
+
+--tasks takes Harbor task folders or folders of them. The chat template comes from the checkpoint (sft.py saves
+the one it trained with), the system prompt from --prompt-template (default: the corpus's), so evaluation sees
+what training saw. The results JSON is rewritten atomically after every attempt; the same command resumes an
+interrupted run, and refuses to when a setting that changes results differs. Infrastructure failures
+(envs.INFRA_FAILURES: an image that does not build, a sandbox that fails) are reported apart and left
+out of pass@k; they are never the agent's failure. compare gives each run's pass@k, the difference to the
+first run in points and in %, and a paired bootstrap 95% interval of that difference over the common tasks.
+Validate a task set first (reference solution scores 1, doing nothing 0): `python envs.py oracle [--noop] DIR/*`.
+"""
+import argparse
+import json
+import math
+import operator
+import os
+import subprocess
+import sys
+import threading
+import time
+import tomllib
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+
+import envs
+import labels
+import taskgen
+import terminus
+
+# Settings that change what an attempt means; a resumed run must have the same ones.
+RESUME_KEYS = ("model", "tasks", "attempts", "temperature", "max_turns", "max_new_tokens", "max_len", "prompt",
+               "seed", "dtype")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True, help="Hugging Face checkpoint dir (sft.py / grpo.py output) or hub id")
+    p.add_argument("--tasks", nargs="+", required=True, type=Path, help="Harbor task folders, or folders of them")
+    p.add_argument("--out", type=Path, default=Path("results.json"), help="results JSON (resumed when it exists)")
+    p.add_argument("--attempts", type=int, default=16, help="n: attempts per task")
+    p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (top-p 1, top-k off)")
+    p.add_argument("--max-turns", type=int, default=30, help="agent replies per episode")
+    p.add_argument("--max-new-tokens", type=int, default=2048, help="tokens per reply")
+    p.add_argument("--max-len", type=int, default=16384, help="tokens per episode (prompt + all turns)")
+    p.add_argument("--prompt-template", type=Path, help="system prompt with {instruction} and {terminal_state} "
+                   "(default: terminus.DEFAULT_PROMPT, what envs.py corpus writes); pass the SFT corpus's own")
+    p.add_argument("--concurrency", type=int, default=8, help="sandboxes live at once")
+    p.add_argument("--retry-infra", action="store_true", help="on resume, run again the attempts that ended in an "
+                   "infrastructure failure (otherwise they stay recorded, and excluded)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", default="auto", help="vLLM dtype: auto (bf16 on GPU, fp32 on CPU), bf16, fp32")
+    p.add_argument("--gpu-memory", type=float, default=0.9, help="share of GPU memory for vLLM (no trainer here)")
+    return p.parse_args(argv)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The estimator
+
+def pass_at_k(n, c, k):
+    """Unbiased pass@k of one task from n attempts with c solved (Chen et al., 2021): 1 - C(n-c, k) / C(n, k),
+    the chance that k attempts drawn without replacement include a solved one. Python integers are exact and
+    int / int is correctly rounded, so this is the float nearest the exact rational for every n: no overflow,
+    no cancellation (the float product 1 - prod(1 - k/i) is off by a few ulps)."""
+    n, c, k = operator.index(n), operator.index(c), operator.index(k)
+    if not (0 <= c <= n):
+        raise ValueError(f"pass@k: need 0 <= c <= n, got n={n} c={c}")
+    if not (1 <= k <= n):
+        raise ValueError(f"pass@{k}: need 1 <= k <= n, got n={n} attempts")
+    total = math.comb(n, k)
+    return (total - math.comb(n - c, k)) / total
+
+
+def mean_pass_at_k(counts, k):
+    """Mean pass@k over tasks; counts: [(n, c)] per task. Tasks with fewer than k valid attempts (infra failures
+    removed) are left out. Returns (mean or None, number of tasks it averages)."""
+    vals = [pass_at_k(n, c, k) for n, c in counts if n >= k]
+    return (sum(vals) / len(vals) if vals else None), len(vals)
+
+
+def ks_up_to(n):
+    return [2 ** i for i in range(n.bit_length()) if 2 ** i <= n]  # 1, 2, 4, 8, 16 for n = 16
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Results: {"settings", "config", "tasks": {name: {"path", "kind", "heldout", "attempts": [record]}}, "summary"}
+
+def task_counts(entry):
+    """(n, c, excluded, agent failures, infra failures) of one task's attempts."""
+    n = c = 0
+    agent, infra = Counter(), Counter()
+    for a in entry["attempts"]:
+        if a["failure"] in envs.INFRA_FAILURES:
+            infra[a["failure"]] += 1
+            continue
+        n += 1
+        c += a["reward"] >= 1.0
+        if a["failure"]:
+            agent[a["failure"]] += 1
+    return n, c, sum(infra.values()), agent, infra
+
+
+def summarize(tasks, ks):
+    """pass@k for each k, distinct tasks solved, excluded attempts and failure counts over a {name: entry} dict."""
+    counts, agent, infra, excluded = [], Counter(), Counter(), 0
+    for entry in tasks.values():
+        n, c, x, a, i = task_counts(entry)
+        counts.append((n, c))
+        excluded, agent, infra = excluded + x, agent + a, infra + i
+    out = {"tasks": len(tasks), "solved": sum(c > 0 for _, c in counts), "attempts": sum(n for n, _ in counts),
+           "excluded": excluded, "failures": dict(agent), "infra": dict(infra), "pass@k": {}, "tasks@k": {}}
+    for k in ks:
+        out["pass@k"][k], out["tasks@k"][k] = mean_pass_at_k(counts, k)
+    return out
+
+
+def groups(results):
+    """(label, {name: entry}) rows of the table: all tasks, the held-out kinds on their own, then every kind."""
+    tasks = results["tasks"]
+    kinds = sorted({e["kind"] for e in tasks.values() if e["kind"]})
+    rows = [("all", tasks)]
+    if kinds:
+        heldout = sorted({e["kind"] for e in tasks.values() if e["heldout"]})
+        for k in heldout:
+            rows.append((f"{k} (held-out)", {n: e for n, e in tasks.items() if e["kind"] == k}))
+        if heldout:
+            rows.append(("seen kinds", {n: e for n, e in tasks.items() if e["kind"] not in heldout}))
+        rows += [(k, {n: e for n, e in tasks.items() if e["kind"] == k}) for k in kinds if k not in heldout]
+    return rows
+
+
+def pct(x):
+    return "-" if x is None else f"{100 * x:.1f}"
+
+
+def table(results):
+    ks = ks_up_to(results["settings"]["attempts"])
+    lines = [f"{'':20} {'tasks':>5} " + " ".join(f"{f'pass@{k}':>7}" for k in ks)
+             + f" {'solved':>7} {'excl':>5}  failures"]
+    for label, tasks in groups(results):
+        s = summarize(tasks, ks)
+        fails = ", ".join(f"{k} {v}" for k, v in sorted(s["failures"].items())) or "-"
+        lines.append(f"{label[:20]:20} {s['tasks']:>5} " + " ".join(f"{pct(s['pass@k'][k]):>7}" for k in ks)
+                     + f" {s['solved']:>7} {s['excluded']:>5}  {fails}")
+    s = summarize(results["tasks"], ks)
+    infra = ", ".join(f"{k} {v}" for k, v in sorted(s["infra"].items()))
+    lines.append(f"pass@k in %, over {s['attempts']} attempts; {s['excluded']} excluded as infrastructure failures"
+                 + (f" ({infra})" if infra else ""))
+    short = [k for k in ks if s["tasks@k"][k] < s["tasks"]]
+    if short:
+        lines.append(f"pass@{','.join(map(str, short))}: only tasks with at least k valid attempts "
+                     f"({', '.join(str(s['tasks@k'][k]) for k in short)} of {s['tasks']})")
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Comparison of runs
+
+def per_task(results, k):
+    """{task: pass@k} for the tasks with at least k valid attempts."""
+    out = {}
+    for name, entry in results["tasks"].items():
+        n, c = task_counts(entry)[:2]
+        if n >= k:
+            out[name] = pass_at_k(n, c, k)
+    return out
+
+
+def bootstrap_diff(a, b, n_boot=10_000, seed=0):
+    """Paired bootstrap 95% interval of mean(b - a) over tasks: tasks are resampled with replacement, each
+    keeping its pair of values. a, b: (T,) per-task values of two runs on the same tasks."""
+    d = np.asarray(b, dtype=np.float64) - np.asarray(a, dtype=np.float64)  # (T,)
+    idx = np.random.default_rng(seed).integers(0, len(d), size=(n_boot, len(d)))  # (n_boot, T)
+    lo, hi = np.percentile(d[idx].mean(axis=1), [2.5, 97.5])
+    return float(lo), float(hi)
+
+
+def compare(runs, n_boot=10_000, seed=0):
+    """runs: [(label, results)]; the first is the baseline. For every k up to the smallest n, on the tasks every
+    run has with at least k valid attempts: each run's pass@k and, against the baseline, the difference, its
+    relative size and a paired bootstrap 95% interval. Distinct tasks solved are counted on the common tasks."""
+    ks = ks_up_to(min(r["settings"]["attempts"] for _, r in runs))
+    rows = []
+    for k in ks:
+        vals = [per_task(res, k) for _, res in runs]
+        common = sorted(set.intersection(*(set(v) for v in vals)))
+        if not common:
+            continue
+        per = [np.array([v[t] for t in common]) for v in vals]  # per run: (T,) pass@k of the common tasks
+        row = {"k": k, "tasks": len(common), "pass": [float(p.mean()) for p in per], "diff": [None], "rel": [None],
+               "ci": [None]}
+        for p in per[1:]:
+            d, base = float(p.mean() - per[0].mean()), float(per[0].mean())
+            row["diff"].append(d)
+            row["rel"].append(d / base if base > 0 else None)
+            row["ci"].append(bootstrap_diff(per[0], p, n_boot, seed))
+        rows.append(row)
+    valid = [{n for n, e in res["tasks"].items() if task_counts(e)[0] > 0} for _, res in runs]
+    common = set.intersection(*valid)
+    solved = [sum(task_counts(res["tasks"][t])[1] > 0 for t in common) for _, res in runs]
+    differ = [k for k in RESUME_KEYS if k != "model" and any(r["settings"].get(k) != runs[0][1]["settings"].get(k)
+                                                              for _, r in runs)]
+    return {"runs": [label for label, _ in runs], "tasks": [len(v) for v in valid], "common": len(common),
+            "ks": [r["k"] for r in rows], "rows": rows, "solved": solved, "n_boot": n_boot, "seed": seed,
+            "settings_differ": differ}
+
+
+def compare_table(cmp):
+    runs = cmp["runs"]
+    lines = [f"[{i}] {label} ({n} tasks)" for i, (label, n) in enumerate(zip(runs, cmp["tasks"]))]
+    head = f"{'':8} {'tasks':>5} " + " ".join(f"{f'[{i}]':>6}" for i in range(len(runs)))
+    lines.append((head + "".join(f"   [{i}]-[0]     rel   {'95% CI':16}" for i in range(1, len(runs)))).rstrip())
+    for r in cmp["rows"]:
+        line = f"{'pass@' + str(r['k']):8} {r['tasks']:>5} " + " ".join(f"{pct(p):>6}" for p in r["pass"])
+        for d, rel, (lo, hi) in zip(r["diff"][1:], r["rel"][1:], r["ci"][1:]):
+            rel = "-" if rel is None else f"{100 * rel:+.1f}%"
+            line += f"   {100 * d:+7.1f} {rel:>7}   {f'[{100 * lo:+.1f}, {100 * hi:+.1f}]':16}"
+        lines.append(line.rstrip())
+    lines.append(f"{'solved':8} {cmp['common']:>5} " + " ".join(f"{s:>6}" for s in cmp["solved"])
+                 + "   (distinct tasks with at least one success)")
+    lines.append(f"pass@k and differences in points, on the tasks all runs have; paired bootstrap over tasks, "
+                 f"{cmp['n_boot']} resamples, seed {cmp['seed']}: an interval containing 0 is no evidence of a "
+                 "difference")
+    if cmp["settings_differ"]:
+        lines.append(f"note: the runs differ in more than the model: {', '.join(cmp['settings_differ'])}")
+    return "\n".join(lines)
+
+
+def plot_compare(cmp, png):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(5.5, 4))
+    for i, label in enumerate(cmp["runs"]):
+        ax.plot(cmp["ks"], [100 * r["pass"][i] for r in cmp["rows"]], marker="o", label=label)
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(cmp["ks"], [str(k) for k in cmp["ks"]])
+    ax.set(xlabel="k (attempts)", ylabel="pass@k (%)", title=f"pass@k on {cmp['common']} common tasks")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(png, dpi=120)
+    plt.close(fig)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Running an evaluation
+
+def task_dirs(paths):
+    """Harbor task folders: each path is one (it has task.toml) or a folder of them."""
+    out = []
+    for p in paths:
+        if (p / "task.toml").is_file():
+            out.append(p)
+        elif p.is_dir() and (sub := sorted(d for d in p.iterdir() if (d / "task.toml").is_file())):
+            out.extend(sub)
+        else:
+            raise ValueError(f"{p}: neither a task folder (no task.toml) nor a folder of task folders")
+    return out
+
+
+def task_kind(path):
+    """The task's kind from task.toml [metadata]: `kind` (taskgen.write_harbor) or `category` (Terminal-Bench)."""
+    meta = tomllib.loads((path / "task.toml").read_text()).get("metadata", {})
+    kind = meta.get("kind") or meta.get("category")
+    return str(kind) if kind else None
+
+
+def save_results(path, results):
+    """Written to a temp file and renamed: a killed run leaves the previous complete file, never half of one."""
+    tmp = Path(f"{path}.tmp")
+    tmp.write_text(json.dumps(results, indent=1))
+    os.replace(tmp, path)
+
+
+def attempt_record(attempt, ep):
+    """tokens: the episode's token sequence (prompt, replies, observations); generated: the sampled ones."""
+    return {"attempt": attempt, "reward": ep.reward, "turns": ep.turns, "tokens": len(ep.token_ids),
+            "generated": sum(r == labels.ACTION for r in ep.roles), "wall_s": round(ep.timings.get("total_s", 0.0), 3),
+            "failure": ep.failure, "error": ep.error[-1000:]}
+
+
+def settings_of(args):
+    prompt = terminus.load_template(args.prompt_template)
+    return {"model": str(args.model), "tasks": [str(p.resolve()) for p in args.tasks], "attempts": args.attempts,
+            "temperature": args.temperature, "max_turns": args.max_turns, "max_new_tokens": args.max_new_tokens,
+            "max_len": args.max_len, "prompt": prompt, "seed": args.seed, "dtype": args.dtype,
+            "concurrency": args.concurrency}
+
+
+def run_config():
+    try:
+        git = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                             cwd=Path(__file__).parent).stdout.strip()
+    except OSError:
+        git = ""
+    return {"argv": sys.argv, "git": git, "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
+
+
+def open_results(path, settings):
+    """The results so far (a resumed run) or a fresh dict; refuses to resume with other settings."""
+    if not path.exists():
+        return {"settings": settings, "config": run_config(), "sessions": 0, "tasks": {}}
+    results = json.loads(path.read_text())
+    changed = [k for k in RESUME_KEYS if results["settings"].get(k) != settings[k]]
+    if changed:
+        raise SystemExit(f"{path} holds a run with other settings ({', '.join(changed)} differ): "
+                         "use another --out, or the settings it was run with")
+    results["settings"]["concurrency"] = settings["concurrency"]
+    return results
+
+
+def vllm_rollout(args, session):
+    """grpo's engine and rollout (imported here: the tables and compare need neither torch nor vLLM)."""
+    import grpo
+    engine = grpo.make_engine(args.model, max_model_len=args.max_len, seed=args.seed, dtype=args.dtype,
+                              gpu_memory=args.gpu_memory)
+    tokenizer = labels.load_tokenizer(args.model, "native")  # the template the checkpoint was trained with
+    template = terminus.load_template(args.prompt_template)
+
+    def rollout(tasks, on_episode):
+        # Each episode samples with a seed from (seed, its index in `tasks`): a resumed session gets another seed,
+        # so its first attempts do not replay the random streams of the first session's.
+        return grpo.rollout(engine, tokenizer, tasks, temperature=args.temperature, max_turns=args.max_turns,
+                            max_new_tokens=args.max_new_tokens, max_len=args.max_len, concurrency=args.concurrency,
+                            template=template, seed=args.seed + session, on_episode=on_episode)
+    return rollout
+
+
+def evaluate(args, rollout=None):
+    """Run the attempts the results file does not have yet. rollout(tasks, on_episode) -> episodes, calling
+    on_episode(i, episode) as each finishes; default: grpo's vLLM rollout on args.model."""
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    results = open_results(args.out, settings_of(args))
+    paths = task_dirs(args.tasks)
+    jobs, missing, names = [], {}, {}
+    for p in paths:
+        task = envs.load_task(p, build=False)  # a malformed folder is an error before anything runs
+        prev = results["tasks"].get(task.name)
+        if prev is not None and prev["path"] != str(p.resolve()):
+            raise ValueError(f"{p}: task name {task.name!r} also names {prev['path']}")
+        entry = results["tasks"].setdefault(task.name, {"path": str(p.resolve()), "kind": task_kind(p), "attempts": []})
+        entry["heldout"] = entry["kind"] in taskgen.HELDOUT_KINDS
+        if args.retry_infra:
+            entry["attempts"] = [a for a in entry["attempts"] if a["failure"] not in envs.INFRA_FAILURES]
+        done = {a["attempt"] for a in entry["attempts"]}
+        if len(done) < args.attempts:
+            missing[p], names[p] = [i for i in range(args.attempts) if i not in done], task.name
+
+    # Images build in parallel; one that does not build leaves task.build_error, and the rollout records its
+    # attempts as image_build_error (infrastructure) while the other tasks run.
+    with ThreadPoolExecutor(max(1, min(8, args.concurrency))) as pool:
+        for p, task in zip(missing, pool.map(envs.load_task, missing)):
+            if task.build_error:
+                print(f"{p}: the image does not build; its attempts are recorded as image_build_error")
+            jobs += [(names[p], i, task) for i in missing[p]]
+    jobs.sort(key=lambda job: job[1])  # attempt 0 of every task first: a stopped run has some of each task
+    results["sessions"] += 1
+    save_results(args.out, results)
+    print(f"{len(paths)} tasks x {args.attempts} attempts: {len(jobs)} to run -> {args.out}")
+    if jobs:
+        from tqdm import tqdm
+        rollout = rollout or vllm_rollout(args, results["sessions"] - 1)
+        lock, t0, bar, outcomes = threading.Lock(), time.time(), tqdm(total=len(jobs), desc="attempts"), Counter()
+
+        def on_episode(i, ep):
+            name, attempt, _ = jobs[i]
+            with lock:
+                results["tasks"][name]["attempts"].append(attempt_record(attempt, ep))
+                results["tasks"][name]["attempts"].sort(key=lambda a: a["attempt"])
+                save_results(args.out, results)
+                outcomes[ep.failure or ("solved" if ep.reward >= 1.0 else "failed")] += 1
+                bar.set_postfix(outcomes)
+                bar.update()
+        try:
+            rollout([task for _, _, task in jobs], on_episode)
+        finally:
+            bar.close()
+        print(f"{len(jobs)} attempts in {time.time() - t0:.0f}s")
+    results["summary"] = summarize(results["tasks"], ks_up_to(args.attempts))
+    save_results(args.out, results)
+    print(table(results))
+    return results
+
+
+def compare_main(argv):
+    p = argparse.ArgumentParser(prog="evaluate.py compare", description="pass@k of evaluation runs side by side, "
+                                "differences to the first with paired bootstrap 95% intervals over tasks")
+    p.add_argument("results", nargs="+", type=Path, help="results JSON files; the first is the baseline")
+    p.add_argument("--png", type=Path, help="plot of pass@k against k")
+    p.add_argument("--n-boot", type=int, default=10_000, help="bootstrap resamples")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--by-kind", action="store_true", help="also compare on each task kind (held-out kinds first)")
+    args = p.parse_args(argv)
+    runs = [(str(r.with_suffix("")), json.loads(r.read_text())) for r in args.results]
+    cmp = compare(runs, args.n_boot, args.seed)
+    print(compare_table(cmp))
+    if args.png:
+        plot_compare(cmp, args.png)
+        print(f"-> {args.png}")
+    for label, tasks in groups(runs[0][1])[1:] if args.by_kind else []:
+        print(f"\n== {label}")
+        print(compare_table(compare([(name, {**res, "tasks": {t: e for t, e in res["tasks"].items() if t in tasks}})
+                                     for name, res in runs], args.n_boot, args.seed)))
+    return cmp
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["compare"]:
+        return compare_main(argv[1:])
+    return evaluate(parse_args(argv))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,284 @@
+"""evaluate.py: the pass@k estimator against exact rationals, the tables and the comparison on synthetic results
+with known answers, the bootstrap interval, infrastructure failures, resume (real sandboxes, the scripted expert
+as the policy) and an end-to-end evaluation with real vLLM."""
+import json
+import math
+from fractions import Fraction
+
+import numpy as np
+import pytest
+
+import envs
+import evaluate
+import taskgen
+
+
+def exact(n, c, k):
+    return float(1 - Fraction(math.comb(n - c, k), math.comb(n, k)))
+
+
+def test_pass_at_k_is_exact_for_small_n():
+    for n in range(1, 33):
+        for c in range(n + 1):
+            for k in range(1, n + 1):
+                assert evaluate.pass_at_k(n, c, k) == exact(n, c, k), (n, c, k)
+
+
+def test_pass_at_k_large_n():
+    # Exact where the binomials are past a float's precision (or range), and the product form agrees to rounding.
+    for n, c, k in [(2000, 1, 16), (2000, 1999, 16), (10_000, 37, 1000), (500, 250, 250)]:
+        assert math.comb(n, k) > 2 ** 53
+        assert evaluate.pass_at_k(n, c, k) == exact(n, c, k)
+        product = 1.0 - float(np.prod(1.0 - k / np.arange(n - c + 1, n + 1))) if n - c >= k else 1.0
+        assert evaluate.pass_at_k(n, c, k) == pytest.approx(product, rel=1e-12, abs=1e-15)
+    assert evaluate.pass_at_k(16, 0, 16) == 0.0 and evaluate.pass_at_k(16, 1, 16) == 1.0
+    assert evaluate.pass_at_k(np.int64(4), np.int64(1), 1) == 0.25
+
+
+@pytest.mark.parametrize("n,c,k", [(4, 1, 5), (4, 5, 1), (4, -1, 1), (-1, 0, 1), (4, 1, 0), (4, 1, -2)])
+def test_pass_at_k_rejects_bad_input(n, c, k):
+    with pytest.raises(ValueError, match="pass@"):
+        evaluate.pass_at_k(n, c, k)
+
+
+def test_pass_at_k_rejects_non_integers():
+    with pytest.raises(TypeError):
+        evaluate.pass_at_k(4.0, 1, 1)
+
+
+def test_mean_pass_at_k_skips_tasks_with_too_few_attempts():
+    assert evaluate.mean_pass_at_k([(4, 2), (4, 0)], 2) == (pytest.approx((5 / 6 + 0) / 2), 2)
+    assert evaluate.mean_pass_at_k([(4, 2), (1, 1)], 2) == (5 / 6, 1)
+    assert evaluate.mean_pass_at_k([(1, 1)], 2) == (None, 0)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Synthetic results
+
+def attempt(i, reward, failure=None):
+    return {"attempt": i, "reward": float(reward), "turns": 3, "tokens": 900, "generated": 300, "wall_s": 1.0,
+            "failure": failure, "error": ""}
+
+
+def results(tasks, attempts=4):
+    """tasks: {name: (kind, [reward or (reward, failure)])}."""
+    out = {"settings": {"attempts": attempts}, "tasks": {}}
+    for name, (kind, rewards) in tasks.items():
+        recs = [attempt(i, *(r if isinstance(r, tuple) else (r,))) for i, r in enumerate(rewards)]
+        out["tasks"][name] = {"path": name, "kind": kind, "heldout": kind in taskgen.HELDOUT_KINDS, "attempts": recs}
+    return out
+
+
+INFRA = sorted(envs.INFRA_FAILURES)[0]
+
+
+def test_summary_and_table_known_answers():
+    res = results({
+        "a1": ("archive", [1, 1, 0, 0]),  # c = 2
+        "f1": ("find_copy", [0, 0, 0, (0, "max_turns")]),  # c = 0
+        "f2": ("find_copy", [1, (1, INFRA), (0, "parse_errors"), 0, 1]),  # infra attempt excluded: n = 4, c = 2
+        "w1": ("word_count", [1, 1, 1, 1]),  # c = 4
+    })
+    s = evaluate.summarize(res["tasks"], [1, 2, 4])
+    assert s["pass@k"][1] == pytest.approx((0.5 + 0 + 0.5 + 1) / 4)
+    assert s["pass@k"][2] == pytest.approx((5 / 6 + 0 + 5 / 6 + 1) / 4)
+    assert s["pass@k"][4] == pytest.approx(3 / 4)
+    assert (s["solved"], s["attempts"], s["excluded"]) == (3, 16, 1)
+    assert s["failures"] == {"max_turns": 1, "parse_errors": 1} and s["infra"] == {INFRA: 1}
+
+    rows = {label: tasks for label, tasks in evaluate.groups(res)}
+    assert list(rows) == ["all", "archive (held-out)", "seen kinds", "find_copy", "word_count"]
+    assert set(rows["seen kinds"]) == {"f1", "f2", "w1"}
+    assert evaluate.summarize(rows["find_copy"], [1])["pass@k"][1] == pytest.approx(0.25)
+
+    text = evaluate.table(res)
+    print(text)
+    lines = text.splitlines()
+    assert lines[0].split()[:4] == ["tasks", "pass@1", "pass@2", "pass@4"]
+    assert lines[1].split()[:6] == ["all", "4", "50.0", "66.7", "75.0", "3"]
+    assert lines[2].split()[:6] == ["archive", "(held-out)", "1", "50.0", "83.3", "100.0"]
+    assert "1 excluded as infrastructure failures" in text and f"({INFRA} 1)" in text
+
+
+def test_infra_failures_never_count_against_the_agent():
+    # A task whose every attempt failed for infrastructure reasons drops out of pass@k; it is not a 0.
+    res = results({"ok": (None, [1, 0]), "broken": (None, [(0, f) for f in sorted(envs.INFRA_FAILURES)][:2])},
+                  attempts=2)
+    s = evaluate.summarize(res["tasks"], [1, 2])
+    assert s["pass@k"] == {1: 0.5, 2: 1.0} and s["tasks@k"] == {1: 1, 2: 1}
+    assert s["excluded"] == len(res["tasks"]["broken"]["attempts"]) and s["failures"] == {}
+    assert "only tasks with at least k valid attempts" in evaluate.table(res)
+    assert [label for label, _ in evaluate.groups(res)] == ["all"]  # no kinds, no per-kind rows
+
+
+def test_compare_known_answers(tmp_path):
+    a = results({"t1": (None, [1, 0, 0, 0]), "t2": (None, [0, 0, 0, 0]), "t3": (None, [1, 1, 0, 0])})
+    b = results({"t1": (None, [1, 1, 0, 0]), "t2": (None, [1, 0, 0, 0]), "t3": (None, [1, 1, 0, 0]),
+                 "extra": (None, [1, 1, 1, 1])})  # not in A: left out of every number
+    cmp = evaluate.compare([("A", a), ("B", b), ("A again", a)], n_boot=2000, seed=0)
+    assert cmp["ks"] == [1, 2, 4] and cmp["tasks"] == [3, 4, 3] and cmp["common"] == 3
+    assert cmp["solved"] == [2, 3, 2]
+    r1 = cmp["rows"][0]
+    assert r1["pass"] == pytest.approx([0.75 / 3, 1.25 / 3, 0.75 / 3])
+    assert r1["diff"][1] == pytest.approx(0.5 / 3) and r1["rel"][1] == pytest.approx(2 / 3)
+    assert r1["diff"][2] == 0 and r1["ci"][2] == (0.0, 0.0)
+    lo, hi = r1["ci"][1]
+    assert 0 <= lo <= r1["diff"][1] <= hi <= 0.25  # the per-task differences are 0.25, 0.25 and 0
+    r4 = cmp["rows"][2]
+    assert r4["pass"] == pytest.approx([2 / 3, 1.0, 2 / 3]) and r4["rel"][1] == pytest.approx(0.5)
+    text = evaluate.compare_table(cmp)
+    print(text)
+    lines = text.splitlines()
+    assert lines[4].split()[:6] == ["pass@1", "3", "25.0", "41.7", "25.0", "+16.7"] and "+66.7%" in lines[4]
+    assert lines[-2].split()[:5] == ["solved", "3", "2", "3", "2"]
+    # The CLI on files: the same numbers, and a PNG.
+    for name, r in (("a", a), ("b", b)):
+        (tmp_path / f"{name}.json").write_text(json.dumps(r))
+    png = tmp_path / "p.png"
+    out = evaluate.main(["compare", str(tmp_path / "a.json"), str(tmp_path / "b.json"), "--png", str(png),
+                         "--n-boot", "2000"])
+    assert out["rows"][0]["ci"][1] == r1["ci"][1] and png.stat().st_size > 5000
+
+
+def test_compare_by_kind_and_changed_settings(tmp_path, capsys):
+    a = results({"a1": ("archive", [1, 0]), "f1": ("find_copy", [0, 0]), "f2": ("find_copy", [1, 1])}, attempts=2)
+    b = results({"a1": ("archive", [1, 1]), "f1": ("find_copy", [1, 0]), "f2": ("find_copy", [1, 1])}, attempts=2)
+    b["settings"]["temperature"] = 0.6
+    assert evaluate.compare([("A", a), ("B", b)], n_boot=100)["settings_differ"] == ["temperature"]
+    for name, r in (("a", a), ("b", b)):
+        (tmp_path / f"{name}.json").write_text(json.dumps(r))
+    evaluate.main(["compare", str(tmp_path / "a.json"), str(tmp_path / "b.json"), "--by-kind", "--n-boot", "100"])
+    blocks = capsys.readouterr().out.split("\n== ")
+    assert [b.splitlines()[0] for b in blocks[1:]] == ["archive (held-out)", "seen kinds", "find_copy"]
+    held = blocks[1].splitlines()
+    assert held[4].split()[:6] == ["pass@1", "1", "50.0", "100.0", "+50.0", "+100.0%"]
+    assert "differ in more than the model: temperature" in blocks[0]
+
+
+def test_bootstrap_is_seeded_and_covers_the_true_difference():
+    # Tasks drawn from a population where run B solves each task 10 points more often than A; the interval
+    # over tasks must cover 0.10 about 95% of the time, and the same seed must give the same interval.
+    rng, hits, reps = np.random.default_rng(1), 0, 200
+    for rep in range(reps):
+        p_a = rng.uniform(0.0, 0.8, size=60)
+        c_a, c_b = rng.binomial(8, p_a), rng.binomial(8, p_a + 0.1)
+        a = [evaluate.pass_at_k(8, int(c), 1) for c in c_a]
+        b = [evaluate.pass_at_k(8, int(c), 1) for c in c_b]
+        lo, hi = evaluate.bootstrap_diff(a, b, n_boot=1000, seed=rep)
+        hits += lo <= 0.1 <= hi
+        if rep == 0:
+            assert evaluate.bootstrap_diff(a, b, 1000, seed=0) == (lo, hi)
+            assert evaluate.bootstrap_diff(a, b, 1000, seed=1) != (lo, hi)
+            assert 0.03 < hi - lo < 0.2
+    assert 0.88 <= hits / reps <= 0.99, hits
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Real sandboxes: the scripted expert stands in for the model at the rollout boundary
+
+@pytest.fixture
+def toy_tasks(tmp_path, base_image):
+    """Two held-out toy tasks as Harbor folders (archive and find_copy), and one whose image does not build."""
+    root = tmp_path / "eval"
+    for spec in taskgen.make_splits(0, 0, 2, seed=0)["eval"]:
+        taskgen.write_harbor(spec, root / spec.name, base_image)
+    broken = root / "zz-broken"
+    taskgen.write_harbor(taskgen.make_splits(0, 0, 2, seed=1)["eval"][1], broken, base_image)
+    (broken / "environment" / "Dockerfile").write_text(f"FROM {base_image}\nRUN exit 3\n")
+    return root
+
+
+def expert_rollout(calls, stop_after=None):
+    """The rollout boundary with the scripted expert as the policy (envs.run_episodes, as grpo.rollout uses it);
+    with stop_after the run is killed once that many episodes have been reported, others still live."""
+    def rollout(tasks, on_episode):
+        calls.append([t.name for t in tasks])
+        reported = []
+
+        def report(i, ep):
+            on_episode(i, ep)
+            reported.append(i)
+            if len(reported) == stop_after:
+                raise KeyboardInterrupt
+        return envs.run_episodes(tasks, taskgen.expert_policy, max_turns=12, concurrency=4, on_episode=report)
+    return rollout
+
+
+def recorded(path):
+    res = json.loads(path.read_text())
+    return res, {(name, a["attempt"]): a for name, e in res["tasks"].items() for a in e["attempts"]}
+
+
+def test_resume_runs_only_missing_attempts(toy_tasks, tmp_path, no_leftovers):
+    out = tmp_path / "res.json"
+    argv = ["--model", "unused-by-this-rollout", "--tasks", str(toy_tasks), "--attempts", "2", "--out", str(out)]
+    broken = "actobs/" + taskgen.make_splits(0, 0, 2, seed=1)["eval"][1].name
+    calls = []
+    with pytest.raises(KeyboardInterrupt):  # killed after 3 episodes
+        evaluate.evaluate(evaluate.parse_args(argv), rollout=expert_rollout(calls, stop_after=3))
+    first, done = recorded(out)
+    everything = {(name, i) for name in first["tasks"] for i in range(2)}
+    assert len(first["tasks"]) == 3 and len(done) >= 3
+    for (name, _), a in done.items():  # the broken image did not stop the run; its attempts are infra failures
+        assert a["failure"] == ("image_build_error" if name == broken else None), a["error"]
+
+    calls.clear()
+    res = evaluate.evaluate(evaluate.parse_args(argv), rollout=expert_rollout(calls))
+    assert len(calls) == 1 and sorted(calls[0]) == sorted(name for name, _ in everything - done.keys())
+    _, final = recorded(out)
+    assert final.keys() == everything and all(final[key] == a for key, a in done.items())  # done stays done
+    assert all(a["reward"] == 1.0 for (name, _), a in final.items() if name != broken)  # the expert solves them
+    assert "exit 3" in final[broken, 0]["error"]
+    toy = [e for name, e in res["tasks"].items() if name != broken]
+    assert {e["kind"] for e in toy} == {"archive", "find_copy"} and [e["heldout"] for e in toy].count(True) == 1
+    assert res["summary"]["excluded"] == 2 and res["summary"]["tasks@k"] == {1: 2, 2: 2}
+    assert res["summary"]["pass@k"] == {1: 1.0, 2: 1.0} and res["sessions"] == 2
+
+    calls.clear()  # complete: nothing runs
+    evaluate.evaluate(evaluate.parse_args(argv), rollout=expert_rollout(calls))
+    assert calls == [] and recorded(out)[1] == final
+    # --retry-infra runs the infrastructure failures again (the image still does not build), and nothing else.
+    res = json.loads(out.read_text())
+    for a in res["tasks"][broken]["attempts"]:
+        a["error"] = "stale"
+    out.write_text(json.dumps(res))
+    evaluate.evaluate(evaluate.parse_args(argv + ["--retry-infra"]), rollout=expert_rollout(calls))
+    _, again = recorded(out)
+    assert {k: a for k, a in again.items() if k[0] != broken} == {k: a for k, a in final.items() if k[0] != broken}
+    assert [again[broken, i]["failure"] for i in (0, 1)] == ["image_build_error"] * 2
+    assert "exit 3" in again[broken, 1]["error"]
+    with pytest.raises(SystemExit, match="temperature"):
+        evaluate.evaluate(evaluate.parse_args(argv + ["--temperature", "0.5"]), rollout=expert_rollout(calls))
+
+
+@pytest.fixture(scope="module")
+def vllm_tiny_dir(tmp_path_factory, synthetic):
+    """A tiny random Qwen3 whose head size (32) vLLM's CPU attention supports, saved with its chat template."""
+    import sft
+    from conftest import nemotron_rows
+    texts = [m["content"] for c in [r["conversations"] for r in nemotron_rows()] + synthetic for m in c]
+    return sft.build_tiny(tmp_path_factory.mktemp("vllm-tiny"), texts, vocab_size=2048, hidden=64, layers=2, heads=2,
+                          kv_heads=1)
+
+
+@pytest.mark.slow
+def test_end_to_end_tiny_checkpoint_with_vllm(vllm_tiny_dir, tmp_path, base_image, no_leftovers):
+    """grpo's vLLM rollout on a tiny random checkpoint: 2 toy tasks x 4 attempts in real sandboxes."""
+    root = tmp_path / "eval"
+    for spec in taskgen.make_splits(0, 0, 2, seed=0)["eval"]:
+        taskgen.write_harbor(spec, root / spec.name, base_image)
+    out = tmp_path / "tiny.json"
+    argv = ["--model", str(vllm_tiny_dir), "--tasks", str(root), "--attempts", "4", "--max-turns", "2",
+            "--max-new-tokens", "24", "--max-len", "3072", "--concurrency", "8", "--dtype", "float32", "--out", str(out)]
+    res = evaluate.main(argv)
+    saved = json.loads(out.read_text())
+    assert len(saved["tasks"]) == 2 and saved["sessions"] == 1
+    for entry in saved["tasks"].values():
+        assert [a["attempt"] for a in entry["attempts"]] == [0, 1, 2, 3]
+        for a in entry["attempts"]:
+            # A random model writes no valid reply: the agent fails, the infrastructure does not.
+            assert a["failure"] in ("parse_errors", "max_turns", "max_len") and a["reward"] == 0.0, a
+            assert 1 <= a["turns"] <= 2 and a["tokens"] > a["generated"] > 0 and a["wall_s"] > 0
+    assert res["summary"]["attempts"] == 8 and res["summary"]["excluded"] == 0
+    assert res["summary"]["pass@k"] == {1: 0.0, 2: 0.0, 4: 0.0}
+    assert evaluate.main(argv)["tasks"] == res["tasks"]  # complete: a second run has nothing left to do
