@@ -735,9 +735,9 @@ def verify(sb, task):
 # Episodes
 
 # Failure kinds. The agent's doing (scored; the reward goes with it): timeout, parse_errors, max_turns,
-# shell_exited (the verifier still scores what was done), max_len (the policy's context is full; the verifier
-# scores what was done), disk_limit and pids_limit (reward 0), verifier_error (reward 0: the verifier timed out,
-# wrote no reward, or its test runner never started; an agent can break its own checker).
+# shell_exited (the verifier still scores what was done), disk_limit and pids_limit (reward 0), verifier_error
+# (reward 0: the verifier timed out, wrote no reward, or its test runner never started; an agent can break its
+# own checker).
 # Infrastructure, never the agent's doing: GRPO and evaluation leave these episodes out.
 INFRA_FAILURES = frozenset({"sandbox_error", "image_build_error"})
 
@@ -748,7 +748,7 @@ class Episode:
     messages: list  # Nemotron form: user (prompt), then assistant / user (observation) turns
     reward: float = 0.0
     turns: int = 0
-    failure: str | None = None  # None or a failure kind (above)
+    failure: str | None = None  # None or a failure kind (above; max_len: the policy's context was full)
     error: str = ""  # details of the failure
     verifier_output: str = ""  # the tail of tests/test.sh's output, whenever it ran
     # start_s, env_s (terminal steps), policy_s (waits for its own replies), verify_s, total_s

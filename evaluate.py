@@ -6,15 +6,15 @@ rollout grpo.py trains with (grpo.rollout), then pass@k, distinct tasks solved a
     python evaluate.py --model runs/actobs/final --tasks data/corpus/eval --attempts 4 --max-turns 12 \\
         --max-new-tokens 512 --max-len 8192 --concurrency 8 --out runs/actobs/eval.json
     python evaluate.py compare runs/actionsft/eval.json runs/actobs/eval.json --png runs/pass_at_k.png
-    # Terminal-Bench 2.0 on a GPU: a folder of its task folders, n = 16
-    python evaluate.py --model runs/q4b-actobs-grpo/final --tasks terminal-bench-2/tasks --attempts 16 \\
-        --max-turns 100 --max-new-tokens 8192 --max-len 65536 --concurrency 32 --out runs/q4b-actobs-grpo/tb2.json
+    # Terminal-Bench 2.0 on a GPU: a clone of the benchmark (a folder of its 89 task folders), n = 16
+    python evaluate.py --model runs/q4b-actobs-grpo/final --tasks terminal-bench-2 --attempts 16 \\
+        --max-turns 100 --max-new-tokens 8192 --max-len 32768 --concurrency 32 --out runs/q4b-actobs-grpo/tb2.json
 
 --tasks takes Harbor task folders or folders of them. The chat template comes from the checkpoint (sft.py saves
 the one it trained with), the system prompt from --prompt-template (default: the corpus's), so evaluation sees
 what training saw. The results JSON is rewritten atomically after every attempt; the same command resumes an
 interrupted run, and refuses to when a setting that changes results differs. Infrastructure failures
-(envs.INFRA_FAILURES: an image that does not build, a sandbox or verifier error) are reported apart and left
+(envs.INFRA_FAILURES: an image that does not build, a sandbox that fails) are reported apart and left
 out of pass@k; they are never the agent's failure. compare gives each run's pass@k, the difference to the
 first run in points and in %, and a paired bootstrap 95% interval of that difference over the common tasks.
 Validate a task set first (reference solution scores 1, doing nothing 0): `python envs.py oracle [--noop] DIR/*`.
@@ -40,7 +40,6 @@ import labels
 import taskgen
 import terminus
 
-IMAGE_BUILD_ERROR = "image_build_error"
 # Settings that change what an attempt means; a resumed run must have the same ones.
 RESUME_KEYS = ("model", "tasks", "attempts", "temperature", "max_turns", "max_new_tokens", "max_len", "prompt",
                "seed", "dtype")
@@ -148,7 +147,8 @@ def pct(x):
 
 def table(results):
     ks = ks_up_to(results["settings"]["attempts"])
-    lines = [f"{'':20} {'tasks':>5} " + " ".join(f"{f'pass@{k}':>7}" for k in ks) + f" {'solved':>7} {'excl':>5}  failures"]
+    lines = [f"{'':20} {'tasks':>5} " + " ".join(f"{f'pass@{k}':>7}" for k in ks)
+             + f" {'solved':>7} {'excl':>5}  failures"]
     for label, tasks in groups(results):
         s = summarize(tasks, ks)
         fails = ", ".join(f"{k} {v}" for k, v in sorted(s["failures"].items())) or "-"
@@ -231,7 +231,8 @@ def compare_table(cmp):
     lines.append(f"{'solved':8} {cmp['common']:>5} " + " ".join(f"{s:>6}" for s in cmp["solved"])
                  + "   (distinct tasks with at least one success)")
     lines.append(f"pass@k and differences in points, on the tasks all runs have; paired bootstrap over tasks, "
-                 f"{cmp['n_boot']} resamples, seed {cmp['seed']}: an interval containing 0 is no evidence of a difference")
+                 f"{cmp['n_boot']} resamples, seed {cmp['seed']}: an interval containing 0 is no evidence of a "
+                 "difference")
     if cmp["settings_differ"]:
         lines.append(f"note: the runs differ in more than the model: {', '.join(cmp['settings_differ'])}")
     return "\n".join(lines)
@@ -358,21 +359,13 @@ def evaluate(args, rollout=None):
         if len(done) < args.attempts:
             missing[p], names[p] = [i for i in range(args.attempts) if i not in done], task.name
 
-    def build(p):  # a task whose image does not build is recorded as such; the others still run
-        try:
-            return envs.load_task(p), None
-        except Exception as e:
-            return None, f"{type(e).__name__}: {e}"
+    # Images build in parallel; one that does not build leaves task.build_error, and the rollout records its
+    # attempts as image_build_error (infrastructure) while the other tasks run.
     with ThreadPoolExecutor(max(1, min(8, args.concurrency))) as pool:
-        built = list(pool.map(build, missing))
-    for p, (task, err) in zip(missing, built):
-        name = names[p]
-        if task is None:
-            ep = envs.Episode(name, [], failure=IMAGE_BUILD_ERROR, error=err)
-            results["tasks"][name]["attempts"] += [attempt_record(i, ep) for i in missing[p]]
-            print(f"{p}: image build failed, {len(missing[p])} attempts recorded as {IMAGE_BUILD_ERROR}")
-        else:
-            jobs += [(name, i, task) for i in missing[p]]
+        for p, task in zip(missing, pool.map(envs.load_task, missing)):
+            if task.build_error:
+                print(f"{p}: the image does not build; its attempts are recorded as image_build_error")
+            jobs += [(names[p], i, task) for i in missing[p]]
     jobs.sort(key=lambda job: job[1])  # attempt 0 of every task first: a stopped run has some of each task
     results["sessions"] += 1
     save_results(args.out, results)

@@ -456,10 +456,7 @@ def step_groups(n_tasks, tasks_per_step, step, seed):
 
 def infra_failure(ep):
     """Failures of the machinery, not of the agent: left out of the group statistics and of the loss."""
-    return ep.failure in INFRA_FAILURES
-
-
-INFRA_FAILURES = getattr(envs, "INFRA_FAILURES", frozenset({"sandbox_error", "verifier_error"}))
+    return ep.failure in envs.INFRA_FAILURES
 
 
 def plot_curves(log_path, png):
