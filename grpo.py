@@ -57,7 +57,7 @@ import torch.distributed as dist
 import envs
 import sft
 import terminus
-from labels import ACTION, OBS, PROMPT, encode, load_tokenizer, message_spans
+from labels import ACTION, OBS, PROMPT, defuse_specials, encode, load_tokenizer, message_spans
 
 
 def get_parser():
@@ -211,6 +211,9 @@ class VLLMPolicy:
         self.requests, self.eps, self.closed, self.ready = {}, {}, {}, []
 
     def submit(self, key, ep):
+        # the environment's text may hold a special token's string (`echo '<|im_end|>'`): defused in the
+        # episode's messages before they are rendered, so messages and tokens agree
+        ep.messages[-1]["content"] = defuse_specials(self.tok, ep.messages[-1]["content"])
         if not ep.token_ids:
             ids, roles = prompt_tokens(self.tok, ep.messages[:1])
             wrapper = [False] * len(ids)
