@@ -585,6 +585,7 @@ class Task:
     tests: dict = dataclasses.field(default_factory=dict)  # relative path -> bytes, copied to /tests
     solution: dict = dataclasses.field(default_factory=dict)  # relative path -> bytes, copied to /solution
     build_error: str = ""  # why the image could not be built; its episodes end as image_build_error
+    kind: str | None = None  # task.toml [metadata]: `kind` (taskgen.write_harbor) or `category` (Terminal-Bench)
 
 
 def _read_dir(path):
@@ -617,6 +618,8 @@ def load_task(path, build=True):
         if not (path / name).is_file():
             raise ValueError(f"{path / name}: missing")
     env, agent, verifier = cfg.get("environment", {}), cfg.get("agent", {}), cfg.get("verifier", {})
+    meta = cfg.get("metadata", {})
+    kind = meta.get("kind") or meta.get("category")
     field = ""
     try:
         field = "[environment] memory"
@@ -632,7 +635,8 @@ def load_task(path, build=True):
                     allow_internet=bool(env.get("allow_internet", False)),
                     workdir=str(env.get("workdir", "")), user=str(agent.get("user", "")),
                     tests=_read_dir(path / "tests"),
-                    solution=_read_dir(path / "solution") if (path / "solution").is_dir() else {})
+                    solution=_read_dir(path / "solution") if (path / "solution").is_dir() else {},
+                    kind=str(kind) if kind else None)
     except (TypeError, ValueError) as e:
         raise ValueError(f"{toml_path}: bad value{' of ' + field if field else ''}: {e}") from None
     config = {}

@@ -28,7 +28,6 @@ import subprocess
 import sys
 import threading
 import time
-import tomllib
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -271,13 +270,6 @@ def task_dirs(paths):
     return out
 
 
-def task_kind(path):
-    """The task's kind from task.toml [metadata]: `kind` (taskgen.write_harbor) or `category` (Terminal-Bench)."""
-    meta = tomllib.loads((path / "task.toml").read_text()).get("metadata", {})
-    kind = meta.get("kind") or meta.get("category")
-    return str(kind) if kind else None
-
-
 def save_results(path, results):
     """Written to a temp file and renamed: a killed run leaves the previous complete file, never half of one."""
     tmp = Path(f"{path}.tmp")
@@ -351,7 +343,7 @@ def evaluate(args, rollout=None):
         prev = results["tasks"].get(task.name)
         if prev is not None and prev["path"] != str(p.resolve()):
             raise ValueError(f"{p}: task name {task.name!r} also names {prev['path']}")
-        entry = results["tasks"].setdefault(task.name, {"path": str(p.resolve()), "kind": task_kind(p), "attempts": []})
+        entry = results["tasks"].setdefault(task.name, {"path": str(p.resolve()), "kind": task.kind, "attempts": []})
         entry["heldout"] = entry["kind"] in taskgen.HELDOUT_KINDS
         if args.retry_infra:
             entry["attempts"] = [a for a in entry["attempts"] if a["failure"] not in envs.INFRA_FAILURES]

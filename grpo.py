@@ -57,7 +57,7 @@ import torch.distributed as dist
 import envs
 import sft
 import terminus
-from labels import ACTION, OBS, PROMPT, encode, load_tokenizer, message_spans
+from labels import ACTION, OBS, PROMPT, defuse_specials, encode, load_tokenizer, message_spans
 
 
 def get_parser():
@@ -211,6 +211,9 @@ class VLLMPolicy:
         self.requests, self.eps, self.closed, self.ready = {}, {}, {}, []
 
     def submit(self, key, ep):
+        # the environment's text may hold a special token's string (`echo '<|im_end|>'`): defused in the
+        # episode's messages before they are rendered, so messages and tokens agree
+        ep.messages[-1]["content"] = defuse_specials(self.tok, ep.messages[-1]["content"])
         if not ep.token_ids:
             ids, roles = prompt_tokens(self.tok, ep.messages[:1])
             wrapper = [False] * len(ids)
@@ -485,13 +488,7 @@ def main(argv=None):
 
     # a terminated run unwinds like an exception: run_episodes removes its sandboxes on the way out
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
-    distributed = "RANK" in os.environ
-    if distributed:
-        dist.init_process_group(backend="nccl" if torch.cuda.is_available() else "gloo")
-    rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
-    device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if torch.cuda.is_available() else "cpu")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
+    distributed, rank, world, device = sft.init_distributed()
     print0 = print if rank == 0 else (lambda *a, **k: None)
     if args.fsdp and not distributed:
         raise ValueError("--fsdp shards across ranks: launch with torchrun")
@@ -523,24 +520,11 @@ def main(argv=None):
     raw = sft.load_model(ckpts[-1] if ckpts else args.init, device)
     # the initial policy, for the KL from init: a full copy per rank, in the autocast dtype
     ref = sft.load_model(args.init, device).to(torch.bfloat16 if use_bf16 else torch.float32).requires_grad_(False).eval()
-    if args.grad_ckpt:
-        raw.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    model = PGModule(raw)
-    if args.fsdp:
-        from torch.distributed.fsdp import fully_shard
-        for layer in raw.base_model.layers:
-            fully_shard(layer)
-        fully_shard(model)
-    elif distributed:
-        model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    model = sft.wrap_model(PGModule(raw), raw, args, device)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
     start = 0
     if state is not None:
-        if args.fsdp:
-            from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
-            set_optimizer_state_dict(model, opt, state["optimizer"], options=StateDictOptions(full_state_dict=True))
-        else:
-            opt.load_state_dict(state["optimizer"])
+        sft.load_optimizer_state(model, opt, state, args.fsdp)
         start = state["step"]
     engine = make_engine(ckpts[-1] if ckpts else args.init, max_model_len=args.max_len, seed=args.seed,
                          dtype=args.dtype, gpu_memory=args.gpu_memory, kv_cache_gb=args.kv_cache_gb)

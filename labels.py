@@ -146,6 +146,23 @@ def special_tokens(tokenizer):
     return sorted({t for t in list(tokenizer.all_special_tokens) + added if t}, key=len, reverse=True)
 
 
+# Inserted after the first character of a special token's string found in text the environment produced: the
+# text then tokenises as plain characters, not as a turn boundary, and still reads the same on screen.
+ESCAPE = "\u200b"  # zero-width space
+
+
+def defuse_specials(tokenizer, text):
+    """`text` with every special token string of the tokenizer (special_tokens) broken by ESCAPE after its first
+    character, e.g. '<|im_end|>' -> '<\u200b|im_end|>'. For text an agent can make the environment print (an
+    observation: `echo '<|im_end|>'`), which encode() would otherwise refuse or, unchecked, would end a turn.
+    Deterministic and idempotent; text without a special token string is returned unchanged. (A one-character
+    special token cannot be broken this way and is left as it is.)"""
+    specials = [t for t in special_tokens(tokenizer) if len(t) > 1]
+    while hit := next((t for t in specials if t in text), None):
+        text = text.replace(hit, hit[0] + ESCAPE + hit[1:])
+    return text
+
+
 def generation_prompt(tokenizer, messages):
     """The text add_generation_prompt=True appends after `messages` ('' if the template writes none)."""
     from jinja2 import TemplateError

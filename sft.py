@@ -365,6 +365,44 @@ class LossModule(torch.nn.Module):
         return actobs_loss(self.lm, batch, lam, w_act, n_traj)
 
 
+def init_distributed():
+    """-> (distributed, rank, world, device). torchrun sets RANK / WORLD_SIZE / LOCAL_RANK: join the process
+    group, one GPU per rank; plain `python` runs one process."""
+    distributed = "RANK" in os.environ
+    if distributed:
+        dist.init_process_group(backend="nccl" if torch.cuda.is_available() else "gloo")
+    rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
+    device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if torch.cuda.is_available() else "cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    return distributed, rank, world, device
+
+
+def wrap_model(module, raw, args, device):
+    """The module a run trains, around `module` (a loss module holding the model `raw`): with --grad-ckpt
+    activations are recomputed in the backward; with --fsdp each decoder layer and then the whole are sharded
+    by FSDP2; else under torchrun DDP."""
+    if args.grad_ckpt:
+        raw.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if args.fsdp:
+        from torch.distributed.fsdp import fully_shard
+        for layer in raw.base_model.layers:
+            fully_shard(layer)
+        fully_shard(module)
+    elif dist.is_initialized():
+        module = torch.nn.parallel.DistributedDataParallel(module, device_ids=[device.index] if device.type == "cuda" else None)
+    return module
+
+
+def load_optimizer_state(model, opt, state, fsdp):
+    """The optimizer state save_checkpoint wrote (a full, unsharded state dict) into `opt`; FSDP2 shards it."""
+    if fsdp:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+        set_optimizer_state_dict(model, opt, state["optimizer"], options=StateDictOptions(full_state_dict=True))
+    else:
+        opt.load_state_dict(state["optimizer"])
+
+
 def all_reduce(values, device, op=dist.ReduceOp.SUM):
     """Reduce a list of floats across ranks (identity when not distributed)."""
     if not dist.is_initialized():
@@ -483,14 +521,7 @@ def main(argv=None):
     from transformers.utils import logging as hf_logging
     hf_logging.disable_progress_bar()  # one line per step is the log; no per-save bars
 
-    # distributed: torchrun sets RANK / WORLD_SIZE / LOCAL_RANK; plain `python` runs one process
-    distributed = "RANK" in os.environ
-    if distributed:
-        dist.init_process_group(backend="nccl" if torch.cuda.is_available() else "gloo")
-    rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
-    device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if torch.cuda.is_available() else "cpu")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
+    distributed, rank, world, device = init_distributed()
     print0 = print if rank == 0 else (lambda *a, **k: None)
     for bad_flag, msg in ((args.keep < 1, "--keep must be at least 1"), (args.lam < 0, "--lam must be >= 0"),
                           (args.fsdp and not distributed, "--fsdp shards across ranks: launch with torchrun"),
@@ -566,24 +597,11 @@ def main(argv=None):
     use_bf16 = args.dtype == "bf16" or (args.dtype == "auto" and device.type == "cuda")
     ctx = torch.autocast(device.type, dtype=torch.bfloat16) if use_bf16 else nullcontext()
     raw = load_model(ckpts[-1] if ckpts else model_path, device)
-    if args.grad_ckpt:
-        raw.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    model = LossModule(raw)
-    if args.fsdp:
-        from torch.distributed.fsdp import fully_shard
-        for layer in raw.base_model.layers:
-            fully_shard(layer)
-        fully_shard(model)
-    elif distributed:
-        model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    model = wrap_model(LossModule(raw), raw, args, device)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay)
     start = 0
     if state is not None:
-        if args.fsdp:
-            from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
-            set_optimizer_state_dict(model, opt, state["optimizer"], options=StateDictOptions(full_state_dict=True))
-        else:
-            opt.load_state_dict(state["optimizer"])
+        load_optimizer_state(model, opt, state, args.fsdp)
         start = state["step"]
         rng = torch.load(ckpts[-1] / f"rng-{rank}.pt", weights_only=False)
         torch.set_rng_state(rng["torch"])

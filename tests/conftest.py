@@ -76,6 +76,14 @@ def tiny_dir(tmp_path_factory, synthetic):
 
 
 @pytest.fixture(scope="session")
+def vllm_dir(tmp_path_factory, synthetic):
+    """A tiny random Qwen3 whose head size (32) vLLM's CPU attention supports, its tokenizer trained like
+    tiny_dir's and saved with its chat template."""
+    texts = [m["content"] for row in nemotron_rows() for m in row["conversations"]] + [m["content"] for c in synthetic for m in c]
+    return sft.build_tiny(tmp_path_factory.mktemp("vllm-tiny"), texts, vocab_size=2048, hidden=64, layers=2, heads=2, kv_heads=1)
+
+
+@pytest.fixture(scope="session")
 def tokenizer(tiny_dir):
     return labels.load_tokenizer(tiny_dir, "prefix")
 

@@ -21,6 +21,7 @@ def test_load_task_reads_harbor_fields():
     assert (task.agent_timeout, task.verifier_timeout, task.cpus, task.memory_mb) == (120.0, 120.0, 1.0, 2048)
     assert set(task.tests) == {"test.sh"} and set(task.solution) == {"solve.sh"}
     assert set(envs.load_task(HARBOR / "hello-world", build=False).tests) == {"test.sh", "test_state.py"}
+    assert task.kind == "programming"  # [metadata] category
 
 
 def test_load_task_errors_name_the_file(tmp_path):
@@ -64,7 +65,7 @@ def test_write_harbor_round_trips(tmp_path):
     spec = taskgen.generate("permissions", random.Random(0))
     taskgen.write_harbor(spec, tmp_path / spec.name, envs.BASE_IMAGE)
     task = envs.load_task(tmp_path / spec.name, build=False)
-    assert task.name == f"actobs/{spec.name}" and task.instruction.strip() == spec.instruction
+    assert task.name == f"actobs/{spec.name}" and task.instruction.strip() == spec.instruction and task.kind == "permissions"
     assert task.tests == {"test.sh": spec.test.encode()} and task.solution == {"solve.sh": spec.solve.encode()}
     script = next(p for p, _, _ in spec.files if p.endswith(".sh"))
     assert (tmp_path / spec.name / "environment/files" / script.lstrip("/")).stat().st_mode & 0o777 == 0o644

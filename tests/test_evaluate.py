@@ -251,24 +251,14 @@ def test_resume_runs_only_missing_attempts(toy_tasks, tmp_path, no_leftovers):
         evaluate.evaluate(evaluate.parse_args(argv + ["--temperature", "0.5"]), rollout=expert_rollout(calls))
 
 
-@pytest.fixture(scope="module")
-def vllm_tiny_dir(tmp_path_factory, synthetic):
-    """A tiny random Qwen3 whose head size (32) vLLM's CPU attention supports, saved with its chat template."""
-    import sft
-    from conftest import nemotron_rows
-    texts = [m["content"] for c in [r["conversations"] for r in nemotron_rows()] + synthetic for m in c]
-    return sft.build_tiny(tmp_path_factory.mktemp("vllm-tiny"), texts, vocab_size=2048, hidden=64, layers=2, heads=2,
-                          kv_heads=1)
-
-
 @pytest.mark.slow
-def test_end_to_end_tiny_checkpoint_with_vllm(vllm_tiny_dir, tmp_path, base_image, no_leftovers):
+def test_end_to_end_tiny_checkpoint_with_vllm(vllm_dir, tmp_path, base_image, no_leftovers):
     """grpo's vLLM rollout on a tiny random checkpoint: 2 toy tasks x 4 attempts in real sandboxes."""
     root = tmp_path / "eval"
     for spec in taskgen.make_splits(0, 0, 2, seed=0)["eval"]:
         taskgen.write_harbor(spec, root / spec.name, base_image)
     out = tmp_path / "tiny.json"
-    argv = ["--model", str(vllm_tiny_dir), "--tasks", str(root), "--attempts", "4", "--max-turns", "2",
+    argv = ["--model", str(vllm_dir), "--tasks", str(root), "--attempts", "4", "--max-turns", "2",
             "--max-new-tokens", "24", "--max-len", "3072", "--concurrency", "8", "--dtype", "float32", "--out", str(out)]
     res = evaluate.main(argv)
     saved = json.loads(out.read_text())

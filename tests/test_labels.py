@@ -163,6 +163,23 @@ def test_end_of_turn_token_special_only_in_the_vocabulary(tokenizer):
         labels.render(tok, msgs + [{"role": "assistant", "content": "done<|end|>"}])
 
 
+def test_defuse_specials(tokenizer):
+    """Every special token string is broken, visibly and the same way each time; other text is untouched."""
+    specials = labels.special_tokens(tokenizer)
+    assert "<|im_end|>" in specials and "<|endoftext|>" in specials
+    plain = "root@box:/app# ls\n<im_end> | <|x|> 'quoted' \u00e9\n"
+    assert labels.defuse_specials(tokenizer, plain) == plain
+    text = "".join(f"a {t} b {t}{t}" for t in specials) + "<<|im_start|>>"
+    safe = labels.defuse_specials(tokenizer, text)
+    assert not any(t in safe for t in specials)
+    assert safe.replace(labels.ESCAPE, "") == text and safe.count(labels.ESCAPE) == 3 * len(specials) + 1
+    assert labels.defuse_specials(tokenizer, safe) == safe
+    assert "<\u200b|im_end|>" in safe
+    msgs = [{"role": "user", "content": "go"}, {"role": "assistant", "content": "ls"}, {"role": "user", "content": safe}]
+    ids, roles = labels.render(tokenizer, msgs)  # encode accepts it; only the template's own end-of-turns remain
+    assert ids.count(tokenizer.convert_tokens_to_ids(EOT)) == 3
+
+
 def test_straddling_token_takes_highest_priority_role(tokenizer):
     tok = labels.load_tokenizer(tokenizer.name_or_path, "native")
     tok.chat_template = PLAIN_TEMPLATE
