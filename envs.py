@@ -617,6 +617,9 @@ def load_task(path, build=True):
     for name in ("instruction.md", "environment/Dockerfile", "tests/test.sh"):
         if not (path / name).is_file():
             raise ValueError(f"{path / name}: missing")
+    for section in ("task", "environment", "agent", "verifier", "metadata"):
+        if not isinstance(cfg.get(section, {}), dict):
+            raise ValueError(f"{toml_path}: [{section}] must be a table, got {cfg[section]!r}")
     env, agent, verifier = cfg.get("environment", {}), cfg.get("agent", {}), cfg.get("verifier", {})
     meta = cfg.get("metadata", {})
     kind = meta.get("kind") or meta.get("category")

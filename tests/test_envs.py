@@ -39,6 +39,9 @@ def test_load_task_errors_name_the_file(tmp_path):
     (tmp_path / "instruction.md").write_text("do it")
     with pytest.raises(ValueError, match=r"task.toml: bad value"):
         envs.load_task(tmp_path, build=False)
+    (tmp_path / "task.toml").write_text("metadata = 1\n")
+    with pytest.raises(ValueError, match=r"task.toml: \[metadata\] must be a table"):
+        envs.load_task(tmp_path, build=False)
 
 
 # ---------------------------------------------------------------------------------------------- generator, expert
