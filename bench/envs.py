@@ -10,12 +10,12 @@ import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-import envs
+import sandbox
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--image", default=envs.BASE_IMAGE)
+    p.add_argument("--image", default=sandbox.BASE_IMAGE)
     p.add_argument("--reps", type=int, default=30, help="repetitions for the latency measurements")
     p.add_argument("--steps", type=int, default=10, help="terminal steps per sandbox in the throughput runs")
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
@@ -37,7 +37,7 @@ def timed(fn, reps):
 
 def throughput(image, n, steps):
     """n sandboxes started together, each runs `steps` quick commands; returns (start wall s, steps/s, step times)."""
-    boxes, step_times = [envs.Sandbox(image, memory_mb=256) for _ in range(n)], []
+    boxes, step_times = [sandbox.Sandbox(image, memory_mb=256) for _ in range(n)], []
 
     def start(sb):
         sb.start()
@@ -64,16 +64,16 @@ def throughput(image, n, steps):
 
 def main(argv=None):
     args = parse_args(argv)
-    envs.sweep()
+    sandbox.sweep()
     starts = []
     for _ in range(max(3, args.reps // 6)):
         t0 = time.perf_counter()
-        with envs.Sandbox(args.image) as sb:
+        with sandbox.Sandbox(args.image) as sb:
             sb.screen()
             starts.append(time.perf_counter() - t0)
     print(f"sandbox start (container + tmux + first screen): {ms(starts)}")
 
-    with envs.Sandbox(args.image) as sb:
+    with sandbox.Sandbox(args.image) as sb:
         sb.screen()
         for _ in range(3):  # warm up both paths
             sb.send("echo hi\n")
@@ -88,7 +88,7 @@ def main(argv=None):
     for n in args.concurrency:
         t_start, rate, step_times = throughput(args.image, n, args.steps)
         print(f"concurrency {n:3d}: start all {t_start:5.1f} s | {rate:6.1f} steps/s | step {ms(step_times)}")
-    assert envs.my_containers() == []
+    assert sandbox.my_containers() == []
 
 
 if __name__ == "__main__":

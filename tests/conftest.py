@@ -112,15 +112,15 @@ def model(tiny_dir):
 def base_image():
     """The project's base image; and the offline Terminal-Bench stand-in (trixie + uv, tagged ubuntu:24.04 and
     python:3.13-slim-bookworm) so Harbor Dockerfiles build offline. Both are reused when present."""
-    import envs
-    envs.build_base_image()
-    envs.build_base_image(envs.STANDIN_SUITE, envs.STANDIN_TAGS, with_uv=True)
-    return envs.BASE_IMAGE
+    import sandbox
+    sandbox.build_base_image()
+    sandbox.build_base_image(sandbox.STANDIN_SUITE, sandbox.STANDIN_TAGS, with_uv=True)
+    return sandbox.BASE_IMAGE
 
 
 @pytest.fixture
 def no_leftovers(base_image):
     """Docker tests use this: every test must leave no container of this process behind."""
-    import envs
+    import sandbox
     yield
-    assert envs.my_containers() == []
+    assert sandbox.my_containers() == []

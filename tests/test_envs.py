@@ -6,6 +6,7 @@ from pathlib import Path
 import pytest
 
 import envs
+import sandbox
 import taskgen
 import terminus
 
@@ -66,7 +67,7 @@ def test_splits_are_disjoint_and_hold_out_kinds():
 
 def test_write_harbor_round_trips(tmp_path):
     spec = taskgen.generate("permissions", random.Random(0))
-    taskgen.write_harbor(spec, tmp_path / spec.name, envs.BASE_IMAGE)
+    taskgen.write_harbor(spec, tmp_path / spec.name, sandbox.BASE_IMAGE)
     task = envs.load_task(tmp_path / spec.name, build=False)
     assert task.name == f"actobs/{spec.name}" and task.instruction.strip() == spec.instruction and task.kind == "permissions"
     assert task.tests == {"test.sh": spec.test.encode()} and task.solution == {"solve.sh": spec.solve.encode()}
@@ -95,7 +96,7 @@ def test_expert_replies_parse_and_decide_from_observations():
 def test_import_has_no_side_effects():
     import subprocess
     import sys
-    code = "import envs, taskgen; assert envs._client is None; print('ok')"
+    code = "import envs, sandbox, taskgen; assert sandbox._client is None; print('ok')"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          env={"DOCKER_HOST": "unix:///nonexistent.sock", "PATH": ""}, cwd=Path(__file__).parent.parent)
     assert out.stdout == "ok\n", out.stderr

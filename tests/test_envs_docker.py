@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 import envs
+import sandbox
 import taskgen
 import terminus
 from conftest import split_observation
@@ -21,9 +22,9 @@ pytestmark = pytest.mark.usefixtures("no_leftovers")
 
 @pytest.fixture
 def sb(base_image):
-    with envs.Sandbox(base_image, memory_mb=512) as sandbox:
-        sandbox.screen()
-        yield sandbox
+    with sandbox.Sandbox(base_image, memory_mb=512) as box:
+        box.screen()
+        yield box
 
 
 def scripted(*turns):
@@ -46,7 +47,7 @@ def echo_task(instruction="Write hi to /app/out.txt.", **kw):
 # ---------------------------------------------------------------------------------------------- terminal
 
 def test_first_screen_and_prompt(base_image):
-    with envs.Sandbox(base_image) as s:
+    with sandbox.Sandbox(base_image) as s:
         host = s.container.attrs["Config"]["Hostname"]
         assert s.screen() == f"Current Terminal Screen:\nroot@{host}:/app#\n"
         assert s.send("echo hi\n", 5) == f"New Terminal Output:\nroot@{host}:/app# echo hi\nhi\nroot@{host}:/app#"
@@ -109,7 +110,7 @@ def test_harbor_build_failure_explains_offline_from(tmp_path):
 
 def test_generated_harbor_folder_runs_oracle(tmp_path):
     spec = taskgen.generate("replace_host", random.Random(5))
-    taskgen.write_harbor(spec, tmp_path / spec.name, envs.BASE_IMAGE)
+    taskgen.write_harbor(spec, tmp_path / spec.name, sandbox.BASE_IMAGE)
     task = envs.load_task(tmp_path / spec.name)
     assert [e.reward for e in envs.run_oracle([task]) + envs.run_oracle([task], noop=True)] == [1.0, 0.0]
 
@@ -188,15 +189,15 @@ def test_corpus_command_end_to_end(tmp_path, base_image):
 def test_sweep_removes_sandboxes_of_dead_processes(base_image, capsys):
     envs.main(["base-image"])
     assert "exists, reused" in capsys.readouterr().out
-    dead = envs.docker_client().containers.run(base_image, ["sleep", "60"], detach=True, network_mode="none",
-                                               labels={envs.LABEL: f"{socket.gethostname()}:999999999"})
+    dead = sandbox.docker_client().containers.run(base_image, ["sleep", "60"], detach=True, network_mode="none",
+                                               labels={sandbox.LABEL: f"{socket.gethostname()}:999999999"})
     try:
-        mine = envs.Sandbox(base_image)
+        mine = sandbox.Sandbox(base_image)
         mine.start()
-        assert envs.sweep() == 1
-        ids = {c.id for c in envs.docker_client().containers.list(all=True, sparse=True)}
+        assert sandbox.sweep() == 1
+        ids = {c.id for c in sandbox.docker_client().containers.list(all=True, sparse=True)}
         assert dead.id not in ids and mine.container.id in ids  # live owners keep their sandboxes
     finally:
         mine.close()
-        if dead.id in {c.id for c in envs.docker_client().containers.list(all=True, sparse=True)}:
+        if dead.id in {c.id for c in sandbox.docker_client().containers.list(all=True, sparse=True)}:
             dead.remove(force=True)

@@ -7,6 +7,7 @@ import time
 import pytest
 
 import envs
+import sandbox
 import terminus
 
 
@@ -20,21 +21,21 @@ def timed_send(sb, keys, duration):
 
 
 def test_fork_bomb_is_contained_by_the_pids_limit(base_image):
-    with envs.Sandbox(base_image, pids=64) as sb:
+    with sandbox.Sandbox(base_image, pids=64) as sb:
         sb.screen()
         t0 = time.time()
         try:  # the step itself needs to fork: when the bomb wins that race the step fails, it does not hang
             assert "fork" in sb.send(":(){ :|:& };:\n", 1)
-        except envs.ProcessLimit as e:  # the agent's doing, told apart from an infrastructure failure
+        except sandbox.ProcessLimit as e:  # the agent's doing, told apart from an infrastructure failure
             assert "all 64 processes of the sandbox in use" in str(e)
         assert time.time() - t0 < 1 + 5 + 5
         assert sb.container.stats(stream=False)["pids_stats"]["current"] <= 64
-    with envs.Sandbox(base_image) as fresh:  # the host still starts sandboxes
+    with sandbox.Sandbox(base_image) as fresh:  # the host still starts sandboxes
         assert "\nok\n" in fresh.send("echo ok\n", 2)
 
 
 def test_memory_hog_is_killed_and_the_shell_survives(base_image):
-    with envs.Sandbox(base_image, memory_mb=256) as sb:
+    with sandbox.Sandbox(base_image, memory_mb=256) as sb:
         sb.screen()
         obs, took = timed_send(sb, "python3 -c \"a = ['x' * 10**6 for _ in range(10**4)]\"\n", 30)
         assert "Killed" in obs and took < 30
@@ -42,7 +43,7 @@ def test_memory_hog_is_killed_and_the_shell_survives(base_image):
 
 
 def test_endless_output_is_truncated_and_bounded_in_time(base_image):
-    with envs.Sandbox(base_image) as sb:
+    with sandbox.Sandbox(base_image) as sb:
         sb.screen()
         obs, took = timed_send(sb, "yes\n", 2)
         assert 2 <= took < 2 + 5 and not sb.last_idle
@@ -53,7 +54,7 @@ def test_endless_output_is_truncated_and_bounded_in_time(base_image):
 
 
 def test_sleep_is_interrupted_and_the_shell_is_usable(base_image):
-    with envs.Sandbox(base_image) as sb:
+    with sandbox.Sandbox(base_image) as sb:
         sb.screen()
         obs, took = timed_send(sb, "sleep 1000\n", 0.5)
         assert obs.rstrip().endswith("# sleep 1000") and not sb.last_idle
@@ -66,14 +67,14 @@ def test_no_network_inside(base_image):
     probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     probe.connect(("10.255.255.255", 1))  # no packet is sent; this only picks the host's outgoing address
     host_ip = probe.getsockname()[0]
-    with envs.Sandbox(base_image) as sb:
+    with sandbox.Sandbox(base_image) as sb:
         code, out = sb.exec(["python3", "-c", f"import socket; socket.create_connection(('{host_ip}', 22), timeout=3)"])
         assert code != 0 and b"unreachable" in out
         assert sb.exec("cat /proc/net/dev")[1].count(b":") == 1  # only the loopback interface
 
 
 def test_non_utf8_output_is_decoded_with_replacement(base_image):
-    with envs.Sandbox(base_image) as sb:
+    with sandbox.Sandbox(base_image) as sb:
         sb.screen()
         obs = sb.send("printf 'caf\\xe9 \\xff\\xfe ok\\n'\n", 2)
         assert isinstance(obs, str) and "ok\n" in obs

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 import envs
+import sandbox
 
 HARBOR = Path(__file__).parent / "fixtures" / "harbor-tasks"
 
@@ -54,7 +55,7 @@ def tree(tmp_path, name, toml="", dockerfile="FROM ubuntu:24.04\nWORKDIR /app\n"
 
 def test_processes_left_running_cannot_forge_the_reward(base_image):
     task = envs.Task("forge", "x", tests={"test.sh": CHECK})
-    with envs.Sandbox(base_image) as sb:
+    with sandbox.Sandbox(base_image) as sb:
         sb.screen()
         sb.send("echo wrong > /app/answer\n")
         for keys in FORGERS:
@@ -104,7 +105,7 @@ def test_exit_or_killing_the_terminal_is_the_agents_ending(base_image):
 
 
 def test_wiping_tmp_does_not_cut_the_terminal(base_image):
-    with envs.Sandbox(base_image) as sb:
+    with sandbox.Sandbox(base_image) as sb:
         sb.screen()
         sb.send("rm -rf /tmp/* /tmp/.[!.]*\n")
         assert sb.send("echo still here\n", 2).endswith("still here\nroot@sandbox:/app#") and sb.last_idle

@@ -17,6 +17,7 @@ import torch
 import envs
 import grpo
 import labels
+import sandbox
 import taskgen
 from labels import ACTION, OBS, PROMPT
 
@@ -320,7 +321,7 @@ def toy_tasks(tmp_path_factory, base_image):
     d = tmp_path_factory.mktemp("rl")
     for kind in ("find_copy", "rename"):
         spec = taskgen.generate(kind, random.Random(3))
-        taskgen.write_harbor(spec, d / spec.name, envs.BASE_IMAGE)
+        taskgen.write_harbor(spec, d / spec.name, sandbox.BASE_IMAGE)
     return d
 
 
@@ -344,7 +345,7 @@ def weights(path):
 
 
 def owned_by(pid):
-    return envs.docker_client().containers.list(all=True, sparse=True, filters={"label": f"{envs.LABEL}={envs.owner_label().rsplit(':', 1)[0]}:{pid}"})
+    return sandbox.docker_client().containers.list(all=True, sparse=True, filters={"label": f"{sandbox.LABEL}={sandbox.owner_label().rsplit(':', 1)[0]}:{pid}"})
 
 
 @pytest.mark.slow

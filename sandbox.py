@@ -1,0 +1,511 @@
+"""
+Docker sandboxes for ActObs: a container with a task's limits (CPUs, memory, processes, disk) and a tmux terminal
+that takes keystrokes and returns observations (Terminus-2 semantics); images are built offline. envs.py builds
+Harbor tasks and runs episodes on it; its CLI builds the images (`python envs.py base-image [--standin]`) and
+removes leftovers (`python envs.py sweep`).
+
+Needs a Docker daemon (DOCKER_HOST); `. .ci/dockerd.sh start` starts a private one. Importing this module does not.
+
+Offline images: where no registry is reachable, a Dockerfile's `FROM ubuntu:24.04` is satisfied by a local
+image with that tag: `python envs.py base-image --standin` debootstraps Debian trixie (Python 3.13, what
+Terminal-Bench 2.0 verifiers ask uv for) with bash, tmux, pip, uv and offline wheels of the verifiers' pytest
+pins, and tags it with STANDIN_TAGS; Docker then builds the Harbor Dockerfiles without pulling.
+
+The terminal needs bash, tmux and coreutils' `timeout` in the image (the base image has them).
+"""
+import hashlib
+import io
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import tarfile
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from terminus import MAX_DURATION, OUTPUT_HEADER, SCREEN_HEADER, decode, pane_diff, truncate_output, visible_screen
+
+BASE_IMAGE = "actobs-base:bookworm"
+BASE_PACKAGES = ["tmux", "python3", "procps", "jq"]  # tmux: the terminal; the rest: what generated tasks use
+STANDIN_SUITE = "trixie"  # ships Python 3.13: Terminal-Bench 2.0 verifiers run `uvx -p 3.13 ...`
+STANDIN_TAGS = ["ubuntu:24.04", "python:3.13-slim-bookworm"]  # the FROM lines of Terminal-Bench 2.0 tasks
+HOST_CAS = "/usr/local/share/ca-certificates"  # the host's extra CA certificates, trusted by the stand-in too
+UV_VERSION = "0.9.7"
+VERIFIER_PINS = ["pytest==8.4.1", "pytest-json-ctrf==0.3.5"]  # what Terminal-Bench 2.0 tests/test.sh install
+DEBIAN_MIRROR = os.environ.get("ACTOBS_DEBIAN_MIRROR")  # unset: debootstrap's own default mirror
+PRIVATE_SOCKET = os.environ.get("ACTOBS_DOCKER_ROOT", "/var/lib/actobs-docker") + "/docker.sock"
+LABEL = "actobs.sandbox"  # every container carries it; value = "<hostname>:<pid>" of the owning process
+SCREEN = (160, 40)  # tmux window (columns, rows)
+DEFAULT_STORAGE_MB = 10240  # disk budget when a task names none (Harbor's default)
+DISK_POLL_S = 0.2  # how often a sandbox's writable layer is measured (a walk of a small one: ~0.2 ms)
+
+# ----------------------------------------------------------------------------------------------------------
+# Docker client, labels, base image
+
+_client = None
+_client_lock = threading.Lock()
+
+
+def docker_client():
+    """One shared client; its HTTP pool is sized for many concurrent sandboxes (the SDK default is 10)."""
+    global _client
+    with _client_lock:
+        if _client is None:
+            import docker  # imported lazily: importing sandbox.py must not need a daemon
+            if "DOCKER_HOST" not in os.environ and not os.path.exists("/var/run/docker.sock") \
+                    and os.path.exists(PRIVATE_SOCKET):  # the daemon of .ci/dockerd.sh
+                os.environ["DOCKER_HOST"] = f"unix://{PRIVATE_SOCKET}"
+            try:
+                _client = docker.from_env(max_pool_size=128, timeout=600)
+            except docker.errors.DockerException as e:
+                raise RuntimeError(f"no Docker daemon at {os.environ.get('DOCKER_HOST', 'the default socket')} ({e}); "
+                                   "start one with `. .ci/dockerd.sh start`") from None
+        return _client
+
+
+_cpus, _warned = None, set()
+
+
+def host_cpus(cpus):
+    """cpus capped to what the Docker host has (Docker refuses more), with a warning once per value."""
+    global _cpus
+    if _cpus is None:
+        _cpus = docker_client().info()["NCPU"]
+    if cpus > _cpus and cpus not in _warned:
+        _warned.add(cpus)
+        print(f"warning: a task asks for {cpus:g} CPUs, the Docker host has {_cpus}; using {_cpus}", file=sys.stderr)
+    return min(cpus, _cpus)
+
+
+def _tree_bytes(path):
+    """Bytes allocated under path (st_blocks: fallocate'd space counts, sparse holes do not)."""
+    total = 0
+    for root, dirs, files in os.walk(path):
+        for name in dirs + files:
+            try:
+                total += os.lstat(os.path.join(root, name)).st_blocks * 512
+            except OSError:
+                pass
+    return total
+
+
+def owner_label():
+    return f"{socket.gethostname()}:{os.getpid()}"
+
+
+def sweep():
+    """Remove leftover sandboxes: those whose owning process on this host is gone (killed runs, crashed tests)."""
+    removed = 0
+    import docker
+    # sparse: no inspect per container, which would race with other processes removing theirs
+    for c in docker_client().containers.list(all=True, sparse=True, filters={"label": LABEL}):
+        host, _, pid = (c.attrs.get("Labels") or {}).get(LABEL, "").rpartition(":")
+        if host != socket.gethostname():
+            continue
+        if pid.isdigit() and _pid_alive(int(pid)):
+            continue
+        try:
+            c.remove(force=True)
+            removed += 1
+        except docker.errors.NotFound:
+            pass
+    return removed
+
+
+def _pid_alive(pid):
+    try:
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+
+
+def my_containers():
+    """Containers owned by this process (tests assert this is empty after every episode)."""
+    return docker_client().containers.list(all=True, sparse=True, filters={"label": f"{LABEL}={owner_label()}"})
+
+
+def image_exists(tag):
+    import docker
+    try:
+        docker_client().images.get(tag)
+        return True
+    except docker.errors.ImageNotFound:
+        return False
+
+
+def build_base_image(suite="bookworm", extra_tags=(), rebuild=False, with_uv=False):
+    """debootstrap a minimal Debian `suite` with the packages the terminal and the generated tasks need, import it
+    as actobs-base:SUITE. with_uv: tag the uv layer (build_uv_image) instead, for Harbor verifiers (uvx pytest)."""
+    tag = f"actobs-base:{suite}"
+    if rebuild or not image_exists(tag):
+        if shutil.which("debootstrap") is None:
+            raise SystemExit("debootstrap not found: apt-get install -y debootstrap")
+        with tempfile.TemporaryDirectory(prefix="actobs-rootfs-") as root:
+            t0 = time.time()
+            subprocess.run(["debootstrap", "--variant=minbase", "--include=" + ",".join(BASE_PACKAGES),
+                            suite, root] + ([DEBIAN_MIRROR] if DEBIAN_MIRROR else []),
+                           check=True, stdout=subprocess.DEVNULL)
+            for junk in ("var/cache/apt/archives", "var/lib/apt/lists"):  # keeps the image ~100 MB smaller
+                subprocess.run(["find", f"{root}/{junk}", "-type", "f", "-delete"], check=True)
+            tar = subprocess.Popen(["tar", "-C", root, "-c", "."], stdout=subprocess.PIPE)
+            subprocess.run(["docker", "import", "-c", "ENV LANG=C.UTF-8", "-c", 'CMD ["bash"]', "-", tag],
+                           stdin=tar.stdout, check=True, stdout=subprocess.DEVNULL)
+            if tar.wait() != 0:
+                raise RuntimeError("tar of the debootstrap root failed")
+            print(f"built {tag} in {time.time() - t0:.0f}s")
+    else:
+        print(f"{tag} exists, reused")
+    if with_uv:
+        tag = build_uv_image(tag)
+    for extra in extra_tags or ():
+        docker_client().images.get(tag).tag(extra)
+        print(f"tagged {tag} as {extra}")
+    return tag
+
+
+def build_uv_image(base):
+    """base + pip (no PEP 668 lock, as in python:3.x images) + uv + local wheels of the pytest pins Terminal-Bench
+    verifiers install at verification time, with UV_OFFLINE so their `uvx -p 3.13 -w pytest==... pytest` runs
+    without a network. apt and pip reach Debian and PyPI only here, at build time, never from a sandbox."""
+    dockerfile = (
+        f"FROM {base}\n"
+        # The host's own extra CAs (a TLS-inspecting egress proxy): task builds then reach PyPI as the host does.
+        "COPY ca/ /usr/local/share/ca-certificates/\n"
+        "RUN apt-get update -qq && apt-get install -y -qq --no-install-recommends python3-pip python-is-python3 "
+        "ca-certificates >/dev/null && update-ca-certificates >/dev/null && "
+        "rm -rf /var/lib/apt/lists/* /usr/lib/python3*/EXTERNALLY-MANAGED\n"
+        "COPY uv uvx /root/.local/bin/\nCOPY wheels /opt/actobs-wheels\n"
+        "RUN chmod 755 /root/.local/bin/uv /root/.local/bin/uvx && "
+        "echo 'export PATH=\"$HOME/.local/bin:$PATH\"' > /root/.local/bin/env\n"
+        # Offline, apt's default retries turn a verifier's `apt-get update` into a 7 s wait.
+        "RUN echo 'Acquire::Retries \"0\";' > /etc/apt/apt.conf.d/80actobs-offline\n"
+        "ENV UV_OFFLINE=1 UV_FIND_LINKS=/opt/actobs-wheels UV_PYTHON_DOWNLOADS=never\n"
+        f"RUN /root/.local/bin/uvx {' '.join('--with ' + p for p in VERIFIER_PINS)} pytest --version\n")
+    cas = {p.name: p.read_bytes() for p in sorted(Path(HOST_CAS).glob("*.crt"))}
+    key = dockerfile + UV_VERSION + docker_client().images.get(base).id + repr(cas)
+    tag = f"{base}-uv-{hashlib.sha256(key.encode()).hexdigest()[:12]}"  # a new base or layer -> a new image
+    if image_exists(tag):
+        print(f"{tag} exists, reused")
+        return tag
+    import zipfile
+    with tempfile.TemporaryDirectory(prefix="actobs-uv-") as ctx:
+        pip = [sys.executable, "-m", "pip", "download", "-q", "--only-binary", ":all:"]
+        env = dict(os.environ, PIP_CONSTRAINT="")  # a site-wide constraints file must not move these pins
+        subprocess.run(pip + ["--no-deps", "-d", f"{ctx}/uvwheel", f"uv=={UV_VERSION}"], check=True, env=env)
+        subprocess.run(pip + ["-d", f"{ctx}/wheels"] + VERIFIER_PINS, check=True, env=env)  # pure-Python wheels
+        with zipfile.ZipFile(next(Path(ctx, "uvwheel").glob("*.whl"))) as whl:
+            for name in ("uv", "uvx"):
+                Path(ctx, name).write_bytes(whl.read(f"uv-{UV_VERSION}.data/scripts/{name}"))
+        Path(ctx, "ca").mkdir()
+        for name, data in cas.items():
+            Path(ctx, "ca", name).write_bytes(data)
+        Path(ctx, "Dockerfile").write_text(dockerfile)
+        t0 = time.time()
+        docker_client().images.build(path=ctx, tag=tag, network_mode="host", rm=True, forcerm=True)
+    print(f"built {tag} in {time.time() - t0:.0f}s")
+    return tag
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Sandbox: one container + one tmux terminal inside it
+
+# Runs once per sandbox as the task's user. PROMPT_COMMAND writes a counter and the expanded prompt each
+# time bash is about to show its prompt: the step script uses that to know the shell is back and idle.
+# Control files and tmux's socket live in /dev/shm, so an agent's `rm -rf /tmp/*` does not cut the terminal.
+TERMINAL_SETUP = r"""
+d=/dev/shm/.actobs-$(id -u); mkdir -p "$d"
+cat > "$d/rc" <<'RC'
+[ -f /etc/bash.bashrc ] && . /etc/bash.bashrc
+[ -f ~/.bashrc ] && . ~/.bashrc
+PS1='\u@\h:\w\$ '
+set -o ignoreeof
+__actobs_n=0
+PROMPT_COMMAND='__actobs_n=$((__actobs_n+1)); printf "%s\n%s\n" "$__actobs_n" "${PS1@P}" >| /dev/shm/.actobs-$UID/prompt'
+RC
+printf 'set -g history-limit 10000\nset -g status off\n' > "$d/tmux.conf"
+tmux -S "$d/tmux" -f "$d/tmux.conf" new-session -d -s main -x "$1" -y "$2" "bash --rcfile $d/rc -i"
+tmux -S "$d/tmux" display -p -t main '#{pane_pid}' > "$d/shellpid"
+for i in $(seq 500); do [ -s "$d/prompt" ] && exit 0; sleep 0.01; done
+echo "shell prompt did not appear" >&2; exit 1
+"""
+
+# One docker exec per terminal step: send the keys, wait (at most $3 seconds) until bash is the terminal's
+# foreground process again, has redrawn its prompt (counter moved, when a newline was typed) and the pane's
+# last line is that prompt; then, if $5 is 1, print the state and the pane (history + screen) and clear
+# tmux's history so the next capture only holds new lines. State `exited`: the agent's shell is gone (it typed
+# `exit`, or killed the shell or tmux).
+TERMINAL_STEP = r"""
+d=/dev/shm/.actobs-$UID; keys=$1; literal=$2; wait_s=$3; newline=$4
+tmux() { command tmux -S "$d/tmux" "$@"; }
+gone() { echo "exited 0 1"; exit 0; }
+read -r shell 2>/dev/null < "$d/shellpid" && [ -d "/proc/$shell" ] || gone
+{ read -r c0; read -r _; } < "$d/prompt"
+if [ "$literal" = 1 ]; then
+  while [ -n "$keys" ]; do tmux send-keys -t main -l -- "${keys:0:2000}" 2>/dev/null || gone; keys=${keys:2000}; done
+elif [ -n "$keys" ]; then
+  tmux send-keys -t main "$keys" 2>/dev/null || gone
+fi
+t=${EPOCHREALTIME/./}; end=$(( t + 10#${wait_s/./} * 1000 )); state=busy; n=0; nap=0.001
+exec {never}<> <(:)  # a pipe nobody writes: `read -t` on it is a sleep without forking a process
+while :; do
+  { read -r c; read -r p; } < "$d/prompt"
+  if [ "$newline" = 0 ] || [ "$c" != "$c0" ]; then
+    read -r -a st 2>/dev/null < "/proc/$shell/stat" || gone
+    if [ "${st[7]}" = "$shell" ]; then
+      scr=$(tmux capture-pane -p -t main 2>/dev/null); last=${scr##*$'\n'}  # $(...) drops the empty trailing rows
+      p=${p%"${p##*[! ]}"}
+      if [ "$last" = "$p" ]; then state=idle; break; fi
+    fi
+  fi
+  [ "${EPOCHREALTIME/./}" -ge "$end" ] && break
+  read -t "$nap" -u "$never"; ((++n > 20)) && nap=0.005
+done
+[ -d "/proc/$shell" ] || gone
+if [ "$5" = 1 ]; then
+  tmux display -p -t main "$state #{history_size} #{history_limit}" \; capture-pane -p -S - -E - -t main \; clear-history -t main 2>/dev/null || gone
+else
+  echo "$state 0 1"
+fi
+"""
+
+# PID 1 of every sandbox: bash with every catchable signal ignored. The kernel never delivers SIGKILL/SIGSTOP
+# from inside the container to its init, so nothing the agent does (`kill -9 -1`, `kill 1`) stops the
+# container, and bash reaps the orphans it adopts (daemons the agent leaves behind).
+INIT = 'trap "" HUP INT QUIT TERM USR1 USR2; while :; do sleep 86400 & wait; done'
+
+# Run as root before the verifier: SIGKILL to every process but init and this shell (kill(-1) is atomic
+# against fork: a process forking while it runs is killed with its child), then check that nothing but init,
+# init's sleep and this shell's own children is left (zombies are dead already; D-state ones get a moment).
+STOP_AGENT = r"""
+kill -9 -1 2>/dev/null
+for i in {1..100}; do
+  left=
+  for f in /proc/[0-9]*/stat; do
+    read -r st 2>/dev/null < "$f" || continue
+    pid=${st%% *}; comm=${st#* (}; comm=${comm%) *}; rest=(${st##*) })
+    [ "$pid" = 1 ] || [ "$pid" = $$ ] || [ "${rest[0]}" = Z ] || [ "${rest[1]}" = $$ ] && continue
+    [ "${rest[1]}" = 1 ] && [ "$comm" = sleep ] && continue
+    left+=" $pid($comm)"
+  done
+  [ -z "$left" ] && exit 0
+  sleep 0.05
+done
+echo "still running after SIGKILL:$left"; exit 1
+"""
+
+
+class SandboxError(RuntimeError):
+    pass
+
+
+class ShellExited(SandboxError):
+    """The agent's shell is gone: it typed `exit`, or killed the shell or tmux. The agent's doing."""
+
+
+class DiskLimit(SandboxError):
+    """The sandbox wrote more than its disk budget; its processes were killed."""
+
+
+class ProcessLimit(SandboxError):
+    """The agent's processes hold every process slot of the sandbox (a fork bomb): the terminal cannot run."""
+
+
+class Sandbox:
+    """A container with the task's limits and a tmux terminal; use as a context manager (always removed).
+    storage_mb: the disk budget of the container's writable layer, watched every DISK_POLL_S seconds."""
+
+    def __init__(self, image, *, workdir="/app", user="root", cpus=1.0, memory_mb=2048, storage_mb=DEFAULT_STORAGE_MB,
+                 pids=1024, network=False, files=()):
+        self.image, self.workdir, self.user = image, workdir, user
+        self.cpus, self.memory_mb, self.storage_mb = cpus, memory_mb, storage_mb
+        self.pids, self.network, self.files = pids, network, files
+        self.container = None
+        self._start = 0  # pane line where the next observation begins
+        self._anchor = ""  # that line's text when it was read
+        self.last_idle = False
+        self.disk_exceeded = ""  # set by the disk watcher: why the sandbox was stopped
+        self._closed = threading.Event()
+
+    def __enter__(self):
+        try:
+            self.start()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def start(self):
+        t0 = time.time()
+        import docker
+        # Created, then started: a container that fails to start is still ours to remove (close()).
+        self.container = docker_client().containers.create(
+            # The image's own entrypoint is replaced: the container only has to stay up for our execs. PID 1 is
+            # bash (INIT). A fixed hostname keeps prompts and observations reproducible from the seed.
+            self.image, entrypoint=["bash", "-c", INIT], labels={LABEL: owner_label()},
+            hostname="sandbox", network_mode="host" if self.network else "none", mem_limit=f"{self.memory_mb}m",
+            memswap_limit=f"{self.memory_mb}m", pids_limit=self.pids, nano_cpus=int(host_cpus(self.cpus) * 1e9),
+            working_dir=self.workdir, environment={"LANG": "C.UTF-8"})
+        try:
+            self.container.start()
+        except docker.errors.APIError as e:
+            raise SandboxError(f"{self.image}: the container did not start (the image needs bash): "
+                               f"{e.explanation}") from None
+        threading.Thread(target=self._watch_disk, daemon=True).start()
+        # Harbor tasks expect these to exist and be writable by the agent's user.
+        code, out = self.exec(f"mkdir -p {self.workdir} /logs/agent /logs/verifier && "
+                              "chmod 777 /logs/agent /logs/verifier", user="root")
+        if code != 0:
+            raise SandboxError(f"{self.image}: could not prepare the container: {decode(out)[-300:]}")
+        if self.files:
+            self.put_files(self.files)
+        code, out = self.exec(["bash", "-c", TERMINAL_SETUP, "setup", str(SCREEN[0]), str(SCREEN[1])])
+        if code != 0:
+            raise SandboxError(f"terminal did not start in {self.image} (needs bash and tmux): {decode(out)}")
+        self.start_s = time.time() - t0
+
+    def _watch_disk(self):
+        """Measure the writable layer every DISK_POLL_S s; past the budget, kill every process in the container
+        so the host's disk never fills (overshoot: what the agent writes in one poll interval)."""
+        container, limit = self.container, self.storage_mb * 2**20
+        driver = container.attrs.get("GraphDriver", {})
+        upper = driver.get("Data", {}).get("UpperDir") if driver.get("Name") == "overlay2" else None
+        if upper is None or not os.access(upper, os.R_OK):
+            upper = None  # a remote daemon or another storage driver: ask the daemon (slower, same result)
+        took = 0.0
+        while not self._closed.wait(max(DISK_POLL_S, 10 * took)):  # a huge tree: at most ~10% of a core
+            t = time.time()
+            try:
+                used = _tree_bytes(upper) if upper else \
+                    docker_client().api.inspect_container(container.id, size=True).get("SizeRw", 0)
+            except Exception:
+                return  # the container is gone
+            took = time.time() - t
+            if used > limit:
+                self.disk_exceeded = f"wrote {used / 2**20:.0f} MB, over the disk budget of {self.storage_mb} MB"
+                try:
+                    container.exec_run(["bash", "-c", "kill -9 -1"], user="root")
+                except Exception:
+                    pass
+                return
+
+    def stop_agent(self):
+        """Kill every process the agent could have started (the terminal, daemons, setsid/nohup children)."""
+        code, out = self.exec(["bash", "-c", STOP_AGENT], user="root")
+        if code != 0:
+            raise SandboxError(f"agent processes could not be stopped: {decode(out)[-300:]}")
+
+    def close(self):
+        self._closed.set()
+        if self.container is not None:
+            try:
+                self.container.remove(force=True)
+            except Exception:
+                pass  # already gone; the start-up sweep catches anything the daemon kept
+            self.container = None
+
+    def exec(self, cmd, *, user=None, timeout=None):
+        """Run a command; `timeout` runs it under coreutils timeout because exec_run itself cannot time out."""
+        if isinstance(cmd, str):
+            cmd = ["bash", "-c", cmd]
+        if timeout is not None:
+            cmd = ["timeout", "-k", "2", str(timeout)] + cmd
+        res = self.container.exec_run(cmd, user=user or self.user, workdir=self.workdir,
+                                      environment={"LANG": "C.UTF-8"})
+        return res.exit_code, res.output
+
+    def put_files(self, files):
+        """files: iterable of (absolute path, bytes, mode). Uploaded as one tar archive at /."""
+        buf = io.BytesIO()
+        with tarfile.open(fileobj=buf, mode="w") as tar:
+            for path, data, mode in files:
+                info = tarfile.TarInfo(path.lstrip("/"))
+                info.size, info.mode, info.mtime = len(data), mode, int(time.time())
+                tar.addfile(info, io.BytesIO(data))
+        if not self.container.put_archive("/", buf.getvalue()):
+            raise SandboxError("put_archive failed")
+
+    def get_file(self, path):
+        """Bytes of one file in the container, or None if it does not exist."""
+        import docker
+        try:
+            stream, _ = self.container.get_archive(path)
+        except docker.errors.NotFound:
+            return None
+        with tarfile.open(fileobj=io.BytesIO(b"".join(stream))) as tar:
+            member = tar.next()
+            return tar.extractfile(member).read() if member and member.isfile() else None
+
+    def _shell_gone(self):
+        """True only when a probe ran and found no shell (a probe that cannot even start says nothing)."""
+        code, out = self.exec(["bash", "-c", 'read -r p 2>/dev/null < /dev/shm/.actobs-$UID/shellpid && '
+                               '[ -d /proc/$p ] && echo alive || echo gone'])
+        return out.strip() == b"gone"
+
+    def _pids_full(self):
+        stats = self.container.stats(stream=False, one_shot=True)
+        return stats.get("pids_stats", {}).get("current", 0) >= 0.95 * self.pids
+
+    def screen(self):
+        """Initial observation: the visible screen; also marks the read position for the first diff."""
+        screen, _ = self._step("", 5.0, read=True)  # returns as soon as the first prompt is drawn
+        return SCREEN_HEADER + screen
+
+    def send(self, keystrokes, duration=1.0, read=True):
+        """Type keystrokes (Terminus-2 semantics) and wait until the shell is idle, at most `duration` seconds.
+        With read=True return the observation: all output since the last read (a reply's commands are read
+        once, after the last one, as Terminus-2 does)."""
+        screen, diff = self._step(keystrokes, min(max(float(duration), 0.0), MAX_DURATION), read)
+        if not read:
+            return None
+        if diff is None or not diff.strip():
+            return SCREEN_HEADER + screen
+        return OUTPUT_HEADER + truncate_output(diff)
+
+    def _step(self, keystrokes, duration, read):
+        # A keystroke string that is exactly a tmux key name (C-c, Enter, Up...) is a key; all else is text.
+        literal = "0" if re.fullmatch(r"(C-|M-|S-)+\S|Enter|Escape|Tab|BSpace|Up|Down|Left|Right|Home|End|"
+                                      r"PageUp|PageDown|PPage|NPage|F\d{1,2}|Space|DC|IC", keystrokes) else "1"
+        newline = "1" if ("\n" in keystrokes or "\r" in keystrokes or literal == "0") else "0"
+        code, out = self.exec(["bash", "-c", TERMINAL_STEP, "step", keystrokes, literal, f"{duration:.3f}",
+                               newline, "1" if read else "0"], timeout=duration + 5)
+        text = decode(out)
+        header, _, pane = text.partition("\n")
+        fields = header.split()
+        if self.disk_exceeded:
+            raise DiskLimit(self.disk_exceeded)
+        if code != 0 and self._shell_gone():
+            fields = ["exited"]  # e.g. the agent's `kill -9 -1` also killed this step
+        if fields[:1] == ["exited"]:
+            raise ShellExited("the agent's shell exited (exit, or its shell or tmux was killed)")
+        if code != 0 or len(fields) != 3:
+            if self._pids_full():  # the step itself could not fork: the agent's processes hold them all
+                raise ProcessLimit(f"all {self.pids} processes of the sandbox in use; terminal step failed "
+                                   f"(exit {code}): {text[-300:]}")
+            raise SandboxError(f"terminal step failed (exit {code}): {text[-500:]}")
+        self.last_idle = fields[0] == "idle"  # whether the step ended early on an idle prompt
+        if not read:
+            return None, None
+        lines = pane.split("\n")
+        if lines and lines[-1] == "":
+            lines.pop()
+        hist, limit = int(fields[1]), int(fields[2])
+        diff = pane_diff(lines, self._start, self._anchor)
+        if diff is None and hist >= 0.8 * limit:
+            # tmux drops the oldest 10% of a full history: the start scrolled out during this step, all that is
+            # kept is new output (its head is cut, as truncation would cut it anyway).
+            diff = "\n" + "\n".join(lines).rstrip()
+        # After clear-history the visible screen is all that is left; remember its last non-empty line.
+        visible = lines[hist:]
+        last = max((i for i, ln in enumerate(visible) if ln.strip()), default=0)
+        self._start, self._anchor = last, visible[last].rstrip() if visible else ""
+        return visible_screen(lines, SCREEN[1]), diff
