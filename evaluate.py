@@ -216,6 +216,13 @@ def compare(runs, n_boot=10_000, seed=0):
             "settings_differ": differ}
 
 
+def compare_by_kind(runs, n_boot=10_000, seed=0):
+    """[(label, compare() on that group's tasks)] for each task-kind group of the first run (held-out kinds first)."""
+    return [(label, compare([(name, {**res, "tasks": {t: e for t, e in res["tasks"].items() if t in tasks}})
+                             for name, res in runs], n_boot, seed))
+            for label, tasks in groups(runs[0][1])[1:]]
+
+
 def compare_table(cmp):
     runs = cmp["runs"]
     lines = [f"[{i}] {label} ({n} tasks)" for i, (label, n) in enumerate(zip(runs, cmp["tasks"]))]
@@ -402,10 +409,9 @@ def compare_main(argv):
     if args.png:
         plot_compare(cmp, args.png)
         print(f"-> {args.png}")
-    for label, tasks in groups(runs[0][1])[1:] if args.by_kind else []:
+    for label, sub in compare_by_kind(runs, args.n_boot, args.seed) if args.by_kind else []:
         print(f"\n== {label}")
-        print(compare_table(compare([(name, {**res, "tasks": {t: e for t, e in res["tasks"].items() if t in tasks}})
-                                     for name, res in runs], args.n_boot, args.seed)))
+        print(compare_table(sub))
     return cmp
 
 

@@ -15,14 +15,12 @@ import argparse
 import json
 import math
 import shlex
-import subprocess
 import sys
-import time
-import tomllib
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo's modules, when run as a script
 
+import envs  # noqa: E402
 import evaluate  # noqa: E402
 import taskgen  # noqa: E402
 
@@ -65,10 +63,9 @@ def write_settings(run, pairs):
             raise SystemExit(f"{run} holds a run with other settings ({', '.join(changed)} differ): remove it, or "
                              "set RUN_DIR to another folder")
         return
-    git = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent).stdout.strip()
+    cfg = evaluate.run_config()
     run.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"stages": settings, "git": git,
-                                "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}, indent=2))
+    path.write_text(json.dumps({"stages": settings, "git": cfg["git"], "started": cfg["started"]}, indent=2))
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -103,8 +100,12 @@ def task_names(split_dir, problems):
     """{name: kind} of the Harbor task folders of a split."""
     out = {}
     for toml in sorted(split_dir.glob("*/task.toml")):
-        meta = tomllib.loads(toml.read_text())
-        out[meta["task"]["name"]] = meta.get("metadata", {}).get("kind")
+        try:  # envs reads a task folder as evaluate.py does: the same name and kind
+            task = envs.load_task(toml.parent, build=False)
+        except ValueError as e:
+            problems.append(str(e))
+            continue
+        out[task.name] = task.kind
     if not out:
         problems.append(f"{split_dir}: no task folders")
     return out
@@ -240,10 +241,7 @@ def comparison(results, models, names):
     runs = [(names[m], results[m]) for m in models]
     cmp = evaluate.compare(runs)
     text = [evaluate.compare_table(cmp)]
-    for label, tasks in evaluate.groups(results[models[0]])[1:]:
-        sub = evaluate.compare([(name, {**res, "tasks": {t: e for t, e in res["tasks"].items() if t in tasks}})
-                                for name, res in runs])
-        text.append(f"\n== {label}\n" + evaluate.compare_table(sub))
+    text += [f"\n== {label}\n" + evaluate.compare_table(sub) for label, sub in evaluate.compare_by_kind(runs)]
     return cmp, "\n".join(text)
 
 
@@ -310,7 +308,8 @@ def build(run):
 
     after, after_txt = comparison(results, [f"{a}-grpo" for a in arms], names)
     before, before_txt = comparison(results, arms + ["base"], names)
-    effect = {a: comparison(results, [a, f"{a}-grpo"], names) for a in arms}
+    # what GRPO did to each arm: all tasks only (the per-kind blocks are in the tables above)
+    effect = {a: evaluate.compare([(names[m], results[m]) for m in (a, f"{a}-grpo")]) for a in arms}
     evaluate.plot_compare(evaluate.compare([(names[m], r) for m, r in results.items()]), run / "pass_at_k.png")
     plot_runs(run / "grpo_curves.png", [("rollout/reward_mean", "mean reward"), ("train/entropy", "action-token entropy"),
                                         ("train/kl_init", "KL from the SFT checkpoint")], {names[a]: grpo[a] for a in arms})
@@ -331,7 +330,7 @@ def build(run):
           f"## Before GRPO: the SFT arms and the base model ({names[arms[0]]} is the baseline [0])", "", "```",
           before_txt, "```", ""]
     for a in arms:
-        md += [f"## What GRPO did to {names[a]}", "", "```", effect[a][1].split("\n\n==")[0], "```", ""]
+        md += [f"## What GRPO did to {names[a]}", "", "```", evaluate.compare_table(effect[a]), "```", ""]
     md += ["A difference whose 95% interval contains 0 is no evidence of a difference: report it as a null result.", "",
            "## GRPO runs (grpo_curves.png; each run's own curves.png and log.jsonl)", "",
            "| arm | steps | reward first → last | solve rate last | groups with signal (sum) | entropy first → last | KL from init last |",
@@ -351,7 +350,7 @@ def build(run):
     md += [f"| {k} | {v} |" for k, v in total.items()] + [f"| **total** | {sum(total.values())} |", ""]
     (run / "REPORT.md").write_text("\n".join(md))
     (run / "report.json").write_text(json.dumps({"after_grpo": after, "before_grpo": before,
-                                                 "grpo_effect": {a: effect[a][0] for a in arms},
+                                                 "grpo_effect": effect,
                                                  "summary": {m: r["summary"] for m, r in results.items()},
                                                  "stage_seconds": total}, indent=1))
     return []
