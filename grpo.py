@@ -57,7 +57,7 @@ import torch.distributed as dist
 import envs
 import sft
 import terminus
-from labels import ACTION, OBS, PROMPT, defuse_specials, encode, load_tokenizer, message_spans
+from labels import ACTION, OBS, PROMPT, defuse_specials, encode, encode_spans, load_tokenizer, wrapper_mask
 
 
 def get_parser():
@@ -168,8 +168,7 @@ def observation_tokens(tok, message, closed):
     wrapper: per token, True for OBS tokens that are all the protocol's fixed text (terminus.wrapper_spans)
     or the end-of-turn token."""
     msgs = _SKELETON + [message]
-    ids, roles, text, off = encode(tok, msgs)
-    spans = message_spans(tok, msgs, text)
+    ids, roles, text, off, spans = encode_spans(tok, msgs)
     k = int(np.searchsorted(off[:, 0], spans[1][-1][1]))  # the first token after the reply's end-of-turn token
     if k == 0 or (k < len(off) and off[k - 1, 1] > spans[1][-1][1]):
         raise ValueError("a token straddles the end of the assistant turn: the chat template cannot be used token-in/token-out")
@@ -177,14 +176,7 @@ def observation_tokens(tok, message, closed):
         k -= 1  # the end-of-turn token, which the cut reply lacks
     roles = roles.copy()
     roles[roles == ACTION] = PROMPT  # the unsampled end-of-turn token of a cut reply
-    wrap = np.zeros(len(text) + 1, dtype=np.int64)  # per character
-    (s, e), eot = spans[2][0], spans[2][1:]
-    for a, b in terminus.wrapper_spans(text[s:e]) or ():  # None: not a Terminus-2 observation, all payload
-        wrap[s + a: s + b] = 1
-    for a, b in eot:
-        wrap[a:b] = 1
-    csum = np.concatenate([[0], np.cumsum(wrap)])
-    wrapper = (csum[off[:, 1]] - csum[off[:, 0]] == off[:, 1] - off[:, 0]) & (roles == OBS)
+    wrapper = wrapper_mask(msgs, roles, text, off, spans)
     head = _generation_header(tok, msgs, text)
     return (list(ids[k:]) + head, roles[k:].tolist() + [PROMPT] * len(head),
             wrapper[k:].tolist() + [False] * len(head))
@@ -393,12 +385,11 @@ def pg_loss(model, batch, args, n_tok, n_seq, n_echo):
     pg = -(norm * w_is * surrogate)[act].sum()
     kl_pen = (args.kl_coef * norm * k3)[act].sum()
     echo_term = (w_echo * -logp)[obs].sum()
-    a = act
     stats = {"loss": float(pg + kl_pen + echo_term), "pg_loss": float(pg), "echo_loss": float(echo_term),
-             "act_tokens": int(a.sum()), "entropy_sum": float(ent[a].sum()),
-             "kl_init_sum": float(-d_ref[a].sum()), "kl_init_k3_sum": float(k3[a].sum()),
-             "mismatch_sum": float((behav - old)[a].sum()), "mismatch_abs_sum": float((behav - old)[a].abs().sum()),
-             "clipped_sum": float((~flows & (adv != 0))[a].sum()), "tis_w_sum": float(w_is[a].sum()),
+             "act_tokens": int(act.sum()), "entropy_sum": float(ent[act].sum()),
+             "kl_init_sum": float(-d_ref[act].sum()), "kl_init_k3_sum": float(k3[act].sum()),
+             "mismatch_sum": float((behav - old)[act].sum()), "mismatch_abs_sum": float((behav - old)[act].abs().sum()),
+             "clipped_sum": float((~flows & (adv != 0))[act].sum()), "tis_w_sum": float(w_is[act].sum()),
              "obs_tokens": int(obs.sum()), "obs_nll_sum": float(-logp[obs].sum())}
     return carrier, stats
 
@@ -452,9 +443,7 @@ def step_groups(n_tasks, tasks_per_step, step, seed):
     """Task indices of one step: without replacement within a step, seeded by (seed, step), so a resumed run
     draws the same."""
     rng = np.random.default_rng([seed, step])
-    if tasks_per_step <= n_tasks:
-        return rng.choice(n_tasks, tasks_per_step, replace=False).tolist()
-    return rng.choice(n_tasks, tasks_per_step, replace=True).tolist()
+    return rng.choice(n_tasks, tasks_per_step, replace=tasks_per_step > n_tasks).tolist()
 
 
 def infra_failure(ep):
@@ -463,9 +452,7 @@ def infra_failure(ep):
 
 
 def plot_curves(log_path, png):
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = sft.pyplot()
     rows = [json.loads(line) for line in Path(log_path).read_text().splitlines()]
     keys = [("rollout/reward_mean", "mean reward"), ("train/entropy", "action-token entropy"), ("train/kl_init", "KL from init")]
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.5))

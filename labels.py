@@ -16,6 +16,8 @@ from pathlib import Path
 
 import numpy as np
 
+import terminus
+
 PROMPT, ACTION, OBS = 0, 1, 2  # per-token roles; only ACTION and OBS tokens carry loss
 
 VALID_ROLES = ("system", "user", "assistant", "tool")
@@ -254,6 +256,12 @@ def encode(tokenizer, messages, max_len=None):
     """-> (ids, roles (T,) int8, text, offsets (T, 2)): render()'s labels plus the rendered text and each
     token's character span [start, end), for probes that label sub-spans of a message (a token with an empty
     span is given the character at its start)."""
+    ids, roles, text, off, _ = encode_spans(tokenizer, messages, max_len)
+    return ids, roles, text, off
+
+
+def encode_spans(tokenizer, messages, max_len=None):
+    """encode() plus the message_spans() it labelled with: (ids, roles, text, offsets, spans)."""
     specials = special_tokens(tokenizer)
     for j, m in enumerate(messages):
         hit = next((t for t in specials if t in m["content"]), None)
@@ -261,7 +269,8 @@ def encode(tokenizer, messages, max_len=None):
             raise ValueError(f"messages[{j}] ({m['role']}) contains the special token {hit!r}")
     text = tokenizer.apply_chat_template(messages, tokenize=False)
     char_role = np.zeros(len(text) + 1, dtype=np.int8)  # +1: a sentinel slot for empty offsets at the end
-    for ranges, r in zip(message_spans(tokenizer, messages, text), message_roles(messages)):
+    spans = message_spans(tokenizer, messages, text)
+    for ranges, r in zip(spans, message_roles(messages)):
         for s, e in ranges:
             char_role[s:e] = r
     enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
@@ -274,4 +283,22 @@ def encode(tokenizer, messages, max_len=None):
         roles[csum[off[:, 1]] - csum[off[:, 0]] > 0] = r
     if max_len is not None:
         ids, roles, off = ids[:max_len], roles[:max_len], off[:max_len]
-    return list(ids), roles, text, off
+    return list(ids), roles, text, off, spans
+
+
+def wrapper_mask(messages, roles, text, off, spans):
+    """(T,) bool: observation tokens of harness text. That is the fixed text of the Terminus-2 templates in an
+    observation's content (terminus.wrapper_spans; an observation in no Terminus-2 form is all payload) and the
+    observation's end-of-turn token. A token is wrapper only if all its characters are, so one that a BPE merge
+    makes straddle wrapper and payload is payload: payload keeps every character the environment produced.
+    roles, text, off, spans: as encode_spans() returns them."""
+    wrap = np.zeros(len(text) + 1, dtype=np.int64)  # per character
+    for ranges, role in zip(spans, message_roles(messages)):
+        if role == OBS:
+            (s, e), eot = ranges[0], ranges[1:]
+            for a, b in terminus.wrapper_spans(text[s:e]) or ():
+                wrap[s + a: s + b] = 1
+            for a, b in eot:
+                wrap[a:b] = 1
+    csum = np.concatenate([[0], np.cumsum(wrap)])
+    return (csum[off[:, 1]] - csum[off[:, 0]] == off[:, 1] - off[:, 0]) & (roles == OBS)

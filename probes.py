@@ -28,7 +28,6 @@ import torch
 
 import labels
 import sft
-import terminus
 
 KEYSTROKES = re.compile(r'"keystrokes"\s*:\s*"((?:[^"\\]|\\.)*)"')  # group 1: a command's JSON string value
 BUCKETS = {"1": (1, 1), "2": (2, 2), "3": (3, 3), "4-7": (4, 7), "8+": (8, 1 << 30)}  # 1-based positions
@@ -112,24 +111,11 @@ def head(model):
 # Observation prediction: fixed wrapper vs payload
 
 def obs_split(tok, messages, max_len=None):
-    """-> (ids, roles, wrapper (T,) bool). Wrapper tokens are observation tokens of harness text: the fixed
-    text of the Terminus-2 templates in an observation's content (terminus.wrapper_spans: headers, the
-    truncation notice, the parse-error / warnings / completion-check text; an observation in no Terminus-2
-    form is all payload), and the observation's end-of-turn token. A token
-    is wrapper only if all its characters are; one that a BPE merge makes straddle wrapper and payload (e.g.
-    '#\\n\\n': the shell prompt's '#' and a wrapper's leading '\\n\\n') is payload, so payload keeps every
-    character the environment produced."""
-    ids, roles, text, off = labels.encode(tok, messages, max_len)
-    wrap = np.zeros(len(text) + 1, dtype=np.int64)  # per character
-    for ranges, role in zip(labels.message_spans(tok, messages, text), labels.message_roles(messages)):
-        if role == labels.OBS:
-            (s, e), eot = ranges[0], ranges[1:]
-            for a, b in terminus.wrapper_spans(text[s:e]) or ():
-                wrap[s + a: s + b] = 1
-            for a, b in eot:
-                wrap[a:b] = 1
-    csum = np.concatenate([[0], np.cumsum(wrap)])
-    return ids, roles, (csum[off[:, 1]] - csum[off[:, 0]] == off[:, 1] - off[:, 0]) & (roles == labels.OBS)
+    """-> (ids, roles, wrapper (T,) bool): wrapper tokens are observation tokens of harness text (headers, the
+    truncation notice, the parse-error / warnings / completion-check text, the end-of-turn token; see
+    labels.wrapper_mask), the rest of the observation tokens are the payload the terminal printed."""
+    ids, roles, text, off, spans = labels.encode_spans(tok, messages, max_len)
+    return ids, roles, labels.wrapper_mask(messages, roles, text, off, spans)
 
 
 @torch.no_grad()
