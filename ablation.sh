@@ -22,21 +22,21 @@ if [ $OWN_DOCKERD = 1 ]; then trap '.ci/dockerd.sh stop' EXIT; fi
 SEED=0
 ARMS=(actionsft actobs obs-then-act)  # SFT arms; the first is the baseline of every comparison in the report
 declare -A LOSS=([actionsft]="--lam 0" [actobs]="--lam 1" [obs-then-act]="--schedule obs-then-act")
-BASE=(--sessions 256 --commands 16 --epochs 1 --batch-size 4 --lr 2e-3)                   # scripts/base_model.py
+BASE=(--sessions 256 --commands 16 --epochs 2 --batch-size 4 --lr 2e-3)                   # scripts/base_model.py
 CORPUS=(--n-sft 320 --n-rl 32 --n-eval 18)                                                # envs.py corpus
 HELDOUT_N=32                                                                              # trajectories for the probes
-SFT=(--lr 2e-3 --warmup-ratio 0.05 --min-lr-ratio 0.1 --batch-size 4 --epochs 1 --max-len 3072 --micro-tokens 8192
-     --dtype bf16 --val-size 16 --eval-every 0 --save-every 20 --keep 1 --probe-every 10)  # sft.py, all arms
+SFT=(--lr 2e-3 --warmup-ratio 0.05 --min-lr-ratio 0.1 --batch-size 4 --epochs 3 --max-len 3072 --micro-tokens 8192
+     --dtype bf16 --val-size 16 --eval-every 0 --save-every 40 --keep 1 --probe-every 20)  # sft.py, all arms
 # RL and evaluation roll out with the same limits; the expert needs ~5 turns of ~100 tokens. One engine step decodes
 # a token for every live episode, so 32 sandboxes at once cost little more per step than 8.
-GRPO=(--steps 6 --tasks-per-step 4 --group-size 8 --lr 1e-5 --max-turns 10 --max-new-tokens 256 --max-len 4096
+GRPO=(--steps 4 --tasks-per-step 4 --group-size 8 --lr 1e-5 --max-turns 10 --max-new-tokens 256 --max-len 4096
       --concurrency 32 --save-every 4 --keep 1 --kv-cache-gb 1)                            # grpo.py, all arms
 EVAL=(--attempts 16 --max-turns 10 --max-new-tokens 256 --max-len 4096 --concurrency 32) # evaluate.py, all models
 PROBE=(--n 32 --max-len 3072)                                                             # probes.py
 SAMPLE=(--max-new-tokens 128)                                                             # probes' own samples
 if [ $MODE = quick ]; then
     BASE=(--sessions 8 --commands 6 --epochs 1 --batch-size 4 --lr 2e-3 --hidden 64 --layers 2 --heads 2 --kv-heads 1
-          --vocab 1024 --max-len 512)
+          --vocab 1024 --max-len 1024)
     CORPUS=(--n-sft 20 --n-rl 2 --n-eval 2)
     HELDOUT_N=4
     SFT=(--lr 2e-3 --batch-size 4 --epochs 1 --max-len 1024 --micro-tokens 8192 --val-size 4 --eval-every 0
@@ -58,7 +58,7 @@ python scripts/report.py settings "$R" mode=$MODE seed=$SEED prompt_template=$PT
 stage() { local t=$SECONDS; "${@:2}"; echo "{\"stage\": \"$1\", \"seconds\": $((SECONDS - t))}" >> "$R/times.jsonl"; }
 
 # ---- 1. base model: generic terminal sessions recorded in sandboxes -> BPE -> pre-trained small Qwen3 (cached)
-stage base python scripts/base_model.py --out "$R/base" --seed $SEED "${BASE[@]}"
+stage base python scripts/base_model.py --out "$R/base" --seed $SEED --prompt-template $PT "${BASE[@]}"
 B="$R/base/model"
 
 # ---- 2. corpus: expert episodes on SFT tasks; RL and evaluation tasks are disjoint, `archive` only in eval
@@ -71,20 +71,14 @@ for A in "${ARMS[@]}"; do
     stage sft-$A python sft.py --model "$B" --data "$R/train.jsonl" --out "$R/$A" ${LOSS[$A]} --seed $SEED --resume "${SFT[@]}"
 done
 
-# ---- 4. the same GRPO recipe from each SFT arm, on the RL split
-for A in "${ARMS[@]}"; do
-    stage grpo-$A python grpo.py --init "$R/$A/final" --tasks "$R/corpus/rl" --out "$R/$A-grpo" --prompt-template $PT \
-        --seed $SEED --resume "${GRPO[@]}"
-done
+# ---- 4. pass@k of the base and each SFT checkpoint on the evaluation split (resumes per attempt)
+# evaluate M CHECKPOINT: n attempts per evaluation task
+evaluate() { stage eval-$1 python evaluate.py --model "$2" --tasks "$R/corpus/eval" --out "$R/eval/$1.json" \
+    --prompt-template $PT --seed $SEED "${EVAL[@]}"; }
+evaluate base "$B"
+for A in "${ARMS[@]}"; do evaluate $A "$R/$A/final"; done
 
-# ---- 5. pass@k of the base, each SFT and each GRPO checkpoint on the evaluation split (resumes per attempt)
-for M in base "${ARMS[@]}" "${ARMS[@]/%/-grpo}"; do
-    [ $M = base ] && CK="$B" || CK="$R/$M/final"
-    stage eval-$M python evaluate.py --model "$CK" --tasks "$R/corpus/eval" --out "$R/eval/$M.json" --prompt-template $PT \
-        --seed $SEED "${EVAL[@]}"
-done
-
-# ---- 6. probes on held-out trajectories: observation prediction, command entropy, KL from the base, and the
+# ---- 5. probes on held-out trajectories: observation prediction, command entropy, KL from the base, and the
 # temperature T* at which ActionSFT's self-entropy matches ActObs's
 S=("${ARMS[@]/#/$R/}"); S=("${S[@]/%//final}")
 P=(--data "$R/heldout.jsonl" "${PROBE[@]}")
@@ -95,6 +89,13 @@ P=(--data "$R/heldout.jsonl" "${PROBE[@]}")
     "${SAMPLE[@]}" --out "$R/probes/entropy_actobs.json"
 [ -f "$R/probes/tstar_actionsft.json" ] || stage probe-tstar python probes.py entropy --model "$R/actionsft/final" \
     --match-entropy "$R/probes/entropy_actobs.json" "${P[@]}" "${SAMPLE[@]}" --out "$R/probes/tstar_actionsft.json"
+
+# ---- 6. the same GRPO recipe from each SFT arm, on the RL split, then pass@k of each GRPO checkpoint
+for A in "${ARMS[@]}"; do
+    stage grpo-$A python grpo.py --init "$R/$A/final" --tasks "$R/corpus/rl" --out "$R/$A-grpo" --prompt-template $PT \
+        --seed $SEED --resume "${GRPO[@]}"
+done
+for A in "${ARMS[@]}"; do evaluate $A-grpo "$R/$A-grpo/final"; done
 
 # ---- 7. the run folder's REPORT.md, comparison tables and plots; fails if any stage's output is malformed
 python scripts/report.py build "$R"

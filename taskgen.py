@@ -373,10 +373,11 @@ def _duration(keystrokes):
 
 
 def _reply(analysis, plan, commands, done=False):
-    body = json.dumps({"analysis": analysis, "plan": plan,
+    # One line of JSON and no <think> block: the analysis and plan are the reasoning, and every token is one the
+    # policy must sample (a think block repeating them doubled an episode's action tokens).
+    return json.dumps({"analysis": analysis, "plan": plan,
                        "commands": [{"keystrokes": k, "duration": _duration(k)} for k in commands],
-                       "task_complete": done})  # one line: every token is one the policy must sample
-    return f"<think>\n{analysis}\n{plan}\n</think>\n\n{body}"
+                       "task_complete": done})
 
 
 def expert_reply(messages):

@@ -1,18 +1,20 @@
 """
 A base model that has seen terminals: record generic shell sessions in the sandboxes, fit a byte-level BPE to
-them, and pre-train a small random Qwen3 on them with sft.py's loop (the whole session is supervised text).
+them, and pre-train a small random Qwen3 on them with sft.py's loop (commands and outputs both supervised).
 
     python scripts/base_model.py --out runs/base            # -> runs/base/model (HF dir, prefix chat template)
 
 What it sees: random file trees (notes, CSV, JSON, INI/YAML configs, logs, small scripts) explored and changed
 by a scripted user who types generic commands (ls, find, cat, head, tail, wc, grep, sort, uniq, cut, awk, sed,
 mkdir, cp, mv, rm, chmod, tar, jq, python3 one-liners, for loops, typos and their errors), each mostly about a
-name an earlier output showed. Only the terminal is kept: the prompt, the typed command and the real output,
-never the agent protocol nor the toy tasks (taskgen.py), so the base model knows shells and not the tasks.
+name an earlier output showed. A session is kept as the episode the runner recorded: the Terminus-2 prompt
+(instruction: explore the files), the user's replies as protocol JSON with an empty analysis and plan, and the
+terminal's real output. Nothing of the toy tasks (taskgen.py): the base model knows the shell and the reply
+format, as a real base model knows shells and JSON, and must learn the tasks from SFT. Pre-training is sft.py
+with --lam 1 (prompt masked; commands and outputs weighted alike), the plain language-model loss.
 
 Steps, each reused when its output exists (an interrupted pre-training resumes from its last checkpoint):
-    OUT/sessions.jsonl   recorded sessions: {"conversations": [{"role": "user", "content": ""},
-                                                            {"role": "assistant", "content": transcript}]}
+    OUT/sessions.jsonl   recorded sessions: {"conversations": [prompt, reply, observation, ...]}
     OUT/pretrain/        sft.py run dir: init/ (tokenizer fit to the sessions + random Qwen3), step-N/, final/
     OUT/model/           the base model: pretrain/final, renamed once complete
 OUT/settings.json holds the settings it was built with; another build into the same OUT must use the same
@@ -33,8 +35,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo's modul
 
 import envs  # noqa: E402
 import sft  # noqa: E402
+import terminus  # noqa: E402
 from taskgen import WORDS  # noqa: E402
-from terminus import OUTPUT_HEADER  # noqa: E402
 
 
 def get_parser():
@@ -45,6 +47,8 @@ def get_parser():
     p.add_argument("--sessions", type=int, default=256, help="terminal sessions to record")
     p.add_argument("--commands", type=int, default=16, help="commands typed per session (about)")
     p.add_argument("--concurrency", type=int, default=16, help="sandboxes live at once while recording")
+    p.add_argument("--prompt-template", type=Path, help="file with {instruction} and {terminal_state} (default: "
+                   "Terminus-2's); give the one SFT, RL and evaluation use")
     # model
     p.add_argument("--vocab", type=int, default=4096, help="BPE vocabulary, Qwen's special tokens included")
     p.add_argument("--hidden", type=int, default=256)
@@ -55,7 +59,7 @@ def get_parser():
     p.add_argument("--epochs", type=int, default=1)
     p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--lr", type=float, default=2e-3)
-    p.add_argument("--max-len", type=int, default=1024, help="tokens kept of a session")
+    p.add_argument("--max-len", type=int, default=2048, help="tokens kept of a session")
     return p
 
 
@@ -177,8 +181,8 @@ def _session_rng(prompt):
 
 def user_policy(n_commands):
     """A batch policy for envs.run_episodes that types n_commands generic commands (1-3 per reply), then
-    claims completion and confirms it; its replies are Terminus-2 JSON only because that is what the
-    runner reads. Every choice follows from the session's seed and what the terminal printed."""
+    claims completion and confirms it, in Terminus-2 JSON with the expert's key order (taskgen._reply). Every
+    choice follows from the session's seed and what the terminal printed."""
     def reply(messages):
         seed, i = _session_rng(messages[0]["content"])
         tree = random_tree(random.Random(f"{seed}/tree/{i}"))
@@ -203,32 +207,14 @@ def session_tasks(n, seed):
             for i in range(n)]
 
 
-PROMPT_LINE = re.compile(r"^\S+@\S+:.*[#$]$")
-
-
-def transcript(messages):
-    """The terminal as a reader of the screen saw it: each observation's new output, in order, without the
-    runner's headers and without repeating the prompt line that the next observation starts from."""
-    parts = []
-    for m in messages[1:]:
-        c = m["content"]
-        if m["role"] != "user" or not c.startswith(OUTPUT_HEADER):
-            continue
-        lines = c[len(OUTPUT_HEADER):].strip("\n").split("\n")
-        if lines and PROMPT_LINE.match(lines[-1]):
-            lines = lines[:-1]
-        parts += lines
-    return "\n".join(parts) + "\n"
-
-
-def record_sessions(n, n_commands, seed, concurrency=8):
-    """Run n sessions in real sandboxes -> list of transcripts (sessions that failed in Docker are dropped)."""
+def record_sessions(n, n_commands, seed, concurrency=8, template=None):
+    """Run n sessions in real sandboxes -> their conversations (sessions that failed in Docker are dropped)."""
     eps = envs.run_episodes(session_tasks(n, seed), user_policy(n_commands), max_turns=n_commands + 4,
-                            concurrency=concurrency)
+                            concurrency=concurrency, template=template)
     bad = [e for e in eps if e.failure]
     for e in bad[:5]:
         print(f"  {e.task}: {e.failure} {e.error[:200]}")
-    return [transcript(e.messages) for e in eps if not e.failure]
+    return [e.messages for e in eps if not e.failure]
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -237,7 +223,7 @@ def main(argv=None):
     args = get_parser().parse_args(argv)
     out = args.out
     out.mkdir(parents=True, exist_ok=True)
-    settings = {k: v for k, v in vars(args).items() if k not in ("out", "concurrency")}
+    settings = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k not in ("out", "concurrency")}
     if (out / "settings.json").exists():
         old = json.loads((out / "settings.json").read_text())
         changed = [f"--{k.replace('_', '-')} {old.get(k)!r} -> {v!r}" for k, v in settings.items() if old.get(k) != v]
@@ -253,24 +239,23 @@ def main(argv=None):
     data = out / "sessions.jsonl"
     if not data.exists():
         t0 = time.time()
-        texts = record_sessions(args.sessions, args.commands, args.seed, args.concurrency)
-        # An empty first user turn (PROMPT, masked) and the session as one assistant turn: its tokens are the
-        # ones supervised, so --lam 0 is the plain language-model loss on the terminal text.
-        envs.write_jsonl(data, [{"conversations": [{"role": "user", "content": ""}, {"role": "assistant", "content": t}]}
-                                for t in texts])
-        print(f"recorded {len(texts)}/{args.sessions} sessions ({sum(map(len, texts)) / 1e6:.2f} MB) -> {data} | "
-              f"{time.time() - t0:.0f}s")
+        convs = record_sessions(args.sessions, args.commands, args.seed, args.concurrency,
+                                terminus.load_template(args.prompt_template))
+        envs.write_jsonl(data, [{"conversations": c} for c in convs])
+        print(f"recorded {len(convs)}/{args.sessions} sessions "
+              f"({sum(len(m['content']) for c in convs for m in c) / 1e6:.2f} MB) -> {data} | {time.time() - t0:.0f}s")
     run = out / "pretrain"
     init = run / "init"
-    texts = [c[-1]["content"] for c in sft.read_trajectories(data)[0]]
+    convs = sft.read_trajectories(data)[0]
     if not (init / "config.json").exists():
-        sft.build_tiny(init, texts, vocab_size=args.vocab, hidden=args.hidden, layers=args.layers, heads=args.heads,
-                       kv_heads=args.kv_heads, seed=args.seed)
+        # The BPE is fit to everything the model will read and write: prompt, JSON replies, terminal output.
+        sft.build_tiny(init, [m["content"] for c in convs for m in c], vocab_size=args.vocab, hidden=args.hidden,
+                       layers=args.layers, heads=args.heads, kv_heads=args.kv_heads, seed=args.seed)
     t0 = time.time()
-    sft.main(["--model", str(init), "--data", str(data), "--out", str(run), "--lam", "0", "--seed", str(args.seed),
+    sft.main(["--model", str(init), "--data", str(data), "--out", str(run), "--lam", "1", "--seed", str(args.seed),
               "--epochs", str(args.epochs), "--batch-size", str(args.batch_size), "--lr", str(args.lr),
               "--warmup-ratio", "0.05", "--dtype", "bf16", "--max-len", str(args.max_len), "--micro-tokens", "16384",
-              "--val-size", str(min(16, len(texts) // 10)), "--eval-every", "0", "--save-every", "20", "--keep", "1", "--resume"])
+              "--val-size", str(min(16, len(convs) // 10)), "--eval-every", "0", "--save-every", "20", "--keep", "1", "--resume"])
     os.replace(run / "final", out / "model")
     print(f"base model: {out / 'model'} | pre-training {time.time() - t0:.0f}s")
     return str(out / "model")

@@ -15,7 +15,8 @@ import labels  # noqa: E402
 import taskgen  # noqa: E402
 
 TINY = ["--sessions", "4", "--commands", "5", "--vocab", "400", "--hidden", "32", "--layers", "1", "--heads", "2",
-        "--kv-heads", "1", "--epochs", "1", "--batch-size", "2", "--max-len", "512", "--concurrency", "4"]
+        "--kv-heads", "1", "--epochs", "1", "--batch-size", "2", "--max-len", "1024", "--concurrency", "4",
+        "--prompt-template", str(Path(__file__).resolve().parents[1] / "scripts" / "toy_prompt.txt")]
 
 
 def test_sessions_follow_the_seed_and_stay_off_the_tasks():
@@ -33,31 +34,25 @@ def test_sessions_follow_the_seed_and_stay_off_the_tasks():
     assert not task_dirs & {p.rsplit("/", 1)[0] for tree in a for p, _, _ in tree}
 
 
-def test_transcript_joins_observations_without_repeating_prompts():
-    msgs = [{"role": "user", "content": "prompt"},
-            {"role": "assistant", "content": "{}"},
-            {"role": "user", "content": "New Terminal Output:\nroot@c1:/app# ls\na.txt  b.csv\nroot@c1:/app#"},
-            {"role": "assistant", "content": "{}"},
-            {"role": "user", "content": "New Terminal Output:\n\nroot@c1:/app# cat a.txt\nhello\nroot@c1:/app#"},
-            {"role": "assistant", "content": "{}"},
-            {"role": "user", "content": "Current terminal state:\nNew Terminal Output:\n\nroot@c1:/app#\n\nAre you sure"}]
-    assert base_model.transcript(msgs) == "root@c1:/app# ls\na.txt  b.csv\nroot@c1:/app# cat a.txt\nhello\n"
-
-
 @pytest.mark.slow
 def test_build_records_pretrains_and_reuses(tmp_path, no_leftovers):
     out = tmp_path / "base"
     model_dir = Path(base_model.main(["--out", str(out)] + TINY))
     rows = [json.loads(line) for line in (out / "sessions.jsonl").read_text().splitlines()]
     assert len(rows) == 4
-    text = rows[0]["conversations"][1]["content"]
+    conv = rows[0]["conversations"]
+    assert [m["role"] for m in conv[:3]] == ["user", "assistant", "user"]
+    assert base_model.session_instruction(0, 0) in conv[0]["content"]
+    typed = [c["keystrokes"] for m in conv[1::2] for c in json.loads(m["content"])["commands"]]  # protocol replies
+    shown = "".join(m["content"] for m in conv[2::2])
     tree = base_model.random_tree(random.Random("0/tree/0"))
-    assert "# " in text and any(Path(p).name in text for p, _, _ in tree)  # typed commands and their real output
-    assert "New Terminal Output" not in text and "keystrokes" not in text  # the terminal only, no protocol
+    assert typed and typed[0].rstrip("\n") in shown  # the typed command echoed by the real terminal ...
+    assert any(Path(p).name in shown for p, _, _ in tree)  # ... and its real output
     tok = labels.load_tokenizer(model_dir, "native")
     assert tok.chat_template == labels.PREFIX_TEMPLATE
     assert {"<|im_start|>", "<|im_end|>", "<|endoftext|>"} <= set(tok.get_vocab())
-    assert len(tok(text)["input_ids"]) < len(text.encode()) / 2  # the BPE is fit to terminal text
+    for text in (shown, conv[1]["content"]):  # the BPE is fit to the terminal's text and to the JSON replies
+        assert len(tok(text)["input_ids"]) < len(text.encode()) * 2 / 3  # bytes would be 1 token each
     # cached: the same settings reuse the model, others are refused
     assert base_model.main(["--out", str(out)] + TINY) == str(model_dir)
     with pytest.raises(ValueError, match="--lr"):

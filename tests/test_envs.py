@@ -1,5 +1,6 @@
 """envs.py / taskgen.py without Docker: task loading, the generator and the expert (the protocol's own tests
 are in test_terminus.py)."""
+import json
 import random
 from pathlib import Path
 
@@ -90,7 +91,7 @@ def test_expert_replies_parse_and_decide_from_observations():
              {"role": "user", "content": terminus.OUTPUT_HEADER + f"root@h:/app# grep -rl {token} /app/notes\n{target}\nroot@h:/app#"}]
     reply, err, warnings = terminus.parse_reply(taskgen.expert_reply(msgs))
     assert err is None and warnings == [] and reply.commands == [(f"cp {target} /app/found.txt\n", 0.1)]
-    assert taskgen.expert_reply(msgs).startswith("<think>\n")
+    assert json.loads(taskgen.expert_reply(msgs))["commands"][0]["keystrokes"] == f"cp {target} /app/found.txt\n"  # JSON only
 
 
 def test_import_has_no_side_effects():

@@ -174,7 +174,7 @@ def test_corpus_command_end_to_end(tmp_path, base_image):
     for r in rows:
         roles = [m["role"] for m in r["conversations"]]
         assert roles[0] == "user" and roles[1::2] == ["assistant"] * (len(roles) // 2) and set(roles[2::2]) == {"user"}
-        assert r["conversations"][1]["content"].startswith("<think>\n")
+        assert json.loads(r["conversations"][1]["content"])["task_complete"] is False  # one JSON object, no think block
         for obs in (m["content"] for m in r["conversations"][2::2]):  # the harness's text and the terminal's, told apart exactly
             wrapper, _ = split_observation(obs)
             assert "root@" not in wrapper
