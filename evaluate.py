@@ -24,7 +24,6 @@ import json
 import math
 import operator
 import os
-import subprocess
 import sys
 import threading
 import time
@@ -300,12 +299,8 @@ def settings_of(args):
 
 
 def run_config():
-    try:
-        git = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                             cwd=Path(__file__).parent).stdout.strip()
-    except OSError:
-        git = ""
-    return {"argv": sys.argv, "git": git, "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
+    import sft  # torch: only when a run starts
+    return {"argv": sys.argv, "git": sft.code_version(), "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
 
 
 def open_results(path, settings):

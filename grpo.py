@@ -57,7 +57,8 @@ import torch.distributed as dist
 import envs
 import sft
 import terminus
-from labels import ACTION, OBS, PROMPT, defuse_specials, encode, encode_spans, load_tokenizer, wrapper_mask
+from labels import (ACTION, OBS, PROMPT, defuse_specials, encode, encode_spans, generation_prompt, load_tokenizer,
+                    wrapper_mask)
 
 
 def get_parser():
@@ -146,16 +147,9 @@ _SKELETON = [{"role": "user", "content": "x"}, {"role": "assistant", "content": 
 
 def prompt_tokens(tok, messages):
     """(ids, roles) of the first turn as the chat template renders it, ending with the assistant header."""
-    ids, _, text, _ = encode(tok, messages)
-    ids = list(ids) + _generation_header(tok, messages, text)
+    ids = encode(tok, messages)[0]
+    ids = list(ids) + tok(generation_prompt(tok, messages), add_special_tokens=False)["input_ids"]
     return ids, [PROMPT] * len(ids)
-
-
-def _generation_header(tok, messages, text):
-    full = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    if not full.startswith(text):
-        raise ValueError("the chat template renders a conversation differently once a generation prompt is added")
-    return tok(full[len(text):], add_special_tokens=False)["input_ids"]
 
 
 def observation_tokens(tok, message, closed):
@@ -177,7 +171,7 @@ def observation_tokens(tok, message, closed):
     roles = roles.copy()
     roles[roles == ACTION] = PROMPT  # the unsampled end-of-turn token of a cut reply
     wrapper = wrapper_mask(msgs, roles, text, off, spans)
-    head = _generation_header(tok, msgs, text)
+    head = tok(generation_prompt(tok, msgs), add_special_tokens=False)["input_ids"]
     return (list(ids[k:]) + head, roles[k:].tolist() + [PROMPT] * len(head),
             wrapper[k:].tolist() + [False] * len(head))
 
@@ -332,6 +326,13 @@ def collate(examples, pad_id):
     return out
 
 
+def echo_mask(roles, wrapper, payload_only):
+    """roles, wrapper (..., T) -> (..., T-1) bool: the positions whose next token carries the ECHO loss, OBS
+    tokens (only the environment's own text when payload_only)."""
+    m = roles[..., 1:] == OBS
+    return m & ~wrapper[..., 1:] if payload_only else m
+
+
 def selected_rows(model, batch, temperature, echo):
     """Hidden states of the positions that carry loss: those predicting ACTION tokens (scaled by 1/T, so the head
     gives logits / T) and, when echo, OBS tokens (at T = 1: the model's own prediction of the environment).
@@ -354,10 +355,7 @@ def pg_loss(model, batch, args, n_tok, n_seq, n_echo):
     sft.linear_cross_entropy with exactly those weights, which back-propagates sum_i w_i * (-log p_i). The
     (N, V) logits never exist at once. n_tok, n_seq, n_echo: the step's action tokens, sequences with action
     tokens and sequences with ECHO tokens, over all micro-batches and ranks (the normalisers)."""
-    echo = batch["roles"][:, 1:] == OBS
-    if args.echo_payload_only:
-        echo &= ~batch["wrapper"][:, 1:]
-    echo &= args.echo_coef > 0
+    echo = echo_mask(batch["roles"], batch["wrapper"], args.echo_payload_only) & (args.echo_coef > 0)  # (B, T-1)
     h, targets, act, row, sel = selected_rows(model, batch, args.temperature, echo)
     W = model.get_output_embeddings().weight
     logp, ent = head_logprobs(h.detach(), W.detach(), targets)
@@ -486,25 +484,17 @@ def main(argv=None):
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
 
-    ckpts, state = sft.checkpoint_dirs(out), None
-    if not args.resume and (ckpts or (out / "final").exists() or (out / "log.jsonl").exists()):
-        raise ValueError(f"{out} already holds a run: pass --resume to continue it, or choose another --out")
-    if args.resume and (out / "final").exists():
+    ckpt, state, finished = sft.resume_point(out, args, RESUME_KEYS, world)
+    if finished:
         print0(f"{out} is finished (final/ exists); nothing to resume")
         return
-    if ckpts:
-        state = torch.load(ckpts[-1] / "trainer_state.pt", map_location="cpu", weights_only=False)
-        changed = [f"--{k.replace('_', '-')} {state['args'].get(k)!r} -> {v!r}" for k, v in vars(args).items()
-                   if k in RESUME_KEYS and state["args"].get(k) != v]
-        if changed:
-            raise ValueError(f"--resume from {ckpts[-1]} with other settings than it was trained with: {', '.join(changed)}")
 
-    tok = load_tokenizer(ckpts[-1] if ckpts else args.init, "native" if ckpts else args.chat_template)
+    tok = load_tokenizer(ckpt or args.init, "native" if ckpt else args.chat_template)
     template = terminus.load_template(args.prompt_template)
     tasks = load_tasks(args.tasks)
     use_bf16 = args.dtype == "bf16" or (args.dtype == "auto" and device.type == "cuda")
     ctx = torch.autocast(device.type, dtype=torch.bfloat16) if use_bf16 else nullcontext()
-    raw = sft.load_model(ckpts[-1] if ckpts else args.init, device)
+    raw = sft.load_model(ckpt or args.init, device)
     # the initial policy, for the KL from init: a full copy per rank, in the autocast dtype
     ref = sft.load_model(args.init, device).to(torch.bfloat16 if use_bf16 else torch.float32).requires_grad_(False).eval()
     model = sft.wrap_model(PGModule(raw), raw, args, device)
@@ -513,7 +503,7 @@ def main(argv=None):
     if state is not None:
         sft.load_optimizer_state(model, opt, state, args.fsdp)
         start = state["step"]
-    engine = make_engine(ckpts[-1] if ckpts else args.init, max_model_len=args.max_len, seed=args.seed,
+    engine = make_engine(ckpt or args.init, max_model_len=args.max_len, seed=args.seed,
                          dtype=args.dtype, gpu_memory=args.gpu_memory, kv_cache_gb=args.kv_cache_gb)
     if rank == 0 and args.resume:  # drop log rows past the checkpoint: those steps run again
         rows = (out / "log.jsonl").read_text().splitlines() if (out / "log.jsonl").exists() else []
@@ -556,9 +546,10 @@ def main(argv=None):
         if args.ppo_epochs > 1 and args.tis_cap > 0:
             for ex, lp in zip(examples, score(raw, examples, args, tok.pad_token_id, device, ctx) if examples else []):
                 ex["old"] = lp
-        echo_mask = lambda ex: [r == OBS and not (args.echo_payload_only and w) for r, w in zip(ex["roles"][1:], ex["wrapper"][1:])]
+        n_echo = sum(bool(echo_mask(torch.tensor(ex["roles"]), torch.tensor(ex["wrapper"]), args.echo_payload_only).any())
+                     for ex in examples) if args.echo_coef > 0 else 0
         n_tok, n_seq, n_echo = sft.all_reduce([sum(ex["roles"][1:].count(ACTION) for ex in examples), len(examples),
-                                               sum(any(echo_mask(ex)) for ex in examples) if args.echo_coef > 0 else 0], device)
+                                               n_echo], device)
 
         # training: --ppo-epochs optimizer steps on this batch, micro-batches by token budget
         tot = {}

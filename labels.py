@@ -166,14 +166,18 @@ def defuse_specials(tokenizer, text):
 
 
 def generation_prompt(tokenizer, messages):
-    """The text add_generation_prompt=True appends after `messages` ('' if the template writes none)."""
+    """The text add_generation_prompt=True appends after `messages` ('' if the template writes none). A template
+    that renders the conversation itself differently once the prompt is added is refused: neither the labels
+    nor token-in/token-out rollouts could follow it."""
     from jinja2 import TemplateError
     try:
         plain = tokenizer.apply_chat_template(messages, tokenize=False)
         prompted = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     except TemplateError:  # e.g. Qwen3's template refuses a conversation without a user turn
         return ""
-    return prompted[len(os.path.commonprefix([plain, prompted])):]
+    if not prompted.startswith(plain):
+        raise ValueError("the chat template renders a conversation differently once a generation prompt is added")
+    return prompted[len(plain):]
 
 
 def message_spans(tokenizer, messages, text):

@@ -452,6 +452,28 @@ def checkpoint_dirs(out):
                    and (p / "trainer_state.pt").exists()), key=lambda p: int(p.name.split("-")[1]))
 
 
+def resume_point(out, args, resume_keys, world):
+    """-> (newest complete checkpoint dir or None, its trainer state or None, finished). Never mixes two runs in
+    one dir: a fresh start needs an unused out; --resume continues the newest checkpoint only with the same
+    settings in resume_keys and as many ranks as wrote it; finished: final/ exists, nothing to resume."""
+    ckpts = checkpoint_dirs(out)
+    if not args.resume and (ckpts or (out / "final").exists() or (out / "log.jsonl").exists()):
+        raise ValueError(f"{out} already holds a run: pass --resume to continue it, or choose another --out")
+    if args.resume and (out / "final").exists():
+        return None, None, True
+    if not ckpts:
+        return None, None, False
+    state = torch.load(ckpts[-1] / "trainer_state.pt", map_location="cpu", mmap=True, weights_only=False)
+    changed = [f"--{k.replace('_', '-')} {state['args'].get(k)!r} -> {v!r}" for k, v in vars(args).items()
+               if k in resume_keys and state["args"].get(k) != v]
+    if changed:
+        raise ValueError(f"--resume from {ckpts[-1]} with other settings than it was trained with: {', '.join(changed)}")
+    saved_ranks = len(list(ckpts[-1].glob("rng-*.pt")))
+    if saved_ranks != world:
+        raise ValueError(f"{ckpts[-1]} was written by {saved_ranks} ranks; resume with as many")
+    return ckpts[-1], state, False
+
+
 def save_checkpoint(path, model, raw, tok, opt, step, args, rank):
     """HF model + tokenizer (chat template included) + optimizer / RNG state, written to path.tmp then renamed:
     a crash mid-write never leaves a checkpoint that looks complete."""
@@ -493,15 +515,20 @@ def barrier():
         dist.barrier()
 
 
+def code_version():
+    """The commit of this checkout ('' outside git)."""
+    import subprocess
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                              cwd=Path(__file__).parent).stdout.strip()
+    except OSError:
+        return ""
+
+
 def run_config(args):
     """What reproduces this run: the flags, the code version and the library versions."""
-    import subprocess
     import transformers
-    try:
-        git = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent).stdout.strip()
-    except OSError:
-        git = ""
-    return {"args": vars(args), "git": git, "argv": sys.argv, "python": sys.version.split()[0],
+    return {"args": vars(args), "git": code_version(), "argv": sys.argv, "python": sys.version.split()[0],
             "torch": torch.__version__, "transformers": transformers.__version__}
 
 
@@ -533,24 +560,12 @@ def main(argv=None):
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(args.seed)
 
-    # never mix two runs in one dir: a fresh start needs an unused --out, a resume continues the newest checkpoint
-    ckpts, state = checkpoint_dirs(out), None
-    if not args.resume and (ckpts or (out / "final").exists() or (out / "log.jsonl").exists()):
-        raise ValueError(f"{out} already holds a run: pass --resume to continue it, or choose another --out")
-    if args.resume and (out / "final").exists():
+    ckpt, state, finished = resume_point(out, args, RESUME_KEYS, world)
+    if finished:
         print0(f"{out} is finished (final/ exists); nothing to resume")
         return
-    if args.resume and not ckpts:
+    if args.resume and ckpt is None:
         print0(f"--resume: no checkpoint in {out} yet; starting fresh")
-    if ckpts:
-        state = torch.load(ckpts[-1] / "trainer_state.pt", map_location="cpu", mmap=True, weights_only=False)
-        changed = [f"--{k.replace('_', '-')} {state['args'].get(k)!r} -> {v!r}" for k, v in vars(args).items()
-                   if k in RESUME_KEYS and state["args"].get(k) != v]
-        if changed:
-            raise ValueError(f"--resume from {ckpts[-1]} with other settings than it was trained with: {', '.join(changed)}")
-        saved_ranks = len(list(ckpts[-1].glob("rng-*.pt")))
-        if saved_ranks != world:
-            raise ValueError(f"{ckpts[-1]} was written by {saved_ranks} ranks; resume with as many")
 
     # data -> (ids, roles), rendered a share per rank, held-out split
     where = []
@@ -562,7 +577,7 @@ def main(argv=None):
             build_tiny(model_path, [m["content"] for c in convs for m in c], seed=args.seed)
         barrier()
     # a checkpoint carries the chat template it was trained with: resume with exactly that one
-    tok = load_tokenizer(ckpts[-1], "native") if ckpts else load_tokenizer(model_path, args.chat_template)
+    tok = load_tokenizer(ckpt, "native") if ckpt else load_tokenizer(model_path, args.chat_template)
     mine, failed = [], 0
     for i in range(rank, len(convs), world):
         try:
@@ -596,14 +611,14 @@ def main(argv=None):
     # model, optimizer, resume
     use_bf16 = args.dtype == "bf16" or (args.dtype == "auto" and device.type == "cuda")
     ctx = torch.autocast(device.type, dtype=torch.bfloat16) if use_bf16 else nullcontext()
-    raw = load_model(ckpts[-1] if ckpts else model_path, device)
+    raw = load_model(ckpt or model_path, device)
     model = wrap_model(LossModule(raw), raw, args, device)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay)
     start = 0
     if state is not None:
         load_optimizer_state(model, opt, state, args.fsdp)
         start = state["step"]
-        rng = torch.load(ckpts[-1] / f"rng-{rank}.pt", weights_only=False)
+        rng = torch.load(ckpt / f"rng-{rank}.pt", weights_only=False)
         torch.set_rng_state(rng["torch"])
         if rng["cuda"] is not None:
             torch.cuda.set_rng_state(rng["cuda"])
