@@ -222,17 +222,22 @@ def _numbers(x):
 # Tables and plots
 
 def overview(results, attempts, names):
-    """One row per model: pass@k over all tasks, pass@1 / pass@n on the held-out kind, distinct solved."""
+    """One row per model: pass@k over all tasks, pass@1 / pass@n on the held-out kind, distinct solved, mean
+    turns and how the unsolved episodes that did not just end wrong ended (failure kinds)."""
     ks = evaluate.ks_up_to(attempts)
-    head = "| model | " + " | ".join(f"pass@{k}" for k in ks) + f" | held-out pass@1 / @{ks[-1]} | solved | excluded |"
-    lines = [head, "|" + "---|" * (len(ks) + 4)]
+    head = ("| model | " + " | ".join(f"pass@{k}" for k in ks)
+            + f" | held-out pass@1 / @{ks[-1]} | solved | excluded | mean turns | episodes ended by |")
+    lines = [head, "|" + "---|" * (len(ks) + 6)]
     for m, res in results.items():
         s = evaluate.summarize(res["tasks"], ks)
         held = {n: e for n, e in res["tasks"].items() if e.get("heldout")}
         h = evaluate.summarize(held, ks) if held else None
         hcell = f"{evaluate.pct(h['pass@k'][ks[0]])} / {evaluate.pct(h['pass@k'][ks[-1]])}" if h else "-"
+        turns = [a["turns"] for e in res["tasks"].values() for a in e["attempts"]]
+        ends = ", ".join(f"{k} {v}" for k, v in sorted(s["failures"].items())) or "-"
         lines.append(f"| {names[m]} | " + " | ".join(evaluate.pct(s["pass@k"][k]) for k in ks)
-                     + f" | {hcell} | {s['solved']}/{s['tasks']} | {s['excluded']} |")
+                     + f" | {hcell} | {s['solved']}/{s['tasks']} | {s['excluded']} "
+                     f"| {sum(turns) / max(len(turns), 1):.1f} | {ends} |")
     return "\n".join(lines)
 
 
