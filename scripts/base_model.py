@@ -181,8 +181,8 @@ def _session_rng(prompt):
 
 def user_policy(n_commands):
     """A batch policy for envs.run_episodes that types n_commands generic commands (1-3 per reply), then
-    claims completion and confirms it, in Terminus-2 JSON with the expert's key order (taskgen._reply). Every
-    choice follows from the session's seed and what the terminal printed."""
+    claims completion and confirms it, in Terminus-2 JSON with an empty analysis and plan. Every choice follows
+    from the session's seed and what the terminal printed."""
     def reply(messages):
         seed, i = _session_rng(messages[0]["content"])
         tree = random_tree(random.Random(f"{seed}/tree/{i}"))
