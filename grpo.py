@@ -307,18 +307,15 @@ def head_logprobs(h, W, targets, chunk=None):
 def collate(examples, pad_id):
     """Episodes (dicts of per-token lists: ids, roles, behav, wrapper, [old, ref]; scalar adv) -> right-padded
     (B, T) tensors (PROMPT on padding, so padding never carries loss) and adv (B,)."""
-    T, B = max(len(e["ids"]) for e in examples), len(examples)
-    out = {"input_ids": torch.full((B, T), pad_id, dtype=torch.long), "roles": torch.full((B, T), PROMPT, dtype=torch.long),
-           "attention_mask": torch.zeros((B, T), dtype=torch.long), "wrapper": torch.zeros((B, T), dtype=torch.bool),
-           "adv": torch.tensor([e["adv"] for e in examples], dtype=torch.float32)}
+    out = sft.collate([(e["ids"], e["roles"]) for e in examples], pad_id)  # input_ids, roles, attention_mask
+    B, T = out["input_ids"].shape
+    out["wrapper"] = torch.zeros((B, T), dtype=torch.bool)
+    out["adv"] = torch.tensor([e["adv"] for e in examples], dtype=torch.float32)
     for key in ("behav", "old", "ref"):
         if key in examples[0]:
             out[key] = torch.zeros((B, T), dtype=torch.float32)
     for b, e in enumerate(examples):
         n = len(e["ids"])
-        out["input_ids"][b, :n] = torch.as_tensor(e["ids"])
-        out["roles"][b, :n] = torch.as_tensor(e["roles"])
-        out["attention_mask"][b, :n] = 1
         out["wrapper"][b, :n] = torch.as_tensor(e["wrapper"], dtype=torch.bool)
         for key in ("behav", "old", "ref"):
             if key in e:
