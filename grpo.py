@@ -638,9 +638,8 @@ def main(argv=None):
         log.close()
     del engine  # its shutdown also tears down the process group it joined (torchrun): before ours, not after
     gc.collect()
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    sft.close_distributed()
 
 
 if __name__ == "__main__":
-    main()
+    sft.run_cli(main)

@@ -365,10 +365,14 @@ class LossModule(torch.nn.Module):
         return actobs_loss(self.lm, batch, lam, w_act, n_traj)
 
 
+def under_torchrun():
+    return "RANK" in os.environ
+
+
 def init_distributed():
     """-> (distributed, rank, world, device). torchrun sets RANK / WORLD_SIZE / LOCAL_RANK: join the process
     group, one GPU per rank; plain `python` runs one process."""
-    distributed = "RANK" in os.environ
+    distributed = under_torchrun()
     if distributed:
         dist.init_process_group(backend="nccl" if torch.cuda.is_available() else "gloo")
     rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
@@ -376,6 +380,25 @@ def init_distributed():
     if device.type == "cuda":
         torch.cuda.set_device(device)
     return distributed, rank, world, device
+
+
+def close_distributed():
+    """Leave the process group, all ranks together (a no-op in a single process)."""
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def run_cli(main):
+    """Run main() as a script. Under torchrun, a finished process then exits without the interpreter's shutdown:
+    FSDP2's modules keep the process group alive past destroy_process_group (deleting the model and running gc
+    does not free it), so gloo's threads still run while the interpreter tears down, and one of them touching
+    Python then aborts, now and then, a run that has already written everything (a rank exits with -6)."""
+    main()
+    if under_torchrun():
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 def wrap_model(module, raw, args, device):
@@ -563,6 +586,7 @@ def main(argv=None):
     ckpt, state, finished = resume_point(out, args, RESUME_KEYS, world)
     if finished:
         print0(f"{out} is finished (final/ exists); nothing to resume")
+        close_distributed()
         return
     if args.resume and ckpt is None:
         print0(f"--resume: no checkpoint in {out} yet; starting fresh")
@@ -712,9 +736,8 @@ def main(argv=None):
         print0(f"final model: {out / 'final'}")
     if log:
         log.close()
-    if distributed:
-        dist.destroy_process_group()
+    close_distributed()
 
 
 if __name__ == "__main__":
-    main()
+    run_cli(main)
