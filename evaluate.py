@@ -56,6 +56,8 @@ def parse_args(argv=None):
     p.add_argument("--prompt-template", type=Path, help="system prompt with {instruction} and {terminal_state} "
                    "(default: terminus.DEFAULT_PROMPT, what envs.py corpus writes); pass the SFT corpus's own")
     p.add_argument("--concurrency", type=int, default=8, help="sandboxes live at once")
+    p.add_argument("--transcripts", type=Path, help="also append every episode to this JSONL: its record, the "
+                   "verifier's output and the conversation (the SFT corpus's form), to read what the policy did")
     p.add_argument("--retry-infra", action="store_true", help="on resume, run again the attempts that ended in an "
                    "infrastructure failure (otherwise they stay recorded, and excluded)")
     p.add_argument("--seed", type=int, default=0)
@@ -368,11 +370,17 @@ def evaluate(args, rollout=None):
         from tqdm import tqdm
         rollout = rollout or vllm_rollout(args, results["sessions"] - 1)
         lock, t0, bar, outcomes = threading.Lock(), time.time(), tqdm(total=len(jobs), desc="attempts"), Counter()
+        transcripts = open(args.transcripts, "a") if args.transcripts else None
 
         def on_episode(i, ep):
             name, attempt, _ = jobs[i]
+            rec = attempt_record(attempt, ep)
             with lock:
-                results["tasks"][name]["attempts"].append(attempt_record(attempt, ep))
+                if transcripts:  # before the results: an attempt the results hold has its transcript
+                    transcripts.write(json.dumps({"task": name, **rec, "verifier_output": ep.verifier_output,
+                                                  "conversations": ep.messages}) + "\n")
+                    transcripts.flush()
+                results["tasks"][name]["attempts"].append(rec)
                 results["tasks"][name]["attempts"].sort(key=lambda a: a["attempt"])
                 save_results(args.out, results)
                 outcomes[ep.failure or ("solved" if ep.reward >= 1.0 else "failed")] += 1
@@ -382,6 +390,8 @@ def evaluate(args, rollout=None):
             rollout([task for _, _, task in jobs], on_episode)
         finally:
             bar.close()
+            if transcripts:
+                transcripts.close()
         print(f"{len(jobs)} attempts in {time.time() - t0:.0f}s")
     results["summary"] = summarize(results["tasks"], ks_up_to(args.attempts))
     save_results(args.out, results)

@@ -11,6 +11,7 @@ import pytest
 import envs
 import evaluate
 import taskgen
+import terminus
 
 
 def exact(n, c, k):
@@ -210,8 +211,9 @@ def recorded(path):
 
 
 def test_resume_runs_only_missing_attempts(toy_tasks, tmp_path, no_leftovers):
-    out = tmp_path / "res.json"
-    argv = ["--model", "unused-by-this-rollout", "--tasks", str(toy_tasks), "--attempts", "2", "--out", str(out)]
+    out, transcripts = tmp_path / "res.json", tmp_path / "episodes.jsonl"
+    argv = ["--model", "unused-by-this-rollout", "--tasks", str(toy_tasks), "--attempts", "2", "--out", str(out),
+            "--transcripts", str(transcripts)]
     broken = "actobs/" + taskgen.make_splits(0, 0, 2, seed=1)["eval"][1].name
     calls = []
     with pytest.raises(KeyboardInterrupt):  # killed after 3 episodes
@@ -233,6 +235,19 @@ def test_resume_runs_only_missing_attempts(toy_tasks, tmp_path, no_leftovers):
     assert {e["kind"] for e in toy} == {"archive", "find_copy"} and [e["heldout"] for e in toy].count(True) == 1
     assert res["summary"]["excluded"] == 2 and res["summary"]["tasks@k"] == {1: 2, 2: 2}
     assert res["summary"]["pass@k"] == {1: 1.0, 2: 1.0} and res["sessions"] == 2
+    # every recorded attempt has its transcript: its record and the conversation
+    episodes = {(r["task"], r["attempt"]): r for r in map(json.loads, transcripts.read_text().splitlines())}
+    assert episodes.keys() >= final.keys()
+    for key, a in final.items():
+        r = episodes[key]
+        assert {k: r[k] for k in a} == a
+        if key[0] == broken:
+            assert r["conversations"] == []
+        else:
+            conv = r["conversations"]
+            assert [m["role"] for m in conv] == ["user", "assistant"] * (len(conv) // 2) and len(conv) >= 4
+            assert terminus.parse_reply(conv[-1]["content"])[0].task_complete  # the expert's confirmation
+            assert conv[0]["content"].startswith(terminus.DEFAULT_PROMPT.split("{")[0])
 
     calls.clear()  # complete: nothing runs
     evaluate.evaluate(evaluate.parse_args(argv), rollout=expert_rollout(calls))
