@@ -27,11 +27,12 @@ CORPUS=(--n-sft 320 --n-rl 32 --n-eval 18)                                      
 HELDOUT_N=32                                                                              # trajectories for the probes
 SFT=(--lr 2e-3 --warmup-ratio 0.05 --min-lr-ratio 0.1 --batch-size 4 --epochs 3 --max-len 3072 --micro-tokens 8192
      --dtype bf16 --val-size 16 --eval-every 0 --save-every 40 --keep 1 --probe-every 20)  # sft.py, all arms
-# RL and evaluation roll out with the same limits; the expert needs ~5 turns of ~100 tokens. One engine step decodes
-# a token for every live episode, so 32 sandboxes at once cost little more per step than 8.
-GRPO=(--steps 4 --tasks-per-step 4 --group-size 8 --lr 1e-5 --max-turns 10 --max-new-tokens 256 --max-len 4096
+# RL and evaluation roll out with the same limits; the expert needs ~5 turns of ~80 tokens, but its csv_summary script
+# reply is up to ~330 (`report.py limits` checks the corpus against these). One engine step decodes a token for every
+# live episode, so 32 sandboxes at once cost little more per step than 8.
+GRPO=(--steps 4 --tasks-per-step 4 --group-size 8 --lr 1e-5 --max-turns 10 --max-new-tokens 384 --max-len 4096
       --concurrency 32 --save-every 4 --keep 1 --kv-cache-gb 1)                            # grpo.py, all arms
-EVAL=(--attempts 16 --max-turns 10 --max-new-tokens 256 --max-len 4096 --concurrency 32) # evaluate.py, all models
+EVAL=(--attempts 16 --max-turns 10 --max-new-tokens 384 --max-len 4096 --concurrency 32) # evaluate.py, all models
 PROBE=(--n 32 --max-len 3072)                                                             # probes.py
 SAMPLE=(--max-new-tokens 128)                                                             # probes' own samples
 if [ $MODE = quick ]; then
@@ -65,6 +66,7 @@ B="$R/base/model"
 [ -f "$R/corpus/sft.jsonl" ] || stage corpus python envs.py corpus --out "$R/corpus" --seed $SEED "${CORPUS[@]}" --prompt-template $PT
 head -n -$HELDOUT_N "$R/corpus/sft.jsonl" > "$R/train.jsonl"   # the probes' trajectories stay out of SFT
 tail -n $HELDOUT_N "$R/corpus/sft.jsonl" > "$R/heldout.jsonl"
+python scripts/report.py limits "$R" $([ $MODE = quick ] && echo --warn)  # RL / evaluation limits fit the expert
 
 # ---- 3. SFT from the same base: same data, order and schedule; only the loss (LOSS above) differs
 for A in "${ARMS[@]}"; do

@@ -2,16 +2,19 @@
 The ablation's run folder (ablation.sh): its settings, a check of every stage's output, and REPORT.md.
 
     python scripts/report.py settings RUN mode=full seed=0 sft="--lr 2e-3 ..." ...   # ablation.sh, at start
+    python scripts/report.py limits RUN                                             # ablation.sh, after the corpus
     python scripts/report.py build RUN                                              # ablation.sh, at the end
 
 `settings` writes RUN/settings.json (each stage's flags, the seed, the mode, the git commit) and refuses a
-folder that holds a run with other settings, so a resumed run never mixes two. `build` checks that every stage
+folder that holds a run with other settings, so a resumed run never mixes two. `limits` stops a run whose GRPO or
+evaluation limits would cut the expert's own replies or episodes (in the base model's tokens). `build` checks that every stage
 left well-formed output (files exist and parse, one GRPO log row per step, every task attempted n times,
 pass@k in [0, 1] and non-decreasing in k, finite probe numbers), then writes REPORT.md, report.json and the
 plots: pass_at_k.png (all checkpoints), grpo_curves.png (reward, entropy, KL from init per arm) and
 geometry.png (cos(g_act, g_obs) and r during SFT per arm). Any problem: one line each, exit status 1.
 """
 import argparse
+import itertools
 import json
 import math
 import shlex
@@ -22,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo's modul
 
 import envs  # noqa: E402
 import evaluate  # noqa: E402
+import labels  # noqa: E402
 import taskgen  # noqa: E402
 
 LABELS = {"actionsft": "ActionSFT (λ=0)", "actobs": "ActObs (λ=1)", "obs-then-act": "Obs→Act"}  # else the arm's name
@@ -287,6 +291,34 @@ def probe_table(probes, run, names):
     return "\n".join(lines)
 
 
+def expert_lengths(tokenizer, rows):
+    """(longest reply, its task, longest episode, its task) in tokens of the expert corpus rows, counted as a rollout
+    counts them: a reply is a run of ACTION tokens (what the policy generates, its end-of-turn token included),
+    an episode all of its rendered tokens."""
+    reply = episode = (0, None)
+    for r in rows:
+        ids, roles = labels.render(tokenizer, r["conversations"])
+        longest = max((len(list(run)) for role, run in itertools.groupby(roles) if role == labels.ACTION), default=0)
+        reply, episode = max(reply, (longest, r.get("task"))), max(episode, (len(ids), r.get("task")))
+    return (*reply, *episode)
+
+
+def check_limits(run, st, problems):
+    """The rollout limits of GRPO and evaluation must let a policy do what the expert did: a reply cut at
+    --max-new-tokens cannot parse, so a kind whose expert writes a longer reply could never be solved, by any arm."""
+    tok = labels.load_tokenizer(run / "base" / "model", "native")
+    reply, reply_task, episode, episode_task = expert_lengths(tok, read_jsonl(run / "corpus" / "sft.jsonl", problems))
+    for stage in ("grpo", "eval"):
+        f = flags(st[stage])
+        if reply > int(f["--max-new-tokens"]):
+            problems.append(f"{stage}: --max-new-tokens {f['--max-new-tokens']} is less than the expert's longest reply, "
+                            f"{reply} tokens ({reply_task}): such replies are cut and cannot parse")
+        if episode > int(f["--max-len"]):
+            problems.append(f"{stage}: --max-len {f['--max-len']} is less than the expert's longest episode, {episode} "
+                            f"tokens ({episode_task})")
+    return reply, episode
+
+
 def build(run):
     problems = []
     settings = read_json(run / "settings.json", problems)
@@ -367,11 +399,26 @@ def main(argv=None):
     s = sub.add_parser("settings", help="record the run's settings; refuse a folder with other ones")
     s.add_argument("run", type=Path)
     s.add_argument("pairs", nargs="+", help="KEY=VALUE, e.g. grpo=\"--steps 8 ...\"")
+    lim = sub.add_parser("limits", help="check that GRPO's and evaluation's rollout limits fit the expert's replies "
+                         "and episodes (in the base model's tokens); exit status 1 if not")
+    lim.add_argument("run", type=Path)
+    lim.add_argument("--warn", action="store_true", help="print what does not fit, and exit 0 (the quick run's tiny "
+                     "limits are meant to cut)")
     b = sub.add_parser("build", help="check every stage's output, write REPORT.md, report.json and the plots")
     b.add_argument("run", type=Path)
     args = p.parse_args(argv)
     if args.cmd == "settings":
         return write_settings(args.run, args.pairs)
+    if args.cmd == "limits":
+        problems = []
+        settings = read_json(args.run / "settings.json", problems)
+        reply, episode = check_limits(args.run, settings["stages"], problems) if settings else (None, None)
+        print(f"{args.run}: the expert's longest reply is {reply} tokens, its longest episode {episode}")
+        for line in problems:
+            print(f"  {'warning: ' if args.warn else ''}{line}", file=sys.stderr)
+        if problems and not args.warn:
+            raise SystemExit(1)
+        return
     problems = build(args.run)
     if problems:
         print(f"{args.run}: {len(problems)} problem(s) in the stages' outputs:", file=sys.stderr)

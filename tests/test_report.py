@@ -5,6 +5,8 @@ from pathlib import Path
 
 import pytest
 
+import labels
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 import report  # noqa: E402
 
@@ -79,3 +81,25 @@ def test_build_names_what_is_missing(tmp_path):
     for piece in ("base/model", "corpus/sft.jsonl", "actobs/log.jsonl", "actionsft-grpo", "eval/actobs-grpo.json",
                   "probes/kl.json", "times.jsonl"):
         assert piece in text, piece
+
+
+def test_limits_measure_the_expert_in_rollout_tokens(tmp_path, tiny_dir, synthetic):
+    (tmp_path / "base").mkdir()
+    (tmp_path / "base" / "model").symlink_to(tiny_dir)
+    tok = labels.load_tokenizer(tiny_dir, "native")
+    long = "echo " + "word " * 60 + "\n"
+    rows = [{"task": f"t{i}", "conversations": c} for i, c in enumerate(synthetic[:6])]
+    rows.append({"task": "long", "conversations": [{"role": "user", "content": "Print sixty words."},
+                                                    {"role": "assistant", "content": long}]})
+    (tmp_path / "corpus").mkdir()
+    (tmp_path / "corpus" / "sft.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    reply, reply_task, episode, episode_task = report.expert_lengths(tok, rows)
+    # what a policy generates for that reply: its text and the end-of-turn token
+    assert (reply, reply_task) == (len(tok(long, add_special_tokens=False)["input_ids"]) + 1, "long")
+    assert episode == max(len(labels.render(tok, r["conversations"])[0]) for r in rows) and episode_task != "long"
+    for new, length, cut in ((reply, episode, None), (reply - 1, episode, "max-new-tokens"), (reply, episode - 1, "max-len")):
+        problems = []
+        limits = f"--max-new-tokens {new} --max-len {length}"
+        assert report.check_limits(tmp_path, {"grpo": limits, "eval": limits}, problems) == (reply, episode)
+        assert len(problems) == (0 if cut is None else 2), problems
+        assert all(f"--{cut} " in p and (reply_task if cut == "max-new-tokens" else episode_task) in p for p in problems)
