@@ -13,10 +13,7 @@
 set -euo pipefail
 cd "$(dirname "$0")"
 case "${1:-}" in "") MODE=full ;; --quick) MODE=quick ;; *) echo "usage: bash ablation.sh [--quick]" >&2; exit 2 ;; esac
-# Stop the Docker daemon on exit only if this script starts it (CI starts it first and stops it itself).
-if .ci/dockerd.sh status >/dev/null 2>&1; then OWN_DOCKERD=0; else OWN_DOCKERD=1; fi
-. .ci/setup.sh
-if [ $OWN_DOCKERD = 1 ]; then trap '.ci/dockerd.sh stop' EXIT; fi
+. .ci/setup.sh  # installs, starts Docker (and stops it on exit if it was not up), builds the base image
 
 # ---- settings: full, then what --quick shrinks ------------------------------------------------------------
 SEED=0

