@@ -550,32 +550,22 @@ def main(argv=None):
 
         # training: --ppo-epochs optimizer steps on this batch, micro-batches by token budget
         tot = {}
-        lengths = [len(ex["ids"]) for ex in examples]
         for epoch in range(args.ppo_epochs):
-            mbs = sft.micro_batches(lengths, args.micro_tokens)
-            n_micro = int(sft.all_reduce([len(mbs)], device, dist.ReduceOp.MAX)[0])
-            if n_micro > len(mbs):
-                mbs = sft.micro_batches(lengths, args.micro_tokens, n_micro)
+            mbs = sft.rank_micro_batches([len(ex["ids"]) for ex in examples], args.micro_tokens, device)
             for k, g in enumerate(mbs):
                 # an empty group (no usable episode on this rank) still runs a 1-token pass to keep DDP in step
                 batch = collate([examples[i] for i in g] or [{"ids": [tok.pad_token_id], "roles": [PROMPT], "behav": [0.0],
                                                              "wrapper": [False], "adv": 0.0}], tok.pad_token_id)
                 batch = {key: v.to(device) for key, v in batch.items()}
-                # DDP: one all-reduce after the last micro-batch; FSDP2 reduce-scatters after each (no full grads kept)
-                sync = model.no_sync() if distributed and not args.fsdp and k < len(mbs) - 1 else nullcontext()
-                with sync, ctx:
+                with sft.grad_sync(model, k == len(mbs) - 1, world, args.fsdp), ctx:
                     carrier, st = model(batch, args, max(n_tok, 1), max(n_seq, 1), n_echo)
                     (carrier * world).backward()  # DDP averages over ranks; the normalisers are already global
                 if epoch == 0:
                     for key, v in st.items():
                         tot[key] = tot.get(key, 0.0) + v
-            gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip if args.grad_clip > 0 else float("inf"))
-            gnorm = float(gnorm.full_tensor() if hasattr(gnorm, "full_tensor") else gnorm)
-            if math.isfinite(gnorm):
-                opt.step()
-            else:
+            gnorm = sft.optimizer_step(model, opt, args.grad_clip)
+            if not math.isfinite(gnorm):
                 print0(f"step {step + 1}: grad norm {gnorm}, update skipped")
-            opt.zero_grad(set_to_none=True)
         t_train = time.time()
         if device.type == "cuda":
             engine.wake_up()

@@ -435,25 +435,43 @@ def all_reduce(values, device, op=dist.ReduceOp.SUM):
     return t.tolist()
 
 
+def rank_micro_batches(lengths, token_budget, device):
+    """micro_batches() of this rank's examples, as many as the rank that needs the most: every rank runs the same
+    number of forward passes (DDP's and FSDP's collectives require it)."""
+    groups = micro_batches(lengths, token_budget)
+    n_micro = int(all_reduce([len(groups)], device, dist.ReduceOp.MAX)[0])
+    if n_micro > len(groups):  # another rank needs more passes: split ours to match
+        groups = micro_batches(lengths, token_budget, n_micro)
+    return groups
+
+
+def grad_sync(model, last, world, fsdp):
+    """The context of one micro-batch's backward. DDP: all-reduce grads once, after the last micro-batch. FSDP2
+    reduce-scatters after every micro-batch: skipping that would keep a full unsharded gradient on every rank."""
+    return model.no_sync() if world > 1 and not fsdp and not last else nullcontext()
+
+
+def optimizer_step(model, opt, grad_clip):
+    """Clip, step, zero the grads; -> the grad norm before clipping (the same on every rank). A non-finite norm (an
+    overflow or a broken batch) drops the update rather than poison the weights and Adam's moments."""
+    gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip if grad_clip > 0 else float("inf"))
+    gnorm = float(gnorm.full_tensor() if hasattr(gnorm, "full_tensor") else gnorm)
+    if math.isfinite(gnorm):
+        opt.step()
+    opt.zero_grad(set_to_none=True)
+    return gnorm
+
+
 def run_micro_batches(loss_mod, examples, args, pad_id, lam, w_act, n_traj, device, ctx, world, train):
     """Forward (and backward when train) over this rank's examples in length-grouped micro-batches.
     Returns summed stats. All ranks run the same number of micro-batches."""
-    lengths = [len(ids) for ids, _ in examples]
-    groups = micro_batches(lengths, args.micro_tokens)
-    n_micro = int(all_reduce([len(groups)], device, dist.ReduceOp.MAX)[0])
-    if n_micro > len(groups):  # another rank needs more passes: split ours to match
-        groups = micro_batches(lengths, args.micro_tokens, n_micro)
+    groups = rank_micro_batches([len(ids) for ids, _ in examples], args.micro_tokens, device)
     tot = dict.fromkeys(["loss", "act_nll_sum", "act_tokens", "obs_nll_sum", "obs_tokens", "n_traj", "tokens"], 0.0)
     for k, g in enumerate(groups):
         # an empty group (this rank has fewer trajectories) still runs a 1-token pass to keep collectives in step
         batch = collate([examples[i] for i in g] or [([pad_id], [PROMPT])], pad_id)
         batch = {key: v.to(device) for key, v in batch.items()}
-        last = k == len(groups) - 1
-        sync = nullcontext()
-        # DDP: all-reduce grads once, after the last micro-batch. FSDP2 reduce-scatters after every micro-batch:
-        # skipping that would keep a full unsharded gradient on every rank
-        if train and world > 1 and not args.fsdp and not last:
-            sync = loss_mod.no_sync()
+        sync = grad_sync(loss_mod, k == len(groups) - 1, world, args.fsdp) if train else nullcontext()
         with sync, ctx, (nullcontext() if train else torch.no_grad()):
             loss, st = loss_mod(batch, lam, w_act, n_traj)
             if train:
@@ -704,13 +722,9 @@ def main(argv=None):
         n_traj = max(sum(loss_denominator(train[i][1], lam, w_act) > 0 for i in idx), 1)  # global: same on all ranks
         tot = run_micro_batches(model, [train[i] for i in idx[rank::world]], args, tok.pad_token_id, lam, w_act, n_traj,
                                 device, ctx, world, train=True)
-        gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip if args.grad_clip > 0 else float("inf"))
-        gnorm = float(gnorm.full_tensor() if hasattr(gnorm, "full_tensor") else gnorm)  # the same on every rank
-        if math.isfinite(gnorm):
-            opt.step()
-        else:  # an overflow or a broken batch: drop the update rather than poison the weights and Adam's moments
+        gnorm = optimizer_step(model, opt, args.grad_clip)
+        if not math.isfinite(gnorm):
             print0(f"step {step + 1}: grad norm {gnorm}, update skipped")
-        opt.zero_grad(set_to_none=True)
         tot = reduce_stats(tot, device)
         dt = time.time() - t0
         record({"step": step + 1, "train/loss": tot["loss"], "train/act_nll": tot["act_nll"], "train/obs_nll": tot["obs_nll"],
