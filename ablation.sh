@@ -71,9 +71,9 @@ for A in "${ARMS[@]}"; do
 done
 
 # ---- 4. pass@k of the base and each SFT checkpoint on the evaluation split (resumes per attempt)
-# evaluate M CHECKPOINT: n attempts per evaluation task
+# evaluate M CHECKPOINT: n attempts per evaluation task, and every episode's conversation to read
 evaluate() { stage eval-$1 python evaluate.py --model "$2" --tasks "$R/corpus/eval" --out "$R/eval/$1.json" \
-    --prompt-template $PT --seed $SEED "${EVAL[@]}"; }
+    --transcripts "$R/eval/$1.episodes.jsonl" --prompt-template $PT --seed $SEED "${EVAL[@]}"; }
 evaluate base "$B"
 for A in "${ARMS[@]}"; do evaluate $A "$R/$A/final"; done
 

@@ -8,7 +8,8 @@ The ablation's run folder (ablation.sh): its settings, a check of every stage's 
 `settings` writes RUN/settings.json (each stage's flags, the seed, the mode, the git commit) and refuses a
 folder that holds a run with other settings, so a resumed run never mixes two. `limits` stops a run whose GRPO or
 evaluation limits would cut the expert's own replies or episodes (in the base model's tokens). `build` checks that every stage
-left well-formed output (files exist and parse, one GRPO log row per step, every task attempted n times,
+left well-formed output (files exist and parse, one GRPO log row per step, every task attempted n times and
+every attempt's transcript kept,
 pass@k in [0, 1] and non-decreasing in k, finite probe numbers), then writes REPORT.md, report.json and the
 plots: pass_at_k.png (all checkpoints), grpo_curves.png (reward, entropy, KL from init per arm) and
 geometry.png (cos(g_act, g_obs) and r during SFT per arm). Any problem: one line each, exit status 1.
@@ -189,6 +190,12 @@ def check_eval(path, tasks, attempts, checkpoint, problems):
             problems.append(f"{where}: task {name} has attempts {idx}, expected 0..{attempts - 1}")
         if not all(finite(a["reward"]) and 0 <= a["reward"] <= 1 for a in entry["attempts"]):
             problems.append(f"{where}: task {name} has a reward outside [0, 1]")
+    transcripts = path.with_suffix(".episodes.jsonl")
+    have = {(r.get("task"), r.get("attempt")) for r in read_jsonl(transcripts, problems)}
+    lost = [(name, a["attempt"]) for name, e in res["tasks"].items() for a in e["attempts"]
+            if (name, a["attempt"]) not in have]
+    if lost:
+        problems.append(f"{transcripts}: no transcript of {len(lost)} recorded attempts, e.g. {lost[0]}")
     s = res.get("summary")
     vals = [v for v in (s or {}).get("pass@k", {}).values() if v is not None]
     if s is None or not vals:

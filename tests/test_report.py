@@ -35,10 +35,15 @@ def eval_results(ck, attempts=2, rewards=((1.0, 0.0), (0.0, 0.0)), pass_at_k=(0.
             "summary": {"pass@k": {str(2 ** i): v for i, v in enumerate(pass_at_k)}}}
 
 
-@pytest.mark.parametrize("case", ["ok", "missing_attempt", "reward_range", "decreasing", "other_model", "other_tasks"])
+@pytest.mark.parametrize("case", ["ok", "missing_attempt", "reward_range", "decreasing", "other_model", "other_tasks",
+                                  "missing_transcript"])
 def test_check_eval(tmp_path, case):
     ck, path = tmp_path / "ck", tmp_path / "eval.json"
     res = eval_results(ck)
+    episodes = [{"task": name, "attempt": a["attempt"]} for name, e in res["tasks"].items() for a in e["attempts"]]
+    if case == "missing_transcript":
+        episodes.pop(1)
+    (tmp_path / "eval.episodes.jsonl").write_text("".join(json.dumps(r) + "\n" for r in episodes))
     if case == "missing_attempt":
         res["tasks"]["t1"]["attempts"].pop()
     elif case == "reward_range":
