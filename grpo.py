@@ -40,7 +40,6 @@ one tensor at a time. DDP (no --fsdp) keeps the full 16 B/param per GPU: models 
 import argparse
 import gc
 import json
-import math
 import os
 import shutil
 import signal
@@ -563,9 +562,7 @@ def main(argv=None):
                 if epoch == 0:
                     for key, v in st.items():
                         tot[key] = tot.get(key, 0.0) + v
-            gnorm = sft.optimizer_step(model, opt, args.grad_clip)
-            if not math.isfinite(gnorm):
-                print0(f"step {step + 1}: grad norm {gnorm}, update skipped")
+            gnorm = sft.optimizer_step(model, opt, args.grad_clip, step, print0)
         t_train = time.time()
         if device.type == "cuda":
             engine.wake_up()

@@ -451,13 +451,16 @@ def grad_sync(model, last, world, fsdp):
     return model.no_sync() if world > 1 and not fsdp and not last else nullcontext()
 
 
-def optimizer_step(model, opt, grad_clip):
+def optimizer_step(model, opt, grad_clip, step, log):
     """Clip, step, zero the grads; -> the grad norm before clipping (the same on every rank). A non-finite norm (an
-    overflow or a broken batch) drops the update rather than poison the weights and Adam's moments."""
+    overflow or a broken batch) drops the update rather than poison the weights and Adam's moments, and says so
+    through log (rank 0's print)."""
     gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip if grad_clip > 0 else float("inf"))
     gnorm = float(gnorm.full_tensor() if hasattr(gnorm, "full_tensor") else gnorm)
     if math.isfinite(gnorm):
         opt.step()
+    else:
+        log(f"step {step + 1}: grad norm {gnorm}, update skipped")
     opt.zero_grad(set_to_none=True)
     return gnorm
 
@@ -722,9 +725,7 @@ def main(argv=None):
         n_traj = max(sum(loss_denominator(train[i][1], lam, w_act) > 0 for i in idx), 1)  # global: same on all ranks
         tot = run_micro_batches(model, [train[i] for i in idx[rank::world]], args, tok.pad_token_id, lam, w_act, n_traj,
                                 device, ctx, world, train=True)
-        gnorm = optimizer_step(model, opt, args.grad_clip)
-        if not math.isfinite(gnorm):
-            print0(f"step {step + 1}: grad norm {gnorm}, update skipped")
+        gnorm = optimizer_step(model, opt, args.grad_clip, step, print0)
         tot = reduce_stats(tot, device)
         dt = time.time() - t0
         record({"step": step + 1, "train/loss": tot["loss"], "train/act_nll": tot["act_nll"], "train/obs_nll": tot["obs_nll"],

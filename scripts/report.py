@@ -7,12 +7,12 @@ The ablation's run folder (ablation.sh): its settings, a check of every stage's 
 
 `settings` writes RUN/settings.json (each stage's flags, the seed, the mode, the git commit) and refuses a
 folder that holds a run with other settings, so a resumed run never mixes two. `limits` stops a run whose GRPO or
-evaluation limits would cut the expert's own replies or episodes (in the base model's tokens). `build` checks that every stage
-left well-formed output (files exist and parse, one GRPO log row per step, every task attempted n times and
-every attempt's transcript kept,
-pass@k in [0, 1] and non-decreasing in k, finite probe numbers), then writes REPORT.md, report.json and the
-plots: pass_at_k.png (all checkpoints), grpo_curves.png (reward, entropy, KL from init per arm) and
-geometry.png (cos(g_act, g_obs) and r during SFT per arm). Any problem: one line each, exit status 1.
+evaluation limits would cut the expert's own replies or episodes (in the base model's tokens). `build` checks
+that every stage left well-formed output (files exist and parse, one GRPO log row per step, every task attempted
+n times and every attempt's transcript kept, pass@k in [0, 1] and non-decreasing in k, finite probe numbers),
+then writes REPORT.md, report.json and the plots: pass_at_k.png (all checkpoints), grpo_curves.png (reward,
+entropy, KL from init per arm) and geometry.png (cos(g_act, g_obs) and r during SFT per arm). Any problem: one
+line each, exit status 1.
 """
 import argparse
 import itertools

@@ -1,6 +1,7 @@
 """The hand-written training loop end to end: losses fall, runs resume exactly, torchrun (DDP / FSDP2 on gloo)
 gives the single-process loss curve, checkpoints are Hugging Face dirs."""
 import json
+import math
 import os
 import random
 import subprocess
@@ -190,3 +191,17 @@ def test_unrenderable_rows_stop_with_their_line_or_are_counted(tiny_dir, data, t
         sft.main(args(tiny_dir, path, tmp_path / "a"))
     sft.main(args(tiny_dir, path, tmp_path / "b", "--skip-bad", "--stop-after", "1"))
     assert "(1 bad rows," in capsys.readouterr().out
+
+
+def test_optimizer_step_skips_a_non_finite_update():
+    lin = torch.nn.Linear(3, 2)
+    opt = torch.optim.AdamW(lin.parameters(), lr=0.1)
+    before, said = [p.detach().clone() for p in lin.parameters()], []
+    lin(torch.ones(1, 3)).sum().backward()
+    lin.weight.grad[0, 0] = float("nan")
+    assert math.isnan(sft.optimizer_step(lin, opt, 1.0, 6, said.append))
+    assert said == ["step 7: grad norm nan, update skipped"] and not opt.state
+    assert all(torch.equal(a, b) for a, b in zip(before, lin.parameters())) and lin.weight.grad is None
+    lin(torch.ones(1, 3)).sum().backward()  # a finite one is clipped and taken
+    assert sft.optimizer_step(lin, opt, 1.0, 7, said.append) > 1.0 and len(said) == 1
+    assert not torch.equal(before[0], lin.weight)
