@@ -15,19 +15,23 @@ One step: sample --tasks-per-step tasks, run --group-size episodes of each (all 
 --concurrency sandboxes), score them with the task's verifier, and take --ppo-epochs optimizer steps on
 
     A_i = r_i - mean(r_group)                          (/ (std(r_group) + 1e-6) with --scale-std; population std)
-    L   = -sum_{i in ACTION} n_i * w_i * min(rho_i A, clip(rho_i, 1-eps, 1+eps) A)
+    L   = -sum_{i in ACTION} n_i * w_i * min(rho_i A, clip(rho_i, 1-eps_low, 1+eps_high) A)
           + echo * mean_seq[ sum_{i in OBS(seq)} NLL_i / |OBS(seq)| ]  + kl * sum_{i in ACTION} n_i * k3_i
 
 with rho_i = pi(a_i) / pi_behaviour(a_i) (the vLLM log-prob the token was sampled with), all log-probs at the
-sampling temperature (logits / T, top-p 1, top-k off); n_i = 1 / (action tokens in the step) for
-`--loss-norm token` (default) or 1 / (|ACTION(seq)| * sequences in the step) for `--loss-norm sequence`.
-With --tis-cap C, rho_i is taken against the trainer's own log-prob before the step's first update and
-w_i = min(pi_old(a_i) / pi_behaviour(a_i), C) corrects the trainer/vLLM mismatch (truncated importance
-sampling); without it w_i = 1. Episodes that failed for infrastructure reasons (envs.INFRA_FAILURES) are
-left out of their group's mean and of the loss; the token normaliser counts every other episode, those of
-groups without signal included. An episode cut at --max-len keeps the reward the verifier gives the sandbox
-as it stands, and is counted (rollout/truncated). After every optimizer step the weights go into the
-engine in place. Each episode's token sequence is exactly what the policy saw and sampled (token-in/token-out):
+sampling temperature (logits / T, top-p 1, top-k off); eps_low = eps_high = --clip unless --clip-low /
+--clip-high say otherwise (DAPO's clip-higher); n_i = 1 / (action tokens in the step) for `--loss-norm token`
+(default), 1 / (|ACTION(seq)| * sequences in the step) for `sequence`, or Dr. GRPO's constant
+1 / (--max-len * sequences in the step) for `constant`. k3_i = e^(ref_i - logp_i) - (ref_i - logp_i) - 1 with
+ref the initial policy's log-prob. With --tis-cap C, rho_i is taken against the trainer's own log-prob before
+the step's first update and w_i = min(pi_old(a_i) / pi_behaviour(a_i), C) corrects the trainer/vLLM mismatch
+(truncated importance sampling); without it w_i = 1. Episodes that failed for infrastructure reasons
+(envs.INFRA_FAILURES) are left out of their group's mean and of the loss; the normalisers count every other
+episode, those of groups without signal included (with no KL and no ECHO term those are not forwarded: their
+loss is 0; a step where nothing is left makes no optimizer step). --dynamic-sampling drops groups without
+signal and draws more (DAPO). An episode cut at --max-len (rollout/truncated) keeps the reward the verifier
+gives the sandbox as it stands, is masked out of the loss, or is penalised (--overlong). After every optimizer
+step the weights go into the engine in place. Each episode's token sequence is exactly what the policy saw and sampled (token-in/token-out):
 observation turns are tokenised as the chat template renders them, never the history re-tokenised.
 
 GPU memory plan (80 GB GPUs, bf16 autocast over fp32 master weights; per GPU): Qwen3-4B with --fsdp on 8 GPUs:
@@ -76,10 +80,15 @@ def get_parser():
     p.add_argument("--max-len", type=int, default=16384, help="tokens per episode (prompt + replies + observations); longer ones are cut and flagged")
     p.add_argument("--concurrency", type=int, default=64, help="sandboxes live at once per rank")
     # objective
-    p.add_argument("--clip", type=float, default=0.2, help="PPO clip epsilon on the importance ratio")
+    p.add_argument("--clip", type=float, default=0.2, help="PPO clip epsilon on the importance ratio (both sides)")
+    p.add_argument("--clip-low", type=float, help="lower clip epsilon: the ratio is clipped to [1 - clip-low, 1 + clip-high] (default --clip)")
+    p.add_argument("--clip-high", type=float, help="upper clip epsilon (default --clip); DAPO's clip-higher: --clip-low 0.2 --clip-high 0.28")
     p.add_argument("--ppo-epochs", type=int, default=1, help="optimizer steps per batch of rollouts (1 = on-policy)")
-    p.add_argument("--loss-norm", default="token", choices=["token", "sequence"], help="token: mean over the step's action tokens; sequence: mean over sequences of their token mean")
+    p.add_argument("--loss-norm", default="token", choices=["token", "sequence", "constant"], help="token: mean over the step's action tokens; sequence: mean over sequences of their token mean; constant: Dr. GRPO's sum over each sequence's action tokens / --max-len, mean over sequences")
     p.add_argument("--scale-std", action="store_true", help="divide advantages by the group's std (+1e-6)")
+    p.add_argument("--dynamic-sampling", type=int, default=0, metavar="MAX_GROUPS", help="drop groups without signal and draw more, --tasks-per-step groups at a time, until --tasks-per-step groups have signal or MAX_GROUPS groups were drawn (a multiple of --tasks-per-step; 0 = off: every drawn group trains)")
+    p.add_argument("--overlong", default="keep", choices=["keep", "mask", "penalty"], help="episodes cut at --max-len: keep (the verifier's reward), mask (in their group's statistics, out of the loss), penalty (reward - --overlong-penalty)")
+    p.add_argument("--overlong-penalty", type=float, default=1.0, help="what --overlong penalty subtracts from a cut episode's reward")
     p.add_argument("--tis-cap", type=float, default=0.0, help="truncated importance weight cap for the trainer/vLLM mismatch (0 = off)")
     p.add_argument("--kl-coef", type=float, default=0.0, help="k3 KL penalty to the initial policy on sampled tokens (0 = off; the KL is logged either way)")
     p.add_argument("--echo-coef", type=float, default=0.0, help="ECHO: weight of the observation NLL of the policy's own rollouts (0.05 in its reference setting)")
@@ -343,6 +352,13 @@ def selected_rows(model, batch, temperature, echo):
     return h * scale[:, None], ids[:, 1:][sel], act, row, sel
 
 
+def clip_range(args):
+    """-> (1 - eps_low, 1 + eps_high): the interval the importance ratio is clipped to."""
+    low = args.clip if args.clip_low is None else args.clip_low
+    high = args.clip if args.clip_high is None else args.clip_high
+    return 1 - low, 1 + high
+
+
 def pg_loss(model, batch, args, n_tok, n_seq, n_echo):
     """-> (tensor whose gradient is the step's loss gradient for this micro-batch, stats of sums).
 
@@ -360,12 +376,17 @@ def pg_loss(model, batch, args, n_tok, n_seq, n_echo):
     behav = batch["behav"][:, 1:][sel]
     old = batch["old"][:, 1:][sel] if "old" in batch else logp  # the trainer before this step's first update
     n_act_row = torch.bincount(row[act], minlength=len(batch["adv"])).float()
-    norm = 1.0 / n_tok if args.loss_norm == "token" else 1.0 / (n_act_row[row].clamp(min=1) * n_seq)
+    if args.loss_norm == "token":
+        norm = torch.full_like(logp, 1.0 / n_tok)
+    elif args.loss_norm == "sequence":
+        norm = 1.0 / (n_act_row[row].clamp(min=1) * n_seq)
+    else:  # constant (Dr. GRPO): every action token weighs the same, however long its sequence
+        norm = torch.full_like(logp, 1.0 / (args.max_len * n_seq))
     if args.tis_cap > 0:
         ratio, w_is = (logp - old).exp(), (old - behav).exp().clamp(max=args.tis_cap)
     else:
         ratio, w_is = (logp - behav).exp(), torch.ones_like(logp)
-    unclipped, clipped = ratio * adv, ratio.clamp(1 - args.clip, 1 + args.clip) * adv
+    unclipped, clipped = ratio * adv, ratio.clamp(*clip_range(args)) * adv
     surrogate = torch.minimum(unclipped, clipped)
     flows = unclipped <= clipped  # the min takes the unclipped branch: the gradient flows through the ratio
     w = norm * w_is * adv * ratio * flows  # - d loss / d log p of each action token (PG part)
@@ -421,8 +442,9 @@ def score(model, examples, args, pad_id, device, ctx):
 
 # flags that fix the task set, the objective and the schedule: a resumed run must keep them
 RESUME_KEYS = ("init", "chat_template", "tasks", "prompt_template", "tasks_per_step", "group_size", "temperature",
-               "max_turns", "max_new_tokens", "max_len", "clip", "ppo_epochs", "loss_norm", "scale_std", "tis_cap",
-               "kl_coef", "echo_coef", "echo_payload_only", "steps", "lr", "weight_decay", "grad_clip", "seed")
+               "max_turns", "max_new_tokens", "max_len", "clip", "clip_low", "clip_high", "ppo_epochs", "loss_norm",
+               "scale_std", "dynamic_sampling", "overlong", "overlong_penalty", "tis_cap", "kl_coef", "echo_coef",
+               "echo_payload_only", "steps", "lr", "weight_decay", "grad_clip", "seed")
 
 
 def load_tasks(path):
@@ -433,11 +455,114 @@ def load_tasks(path):
     return [envs.load_task(d) for d in dirs]
 
 
-def step_groups(n_tasks, tasks_per_step, step, seed):
-    """Task indices of one step: without replacement within a step, seeded by (seed, step), so a resumed run
-    draws the same."""
-    rng = np.random.default_rng([seed, step])
+def step_groups(n_tasks, tasks_per_step, step, seed, draw=0):
+    """Task indices of one draw of a step: without replacement within a draw, seeded by (seed, step) for the
+    first draw and (seed, step, draw) for dynamic sampling's further ones, so a resumed run draws the same."""
+    rng = np.random.default_rng([seed, step] + ([draw] if draw else []))
     return rng.choice(n_tasks, tasks_per_step, replace=tasks_per_step > n_tasks).tolist()
+
+
+def rollout_seed(seed, step, rank, draw=0):
+    """The sampling seed of one rank's rollouts in one draw of a step (the first draw's is draw-free)."""
+    return (seed * 100_003 + step) * 64 + rank + (draw << 40)
+
+
+def group_examples(episodes, group_size, args):
+    """Episodes of consecutive groups (group_size each) -> (training examples per group, has_signal (G,) bool,
+    valid (G, S) bool). An example holds an episode's per-token lists (ids, roles, behav: the vLLM log-probs,
+    wrapper) and its advantage. Infrastructure failures are not valid: out of their group's statistics and of
+    the loss. An episode cut at --max-len keeps the verifier's reward (--overlong keep), stays in its group's
+    statistics without a loss (mask), or has --overlong-penalty taken off its reward (penalty)."""
+    cut = torch.tensor([e.truncated for e in episodes]).view(-1, group_size)  # (G, S)
+    rewards = torch.tensor([e.reward for e in episodes], dtype=torch.float32).view(-1, group_size)
+    if args.overlong == "penalty":
+        rewards = rewards - args.overlong_penalty * cut
+    valid = torch.tensor([not infra_failure(e) for e in episodes]).view(-1, group_size)
+    adv, has_signal = group_advantages(rewards, valid, args.scale_std)
+    trains = valid & ~cut if args.overlong == "mask" else valid
+    groups = [[] for _ in range(len(rewards))]
+    for i, e in enumerate(episodes):
+        g, j = divmod(i, group_size)
+        if trains[g, j] and ACTION in e.roles:
+            groups[g].append({"ids": e.token_ids, "roles": e.roles, "behav": e.logprobs, "wrapper": e.obs_wrapper,
+                              "adv": float(adv[g, j])})
+    return groups, has_signal, valid
+
+
+def keep_signal_groups(has_signal, room, rank, device):
+    """Dynamic sampling's choice in one draw: -> (indices of this rank's groups kept, groups kept over all
+    ranks). Groups with signal are kept in rank order until `room` are, so the step gets exactly as many as it
+    lacks, whichever ranks hold them."""
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    mine = int(has_signal.sum())
+    counts = sft.all_reduce([mine if r == rank else 0 for r in range(world)], device)  # (world,)
+    take = max(0, min(mine, room - int(sum(counts[:rank]))))
+    return has_signal.nonzero().flatten().tolist()[:take], min(int(sum(counts)), room)
+
+
+def sample_step(draw_episodes, n_tasks, args, step, rank, device):
+    """One step's episodes and training examples. draw_episodes(draw, task indices) -> the episodes of those
+    tasks' groups (group_size each, in order) on this rank. One draw of --tasks-per-step groups, split over the
+    ranks; with --dynamic-sampling, groups without signal are dropped and further draws (new tasks, seeded by the
+    draw) fill the step until --tasks-per-step groups have signal or the cap is drawn. -> (episodes of every
+    draw, valid (G, S), has_signal (G,) over every drawn group, this rank's examples)."""
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    per_rank = args.tasks_per_step // world
+    episodes, valid, has_signal, examples, kept = [], [], [], [], 0
+    for draw in range(max(args.dynamic_sampling // args.tasks_per_step, 1)):
+        groups = step_groups(n_tasks, args.tasks_per_step, step, args.seed, draw)[rank * per_rank: (rank + 1) * per_rank]
+        eps = draw_episodes(draw, groups)
+        ex_groups, sig, ok = group_examples(eps, args.group_size, args)
+        episodes, valid, has_signal = episodes + eps, valid + [ok], has_signal + [sig]
+        if not args.dynamic_sampling:
+            examples = [ex for g in ex_groups for ex in g]
+            break
+        keep, n_kept = keep_signal_groups(sig, args.tasks_per_step - kept, rank, device)
+        examples += [ex for g in keep for ex in ex_groups[g]]
+        kept += n_kept
+        if kept >= args.tasks_per_step:
+            break
+    return episodes, torch.cat(valid), torch.cat(has_signal), examples
+
+
+def train_batch(model, raw, ref, opt, examples, args, pad_id, device, ctx, step, log):
+    """--ppo-epochs optimizer steps of `model` (PGModule around `raw`) on this rank's examples; ref: the initial
+    policy. -> (stats summed over the first epoch's micro-batches, grad norm of the last update or None).
+
+    The normalisers count every example of every rank. Without a KL or ECHO term an example whose advantage is
+    0 (a group without signal) adds nothing to the loss: it is not forwarded. When no rank has an example left
+    there is nothing to learn from and nothing runs: no optimizer step either, as Adam's moments would move the
+    weights on the memory of earlier gradients (and weight decay would shrink them) with a gradient of 0."""
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    n_echo = sum(bool(echo_mask(torch.tensor(ex["roles"]), torch.tensor(ex["wrapper"]), args.echo_payload_only).any())
+                 for ex in examples) if args.echo_coef > 0 else 0
+    n_tok, n_seq, n_echo = sft.all_reduce([sum(ex["roles"][1:].count(ACTION) for ex in examples), len(examples),
+                                           n_echo], device)
+    if args.kl_coef == 0 and args.echo_coef == 0:
+        examples = [ex for ex in examples if ex["adv"] != 0]
+    if sft.all_reduce([len(examples)], device)[0] == 0:
+        return {"episodes_trained": 0}, None
+    for ex, lp in zip(examples, score(ref, examples, args, pad_id, device, ctx) if examples else []):
+        ex["ref"] = lp
+    if args.ppo_epochs > 1 and args.tis_cap > 0:  # the trainer before the step's first update
+        for ex, lp in zip(examples, score(raw, examples, args, pad_id, device, ctx) if examples else []):
+            ex["old"] = lp
+    tot = {"episodes_trained": len(examples)}
+    for epoch in range(args.ppo_epochs):
+        mbs = sft.rank_micro_batches([len(ex["ids"]) for ex in examples], args.micro_tokens, device)
+        for k, g in enumerate(mbs):
+            # an empty group (no example left on this rank) still runs a 1-token pass to keep DDP in step
+            batch = collate([examples[i] for i in g] or [{"ids": [pad_id], "roles": [PROMPT], "behav": [0.0],
+                                                         "wrapper": [False], "adv": 0.0}], pad_id)
+            batch = {key: v.to(device) for key, v in batch.items()}
+            with sft.grad_sync(model, k == len(mbs) - 1, world, args.fsdp), ctx:
+                carrier, st = model(batch, args, max(n_tok, 1), max(n_seq, 1), n_echo)
+                (carrier * world).backward()  # DDP averages over ranks; the normalisers are already global
+            if epoch == 0:
+                for key, v in st.items():
+                    tot[key] = tot.get(key, 0.0) + v
+        gnorm = sft.optimizer_step(model, opt, args.grad_clip, step, log)
+    return tot, gnorm
 
 
 def infra_failure(ep):
@@ -477,6 +602,8 @@ def main(argv=None):
         raise ValueError(f"--tasks-per-step {args.tasks_per_step} must be a multiple of the {world} ranks")
     if args.keep < 1 or args.ppo_epochs < 1 or args.temperature <= 0:
         raise ValueError("--keep and --ppo-epochs must be >= 1, --temperature > 0")
+    if args.dynamic_sampling % args.tasks_per_step:
+        raise ValueError(f"--dynamic-sampling {args.dynamic_sampling} must be a multiple of --tasks-per-step {args.tasks_per_step} (0 = off)")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
 
@@ -507,7 +634,6 @@ def main(argv=None):
     if rank == 0:
         (out / "config.json").write_text(json.dumps(sft.run_config(args), indent=2))
     log = open(out / "log.jsonl", "a") if rank == 0 else None
-    per_rank = args.tasks_per_step // world
     print0(f"{len(tasks)} tasks | {sum(p.numel() for p in raw.parameters()) / 1e6:.1f}M params | {args.steps} steps x "
            f"{args.tasks_per_step} tasks x {args.group_size} episodes | world {world} | "
            + (f"resumed at step {start}" if start else "fresh start"))
@@ -515,64 +641,39 @@ def main(argv=None):
 
     raw.train()
     for step in range(start, args.steps):
-        t0 = time.time()
-        groups = step_groups(len(tasks), args.tasks_per_step, step, args.seed)[rank * per_rank: (rank + 1) * per_rank]
-        todo = [tasks[g] for g in groups for _ in range(args.group_size)]
-        bar = tqdm(total=len(todo), desc=f"step {step + 1} rollouts", leave=False, disable=rank != 0, dynamic_ncols=True)
-        gen = {}
-        episodes = rollout(engine, tok, todo, temperature=args.temperature, max_turns=args.max_turns,
-                           max_new_tokens=args.max_new_tokens, max_len=args.max_len, concurrency=args.concurrency,
-                           template=template, seed=(args.seed * 100_003 + step) * 64 + rank,
-                           on_episode=lambda i, e: bar.update(), stats=gen)
-        bar.close()
+        t0, gen = time.time(), Counter()  # gen: the generator's wall / busy / idle seconds over the step's draws
+
+        def draw_episodes(draw, groups):  # rollouts of one draw's groups on this rank, scored by their verifiers
+            bar = tqdm(total=len(groups) * args.group_size, desc=f"step {step + 1} rollouts" + (f" (draw {draw + 1})" if draw else ""),
+                       leave=False, disable=rank != 0, dynamic_ncols=True)
+            stats = {}
+            eps = rollout(engine, tok, [tasks[g] for g in groups for _ in range(args.group_size)], temperature=args.temperature,
+                          max_turns=args.max_turns, max_new_tokens=args.max_new_tokens, max_len=args.max_len,
+                          concurrency=args.concurrency, template=template, seed=rollout_seed(args.seed, step, rank, draw),
+                          on_episode=lambda i, e: bar.update(), stats=stats)
+            bar.close()
+            gen.update(stats)
+            return eps
+        episodes, valid, has_signal, examples = sample_step(draw_episodes, len(tasks), args, step, rank, device)
         if device.type == "cuda":  # the engine's weights go to host memory and its KV cache is freed while training
             engine.sleep(level=1)
         t_roll = time.time()
 
-        # advantages per group; infrastructure failures leave their group's statistics
-        rewards = torch.tensor([e.reward for e in episodes], dtype=torch.float32).view(per_rank, args.group_size)
-        valid = torch.tensor([not infra_failure(e) for e in episodes]).view(per_rank, args.group_size)
-        adv, has_signal = group_advantages(rewards, valid, args.scale_std)
-        examples = []
-        for e, a, ok in zip(episodes, adv.flatten().tolist(), valid.flatten().tolist()):
-            if ok and ACTION in e.roles:
-                examples.append({"ids": e.token_ids, "roles": e.roles, "behav": e.logprobs, "wrapper": e.obs_wrapper, "adv": a})
-        for ex, lp in zip(examples, score(ref, examples, args, tok.pad_token_id, device, ctx) if examples else []):
-            ex["ref"] = lp
-        if args.ppo_epochs > 1 and args.tis_cap > 0:
-            for ex, lp in zip(examples, score(raw, examples, args, tok.pad_token_id, device, ctx) if examples else []):
-                ex["old"] = lp
-        n_echo = sum(bool(echo_mask(torch.tensor(ex["roles"]), torch.tensor(ex["wrapper"]), args.echo_payload_only).any())
-                     for ex in examples) if args.echo_coef > 0 else 0
-        n_tok, n_seq, n_echo = sft.all_reduce([sum(ex["roles"][1:].count(ACTION) for ex in examples), len(examples),
-                                               n_echo], device)
-
-        # training: --ppo-epochs optimizer steps on this batch, micro-batches by token budget
-        tot = {}
-        for epoch in range(args.ppo_epochs):
-            mbs = sft.rank_micro_batches([len(ex["ids"]) for ex in examples], args.micro_tokens, device)
-            for k, g in enumerate(mbs):
-                # an empty group (no usable episode on this rank) still runs a 1-token pass to keep DDP in step
-                batch = collate([examples[i] for i in g] or [{"ids": [tok.pad_token_id], "roles": [PROMPT], "behav": [0.0],
-                                                             "wrapper": [False], "adv": 0.0}], tok.pad_token_id)
-                batch = {key: v.to(device) for key, v in batch.items()}
-                with sft.grad_sync(model, k == len(mbs) - 1, world, args.fsdp), ctx:
-                    carrier, st = model(batch, args, max(n_tok, 1), max(n_seq, 1), n_echo)
-                    (carrier * world).backward()  # DDP averages over ranks; the normalisers are already global
-                if epoch == 0:
-                    for key, v in st.items():
-                        tot[key] = tot.get(key, 0.0) + v
-            gnorm = sft.optimizer_step(model, opt, args.grad_clip, step, print0)
+        # training: --ppo-epochs optimizer steps on this batch, micro-batches by token budget; then the new
+        # weights into the engine (a step without an update leaves them as they are)
+        tot, gnorm = train_batch(model, raw, ref, opt, examples, args, tok.pad_token_id, device, ctx, step, print0)
         t_train = time.time()
         if device.type == "cuda":
             engine.wake_up()
-        sync_weights(engine, raw)
+        if gnorm is not None:
+            sync_weights(engine, raw)
         t_sync = time.time()
 
-        # one log row: episode statistics summed over ranks
-        ep_sums = {"episodes": len(episodes), "valid": int(valid.sum()), "reward_sum": float((rewards * valid).sum()),
-                   "solved": sum(e.reward >= 1.0 and not infra_failure(e) for e in episodes),
-                   "signal": int(has_signal.sum()), "groups": per_rank, "turns": sum(e.turns for e in episodes),
+        # one log row: episode statistics summed over ranks, over every draw of the step
+        ok = valid.flatten().tolist()
+        ep_sums = {"episodes": len(episodes), "valid": sum(ok), "reward_sum": sum(e.reward for e, v in zip(episodes, ok) if v),
+                   "solved": sum(e.reward >= 1.0 for e, v in zip(episodes, ok) if v),
+                   "signal": int(has_signal.sum()), "groups": len(has_signal), "turns": sum(e.turns for e in episodes),
                    "tokens": sum(len(e.token_ids) for e in episodes), "truncated": sum(e.truncated for e in episodes),
                    "gen_tokens": sum(e.roles.count(ACTION) for e in episodes),
                    "parse_errors": sum(m["role"] == "user" and m["content"].startswith(parse_error_head)
@@ -585,10 +686,11 @@ def main(argv=None):
             failures = sum(parts, Counter())
         keys = sorted(set(ep_sums) | set(tot))
         sums = dict(zip(keys, sft.all_reduce([ep_sums.get(k, tot.get(k, 0.0)) for k in keys], device)))
-        na, nv = max(sums.get("act_tokens", 0), 1), max(sums["valid"], 1)
+        na, nv = sums.get("act_tokens", 0), max(sums["valid"], 1)
         rec = {"step": step + 1,
                "rollout/reward_mean": sums["reward_sum"] / nv, "rollout/solve_rate": sums["solved"] / nv,
-               "rollout/groups_with_signal": sums["signal"], "rollout/groups_zero_variance": sums["groups"] - sums["signal"],
+               "rollout/groups_drawn": sums["groups"], "rollout/groups_with_signal": sums["signal"],
+               "rollout/groups_zero_variance": sums["groups"] - sums["signal"],
                "rollout/infra_excluded": sums["episodes"] - sums["valid"], "rollout/turns_mean": sums["turns"] / sums["episodes"],
                "rollout/episode_tokens_mean": sums["tokens"] / sums["episodes"],
                "rollout/response_tokens_mean": sums["gen_tokens"] / max(sums["turns"], 1),
@@ -596,21 +698,25 @@ def main(argv=None):
                **{f"rollout/failures/{k}": n for k, n in sorted(failures.items())},
                "rollout/gen_tok_per_s": sums["gen_tokens"] / max(sums["gen_busy_s"], 1e-9),
                "rollout/generator_idle_frac": sums["gen_idle_s"] / max(sums["rollout_s"], 1e-9),
-               "train/loss": sums.get("loss", 0.0), "train/pg_loss": sums.get("pg_loss", 0.0),
-               "train/echo_loss": sums.get("echo_loss", 0.0), "train/entropy": sums.get("entropy_sum", 0.0) / na,
-               "train/kl_init": sums.get("kl_init_sum", 0.0) / na, "train/kl_init_k3": sums.get("kl_init_k3_sum", 0.0) / na,
-               "train/mismatch": sums.get("mismatch_sum", 0.0) / na, "train/mismatch_abs": sums.get("mismatch_abs_sum", 0.0) / na,
-               "train/clip_frac": sums.get("clipped_sum", 0.0) / na, "train/tis_weight": sums.get("tis_w_sum", 0.0) / na,
-               "train/obs_nll": sums.get("obs_nll_sum", 0.0) / max(sums.get("obs_tokens", 0), 1),
-               "train/grad_norm": gnorm, "train/lr": args.lr, "train/action_tokens": int(na),
+               "train/episodes_trained": int(sums["episodes_trained"]), "train/action_tokens": int(na),
+               "train/optimizer_steps": 0 if gnorm is None else args.ppo_epochs, "train/lr": args.lr,
                "time/rollout_s": t_roll - t0, "time/generate_s": gen["policy_s"], "time/env_wait_s": gen["idle_s"],
                "time/train_s": t_train - t_roll, "time/sync_s": t_sync - t_train, "time/step_s": time.time() - t0}
+        if gnorm is not None:  # what the trained episodes show (a step without an update scored none)
+            rec.update({"train/loss": sums["loss"], "train/pg_loss": sums["pg_loss"], "train/echo_loss": sums["echo_loss"],
+                        "train/grad_norm": gnorm, "train/obs_nll": sums["obs_nll_sum"] / max(sums["obs_tokens"], 1)})
+        if na:
+            rec.update({"train/entropy": sums["entropy_sum"] / na, "train/kl_init": sums["kl_init_sum"] / na,
+                        "train/kl_init_k3": sums["kl_init_k3_sum"] / na, "train/mismatch": sums["mismatch_sum"] / na,
+                        "train/mismatch_abs": sums["mismatch_abs_sum"] / na, "train/clip_frac": sums["clipped_sum"] / na,
+                        "train/tis_weight": sums["tis_w_sum"] / na})
         if log:
             log.write(json.dumps(rec) + "\n")
             log.flush()
+        trained = (f"ent {rec['train/entropy']:.3f} | kl {rec['train/kl_init']:.2e} | mism {rec['train/mismatch_abs']:.1e} | "
+                   f"gnorm {gnorm:.3f}" if gnorm is not None and na else "nothing to learn from: no update")
         print0(f"step {step + 1}/{args.steps} | reward {rec['rollout/reward_mean']:.3f} | solved {rec['rollout/solve_rate']:.2f} | "
-               f"signal {sums['signal']:.0f}/{sums['groups']:.0f} | ent {rec['train/entropy']:.3f} | kl {rec['train/kl_init']:.2e} | "
-               f"mism {rec['train/mismatch_abs']:.1e} | gnorm {gnorm:.3f} | gen {rec['time/generate_s']:.0f}s "
+               f"signal {sums['signal']:.0f}/{sums['groups']:.0f} | {trained} | gen {rec['time/generate_s']:.0f}s "
                f"idle {rec['rollout/generator_idle_frac']:.0%} | train {rec['time/train_s']:.0f}s | {rec['time/step_s']:.0f}s")
         done = step + 1
         if done % args.save_every == 0 or done == args.steps:

@@ -1,6 +1,7 @@
 """GRPO: advantage math, the loss against a hand-written reference, token-in/token-out labels, and, with a real
 in-process vLLM engine, weight-sync equivalence, a learning check whose sign matters, and an end-to-end run
 on toy tasks in real sandboxes that is killed and resumed."""
+import contextlib
 import copy
 import json
 import os
@@ -47,22 +48,43 @@ def test_group_advantages():
 
 # ---------------------------------------------------------------------------------------------- the loss
 
+def naive_logprobs(model, ids, T):
+    """Full-logits log-probs of ids[1:] at temperature T and at 1: ((T-1,), (T-1,)), with autograd."""
+    ids = torch.tensor(ids)
+    logits = model(input_ids=ids[None]).logits[0, :-1].float()  # (T-1, V)
+    lp_t = torch.log_softmax(logits / T, -1).gather(1, ids[1:, None]).squeeze(1)
+    lp_1 = torch.log_softmax(logits, -1).gather(1, ids[1:, None]).squeeze(1)
+    return lp_t, lp_1
+
+
 def reference_loss(model, examples, args, n_tok, n_seq, n_echo):
-    """The objective written out with full logits, one sequence at a time."""
+    """The objective of grpo's docstring written out with full logits, one sequence at a time: PPO's clipped
+    surrogate at [1 - eps_low, 1 + eps_high], TIS against the old log-probs (the current ones, detached, when
+    the example has none), k3 KL to ex['ref'], ECHO (payload only or not) and the three normalisers."""
+    low = args.clip if args.clip_low is None else args.clip_low
+    high = args.clip if args.clip_high is None else args.clip_high
     total = 0.0
     for ex in examples:
-        ids = torch.tensor(ex["ids"])
-        logits = model(input_ids=ids[None]).logits[0, :-1].float()  # (T-1, V)
-        tgt, roles = ids[1:], torch.tensor(ex["roles"][1:])
-        lp_t = torch.log_softmax(logits / args.temperature, -1).gather(1, tgt[:, None]).squeeze(1)
-        lp_1 = torch.log_softmax(logits, -1).gather(1, tgt[:, None]).squeeze(1)
+        lp_t, lp_1 = naive_logprobs(model, ex["ids"], args.temperature)
+        roles = torch.tensor(ex["roles"][1:])
         act, obs = roles == ACTION, roles == OBS
-        ratio = (lp_t - torch.tensor(ex["behav"][1:])).exp()
-        a = ex["adv"]
-        s = torch.minimum(ratio * a, ratio.clamp(1 - args.clip, 1 + args.clip) * a)
-        norm = 1 / n_tok if args.loss_norm == "token" else 1 / (act.sum() * n_seq)
-        total = total - (norm * s)[act].sum()
-        if args.echo_coef:
+        if args.echo_payload_only:
+            obs = obs & ~torch.tensor(ex["wrapper"][1:])
+        a = torch.as_tensor(ex["adv"], dtype=torch.float32)
+        a = a[1:] if a.ndim else a  # per token or per sequence
+        behav = torch.tensor(ex["behav"][1:])
+        if args.tis_cap > 0:
+            old = torch.tensor(ex["old"][1:]) if "old" in ex else lp_t.detach()
+            ratio, w = (lp_t - old).exp(), (old - behav).exp().clamp(max=args.tis_cap)
+        else:
+            ratio, w = (lp_t - behav).exp(), torch.ones_like(lp_t)
+        s = torch.minimum(ratio * a, ratio.clamp(1 - low, 1 + high) * a)
+        norm = {"token": 1 / n_tok, "sequence": 1 / (act.sum() * n_seq), "constant": 1 / (args.max_len * n_seq)}[args.loss_norm]
+        total = total - (norm * w * s)[act].sum()
+        if args.kl_coef:
+            d = torch.tensor(ex["ref"][1:]) - lp_t
+            total = total + args.kl_coef * (norm * (d.exp() - d - 1))[act].sum()
+        if args.echo_coef and obs.any():
             total = total + args.echo_coef * (-lp_1[obs]).sum() / obs.sum() / n_echo
     return total
 
@@ -70,25 +92,58 @@ def reference_loss(model, examples, args, n_tok, n_seq, n_echo):
 def behaviour(model, ex, T, shift):
     """The exact log-probs at T of ex's tokens (shifted by `shift` on action tokens: ratio e^-shift)."""
     with torch.no_grad():
-        logits = model(input_ids=torch.tensor(ex["ids"])[None]).logits[0, :-1].float()
-        lp = torch.log_softmax(logits / T, -1).gather(1, torch.tensor(ex["ids"][1:])[:, None]).squeeze(1)
+        lp = naive_logprobs(model, ex["ids"], T)[0]
     return [0.0] + [x + shift if r == ACTION else 0.0 for x, r in zip(lp.tolist(), ex["roles"][1:])]
 
 
-@pytest.mark.parametrize("norm", ["token", "sequence"])
-@pytest.mark.parametrize("case", ["ratio1", "clipped", "echo"])
-def test_loss_matches_reference(model, tokenizer, synthetic, norm, case):
-    flags = ["--loss-norm", norm, "--temperature", "0.7"] + (["--echo-coef", "0.5"] if case == "echo" else [])
-    args = args_for(*flags)
+def perturbed(model, seed, scale=0.05):
+    m = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for q in m.parameters():
+            q.add_(torch.randn(q.shape, generator=g) * scale)
+    return m
+
+
+# Each case: flags, the behaviour log-probs' shift per sequence (ratio e^-shift on its action tokens), and
+# whether the examples carry old log-probs of another policy (a later --ppo-epochs epoch) or the initial
+# policy's (KL). "clipped": the first two sequences sit outside the clip range on the side where the gradient
+# stops (A > 0 and ratio 1.65; A < 0 and ratio 0.61); the third where it flows (A > 0, ratio 0.61).
+# "clip-higher": [0.9, 1.5]: ratio 1.35 with A > 0 flows (it would stop at 1.2), 0.74 with A < 0 stops (it would
+# flow at 0.8), 1.82 with A > 0 stops.
+LOSS_CASES = {
+    "ratio1": ([], [0, 0, 0], None),
+    "clipped": ([], [-0.5, 0.5, 0.5], None),
+    "clip-higher": (["--clip-low", "0.1", "--clip-high", "0.5"], [-0.3, 0.3, -0.6], None),
+    "echo": (["--echo-coef", "0.5"], [0, 0, 0], None),
+    "echo-payload": (["--echo-coef", "0.5", "--echo-payload-only"], [0.1, -0.1, 0], None),
+    "kl": (["--kl-coef", "0.3"], [0.05, -0.05, 0], "ref"),
+    "tis": (["--tis-cap", "1.2"], [-0.5, 0.5, 0.1], None),  # w = e^-shift: capped, 0.61, 0.90
+    "tis-old": (["--tis-cap", "1.2", "--ppo-epochs", "2"], [-0.3, 0.3, 0.1], "old"),
+}
+
+
+def loss_examples(model, tokenizer, synthetic, args, shifts, extra, advs=(1.0, -0.5, 0.75)):
     examples = []
-    for conv, adv in zip(synthetic[:3], [1.0, -0.5, 0.75]):
+    for conv, adv, sh in zip(synthetic[:3], advs, shifts):
         ids, roles = labels.render(tokenizer, conv, max_len=200)
-        examples.append({"ids": ids, "roles": roles, "wrapper": [False] * len(ids), "adv": adv})
-    # clipped: the first two sequences sit outside the clip range on the side where the gradient stops (A > 0 and
-    # ratio 1.65; A < 0 and ratio 0.61); the third on the side where it flows (A > 0, ratio 0.61)
-    shifts = {"ratio1": [0, 0, 0], "echo": [0, 0, 0], "clipped": [-0.5, 0.5, 0.5]}[case]
-    for ex, sh in zip(examples, shifts):
+        wrapper = [r == OBS and i % 3 == 0 for i, r in enumerate(roles)]  # some observation tokens are wrapper text
+        ex = {"ids": ids, "roles": roles, "wrapper": wrapper, "adv": adv}
         ex["behav"] = behaviour(model, ex, args.temperature, sh)
+        examples.append(ex)
+    if extra:  # another policy's log-probs: the initial one's (KL) or the trainer's before the first update (TIS)
+        other = perturbed(model, seed=7)
+        for ex in examples:
+            ex[extra] = behaviour(other, ex, args.temperature, 0.0)
+    return examples
+
+
+@pytest.mark.parametrize("norm", ["token", "sequence", "constant"])
+@pytest.mark.parametrize("case", list(LOSS_CASES))
+def test_loss_matches_reference(model, tokenizer, synthetic, norm, case):
+    flags, shifts, extra = LOSS_CASES[case]
+    args = args_for("--loss-norm", norm, "--temperature", "0.7", "--max-len", "300", *flags)
+    examples = loss_examples(model, tokenizer, synthetic, args, shifts, extra)
     n_tok = sum(ex["roles"][1:].count(ACTION) for ex in examples)
     n_seq, n_echo = len(examples), len(examples)
 
@@ -102,15 +157,183 @@ def test_loss_matches_reference(model, tokenizer, synthetic, norm, case):
         carrier.backward()
         total += st["loss"]
     assert total == pytest.approx(ref.item(), rel=1e-4, abs=1e-6)
+    assert any(q.grad.abs().max() > 0 for q in ref_model.parameters())
     for (name, p), q in zip(model.named_parameters(), ref_model.parameters()):
         assert torch.allclose(p.grad, q.grad, rtol=1e-3, atol=1e-7), name
-    if case == "clipped":  # only the third sequence moves the weights
+    if case in ("clipped", "clip-higher"):  # only one sequence moves the weights
+        flows = {"clipped": 2, "clip-higher": 0}[case]
         model.zero_grad()
-        carrier, st = grpo.pg_loss(model, grpo.collate(examples[:2], tokenizer.pad_token_id), args, n_tok, n_seq, n_echo)
+        stopped = [ex for i, ex in enumerate(examples) if i != flows]
+        carrier, st = grpo.pg_loss(model, grpo.collate(stopped, tokenizer.pad_token_id), args, n_tok, n_seq, n_echo)
         carrier.backward()
         assert all(p.grad is None or p.grad.abs().max() == 0 for p in model.parameters())
         assert st["clipped_sum"] == st["act_tokens"]
     model.zero_grad()
+
+
+# what each case's flags or extra log-probs are set against: the same examples without the mode
+WITHOUT = {"clipped": (["--clip", "10"], None), "clip-higher": ([], None), "echo": ([], None),
+           "echo-payload": (["--echo-coef", "0.5"], None), "kl": ([], None), "tis": ([], None),
+           "tis-old": (["--tis-cap", "1.2"], None)}
+
+
+def test_reference_tells_the_modes_apart(model, tokenizer, synthetic):
+    """Each case's mode changes the reference's gradient (by more than the tolerance of the comparison above), so
+    grpo.pg_loss cannot match it with that mode's term missing, its sign flipped or its bounds swapped."""
+    def grad(flags, shifts, extra):
+        args = args_for("--temperature", "0.7", "--max-len", "300", *flags)
+        examples = loss_examples(model, tokenizer, synthetic, args, shifts, extra)
+        m = copy.deepcopy(model)
+        n_tok = sum(ex["roles"][1:].count(ACTION) for ex in examples)
+        reference_loss(m, examples, args, n_tok, 3, 3).backward()
+        return torch.cat([q.grad.flatten() for q in m.parameters()])
+    for case, (flags, extra) in WITHOUT.items():
+        with_mode, shifts, with_extra = LOSS_CASES[case]
+        g = grad(with_mode, shifts, with_extra)
+        assert not torch.allclose(g, grad(flags, shifts, extra), rtol=1e-2, atol=1e-6), case
+        if case == "kl":  # and the KL's sign: a penalty of the opposite sign gives another gradient
+            assert not torch.allclose(g, grad(["--kl-coef", "-0.3"], shifts, with_extra), rtol=1e-2, atol=1e-6)
+        if case == "clip-higher":  # and the bounds swapped
+            assert not torch.allclose(g, grad(["--clip-low", "0.5", "--clip-high", "0.1"], shifts, None), rtol=1e-2, atol=1e-6)
+
+
+def forward_rows(module):
+    """A list that grows by the batch size of every forward of module (a base model)."""
+    rows = []
+    module.register_forward_pre_hook(lambda m, a, kw: rows.append(len(kw["input_ids"])), with_kwargs=True)
+    return rows
+
+
+def reference_steps(model, init, examples, args, opt, epochs):
+    """--ppo-epochs updates by the reference loss: old log-probs (with --tis-cap) before the first, the initial
+    policy's for the KL, the normalisers over every example."""
+    examples = [dict(ex) for ex in examples]
+    for ex in examples:
+        ex["ref"] = behaviour(init, ex, args.temperature, 0.0)
+        if args.tis_cap > 0 and epochs > 1:
+            ex["old"] = behaviour(model, ex, args.temperature, 0.0)
+    n_tok = sum(ex["roles"][1:].count(ACTION) for ex in examples)
+    losses = []
+    for _ in range(epochs):
+        opt.zero_grad()
+        loss = reference_loss(model, examples, args, n_tok, len(examples), len(examples))
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+def test_ppo_epochs_with_tis_and_kl_match_reference(model, tokenizer, synthetic):
+    """grpo.train_batch over two --ppo-epochs, in micro-batches: the old log-probs are the trainer's before the
+    first update, the KL's are the initial policy's (scored by grpo.score); the weights after both updates are
+    the reference's."""
+    args = args_for("--ppo-epochs", "2", "--tis-cap", "1.5", "--kl-coef", "0.2", "--temperature", "0.7",
+                    "--grad-clip", "0", "--micro-tokens", "400")
+    init = perturbed(model, seed=3)
+    examples = loss_examples(model, tokenizer, synthetic, args, [-0.2, 0.3, 0.0], None)
+    mine, theirs = copy.deepcopy(model), copy.deepcopy(model)
+    opt = torch.optim.SGD(mine.parameters(), lr=0.1)
+    tot, gnorm = grpo.train_batch(grpo.PGModule(mine), mine, init, opt, [dict(ex) for ex in examples], args,
+                                  tokenizer.pad_token_id, torch.device("cpu"), contextlib.nullcontext(), 0, print)
+    losses = reference_steps(theirs, init, examples, args, torch.optim.SGD(theirs.parameters(), lr=0.1), 2)
+    assert tot["loss"] == pytest.approx(losses[0], rel=1e-4) and gnorm > 0 and tot["episodes_trained"] == 3
+    assert abs(losses[1] - losses[0]) > 1e-3  # the second epoch saw another policy than the first
+    moved = max((a - b).abs().max() for a, b in zip(theirs.parameters(), model.parameters()))
+    assert moved > 1e-3
+    for (name, a), b in zip(mine.named_parameters(), theirs.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_groups_without_signal_are_not_forwarded(model, tokenizer, synthetic):
+    """Without KL or ECHO an example whose advantage is 0 is never forwarded (neither the policy nor the initial
+    policy sees it), and the update is still the reference's over all examples (the normaliser counts it)."""
+    args = args_for("--temperature", "0.7", "--grad-clip", "0")
+    examples = loss_examples(model, tokenizer, synthetic, args, [0.1, 0.0, -0.1], None, advs=(1.0, 0.0, -0.5))
+    mine, theirs, init = copy.deepcopy(model), copy.deepcopy(model), copy.deepcopy(model)
+    rows, init_rows = forward_rows(mine.base_model), forward_rows(init.base_model)
+    opt = torch.optim.SGD(mine.parameters(), lr=1.0)
+    tot, _ = grpo.train_batch(grpo.PGModule(mine), mine, init, opt, examples, args, tokenizer.pad_token_id,
+                              torch.device("cpu"), contextlib.nullcontext(), 0, print)
+    assert sum(rows) == 2 and sum(init_rows) == 2 and tot["episodes_trained"] == 2
+    reference_steps(theirs, init, examples, args, torch.optim.SGD(theirs.parameters(), lr=1.0), 1)
+    for a, b in zip(mine.parameters(), theirs.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_a_step_without_signal_makes_no_update(model, tokenizer, synthetic):
+    """After a step with signal, Adam's moments would move the weights on a step whose gradient is 0; a step
+    with nothing to learn from runs no forward and no optimizer step: the weights and Adam's state stay."""
+    args = args_for("--temperature", "0.7", "--lr", "1e-2")
+    examples = loss_examples(model, tokenizer, synthetic, args, [0, 0, 0], None)
+    mine = copy.deepcopy(model)
+    opt = torch.optim.AdamW(mine.parameters(), lr=args.lr)
+    run = lambda exs: grpo.train_batch(grpo.PGModule(mine), mine, model, opt, exs, args, tokenizer.pad_token_id,  # noqa: E731
+                                       torch.device("cpu"), contextlib.nullcontext(), 0, print)
+    assert run([dict(ex) for ex in examples])[1] > 0
+    before = [q.detach().clone() for q in mine.parameters()]
+    state = copy.deepcopy(opt.state_dict())
+    rows = forward_rows(mine.base_model)
+    tot, gnorm = run([dict(ex, adv=0.0) for ex in examples])
+    assert gnorm is None and rows == [] and tot == {"episodes_trained": 0}
+    assert all(torch.equal(a, b) for a, b in zip(before, mine.parameters()))
+    assert all(v["step"] == state["state"][k]["step"] for k, v in opt.state_dict()["state"].items())
+    for q in mine.parameters():  # what an update with a gradient of 0 would have done
+        q.grad = torch.zeros_like(q)
+    opt.step()
+    assert not all(torch.equal(a, b) for a, b in zip(before, mine.parameters()))
+
+
+# ---------------------------------------------------------------------------------------------- episodes to examples
+
+def episode(reward, truncated=False, failure=None):
+    return envs.Episode("t", [], reward=reward, failure=failure, token_ids=[5, 6, 7], roles=[PROMPT, ACTION, ACTION],
+                        logprobs=[0.0, -1.0, -1.0], obs_wrapper=[False] * 3, truncated=truncated)
+
+
+def test_overlong_episodes_kept_masked_or_penalised():
+    # group 0: rewards 1 0 1, the last cut by the context; group 1: 0 0 0, the last cut; group 2: an infra failure
+    eps = [episode(1.0), episode(0.0), episode(1.0, truncated=True), episode(0.0), episode(0.0), episode(0.0, truncated=True),
+           episode(1.0), episode(0.0), episode(0.0, failure="sandbox_error")]
+    adv = lambda groups: [[round(ex["adv"], 6) for ex in g] for g in groups]  # noqa: E731
+    r = lambda rows: [[round(x, 6) for x in g] for g in rows]  # noqa: E731
+    groups, signal, valid = grpo.group_examples(eps, 3, args_for())
+    assert adv(groups) == r([[1 / 3, -2 / 3, 1 / 3], [0, 0, 0], [0.5, -0.5]])
+    assert signal.tolist() == [True, False, True] and valid.tolist() == [[True] * 3, [True] * 3, [True, True, False]]
+    groups, signal, _ = grpo.group_examples(eps, 3, args_for("--overlong", "mask"))
+    assert adv(groups) == r([[1 / 3, -2 / 3], [0, 0], [0.5, -0.5]]) and signal.tolist() == [True, False, True]
+    groups, signal, _ = grpo.group_examples(eps, 3, args_for("--overlong", "penalty", "--overlong-penalty", "0.5"))
+    # rewards 1 0 0.5 and 0 0 -0.5: the cut episodes lose 0.5, and group 1 gains a signal
+    assert adv(groups) == r([[0.5, -0.5, 0.0], [1 / 6, 1 / 6, -1 / 3], [0.5, -0.5]])
+    assert signal.tolist() == [True, True, True]
+
+
+def test_dynamic_sampling_fills_the_step_with_signal_groups():
+    """Groups without signal are dropped and further draws (new tasks, seeded by the draw) fill the step to
+    --tasks-per-step groups with signal, trimmed to exactly that many, or stop at the cap; the same step draws
+    the same tasks again (a resumed run). Off, one draw trains every group."""
+    def run(*flags, signal_tasks):
+        args = args_for("--tasks-per-step", "3", "--group-size", "2", "--seed", "4", *flags)
+        draws = []
+
+        def draw_episodes(draw, groups):
+            draws.append((draw, groups))
+            return [episode(float(g in signal_tasks and i == 0)) for g in groups for i in range(2)]
+        eps, valid, has_signal, examples = grpo.sample_step(draw_episodes, 10, args, 5, 0, torch.device("cpu"))
+        assert [g for _, g in draws] == [grpo.step_groups(10, 3, 5, 4, d) for d, _ in draws]
+        assert len(eps) == 2 * len(has_signal) == valid.numel()
+        return draws, has_signal, examples
+
+    draws, signal, examples = run(signal_tasks={0, 1, 2, 3, 4})
+    assert len(draws) == 1 and len(examples) == 6 and len(signal) == 3
+    draws, signal, examples = run("--dynamic-sampling", "30", signal_tasks={0, 1, 2, 3, 4})
+    drawn = [g for _, gs in draws for g in gs]
+    assert signal.tolist() == [g in {0, 1, 2, 3, 4} for g in drawn] and signal[:-1].sum() < 3 <= signal.sum()
+    assert len(examples) == 6 and sorted(ex["adv"] for ex in examples) == [-0.5] * 3 + [0.5] * 3
+    assert run("--dynamic-sampling", "30", signal_tasks={0, 1, 2, 3, 4})[0] == draws  # the same tasks again
+    draws, signal, examples = run("--dynamic-sampling", "6", signal_tasks={9})
+    assert len(draws) == 2 and len(signal) == 6 and len(examples) == 2 * int(signal.sum())
+    first = torch.from_numpy(__import__("numpy").random.default_rng([4, 5]).choice(10, 3, replace=False))
+    assert grpo.step_groups(10, 3, 5, 4) == first.tolist()  # the first draw is the draw of a run without it
 
 
 # ---------------------------------------------------------------------------------------------- token-in/token-out
@@ -373,8 +596,9 @@ def test_end_to_end_killed_and_resumed(tmp_path, toy_tasks, vllm_dir, no_leftove
     rows = (out / "log.jsonl").read_text().splitlines()
     assert rows[0] == first[0] and [json.loads(r)["step"] for r in rows] == [1, 2]
     rows = [json.loads(r) for r in rows]
-    for key in ("rollout/reward_mean", "rollout/groups_with_signal", "train/entropy", "train/kl_init", "train/mismatch_abs",
-                "rollout/generator_idle_frac", "time/sync_s", "train/echo_loss", "rollout/failures/max_turns"):
+    for key in ("rollout/reward_mean", "rollout/groups_with_signal", "rollout/groups_drawn", "train/entropy",
+                "train/kl_init", "train/mismatch_abs", "rollout/generator_idle_frac", "time/sync_s", "train/echo_loss",
+                "train/optimizer_steps", "rollout/failures/max_turns"):
         assert key in rows[1]
     assert rows[0]["train/mismatch_abs"] < 1e-3 and rows[0]["train/kl_init"] == pytest.approx(0, abs=1e-6)
     assert rows[1]["train/kl_init"] != 0 and rows[1]["train/action_tokens"] > 0  # step 2 rolled out the step-1 policy

@@ -52,13 +52,15 @@ def test_stats_report_both_nlls_whatever_lambda(model, examples, tokenizer):
     with torch.no_grad():
         _, s0 = sft.actobs_loss(model, batch, 0.0)
         _, s1 = sft.actobs_loss(model, batch, 1.0)
-        act_only = reference_loss(model, batch, 0.0)
-    assert s0["obs_tokens"] > 0 and s0["act_tokens"] > 0
-    assert s0["obs_nll"] == pytest.approx(s1["obs_nll"]) and s0["act_nll"] == pytest.approx(s1["act_nll"])
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits.float()
+        nll = -torch.log_softmax(logits[:, :-1], -1).gather(-1, batch["input_ids"][:, 1:, None]).squeeze(-1)  # (B, T-1)
     r = batch["roles"][:, 1:]
+    assert s0["obs_tokens"] > 0 and s0["act_tokens"] > 0
     assert s0["act_tokens"] == int((r == A).sum()) and s0["obs_tokens"] == int((r == O).sum())
-    # with lam = 1 every token weighs the same within a trajectory: loss is the mean of per-trajectory NLLs
-    assert act_only.item() > 0
+    for s in (s0, s1):  # the full-logits NLL sums of each role, whichever role the loss weighs
+        assert s["act_nll_sum"] == pytest.approx(nll[r == A].sum().item(), rel=1e-5)
+        assert s["obs_nll_sum"] == pytest.approx(nll[r == O].sum().item(), rel=1e-5)
+        assert s["act_nll"] == pytest.approx(s["act_nll_sum"] / s["act_tokens"])
 
 
 def test_gradient_accumulation_equals_one_big_batch(model, examples, tokenizer):
