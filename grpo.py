@@ -296,36 +296,19 @@ def group_advantages(rewards, valid=None, scale_std=False, eps=1e-6):
     return adv * has_signal[:, None], has_signal
 
 
-@torch.no_grad()
-def head_logprobs(h, W, targets, chunk=None):
-    """-> (log p(target) (N,), entropy (N,)) for rows h (N, H) through the head W (V, H), a row-chunk at a time
-    (sft.CHUNK_BYTES of fp32 logits): the (N, V) logits never exist at once."""
-    logp = torch.empty(len(h), dtype=torch.float32, device=h.device)
-    ent = torch.empty_like(logp)
-    chunk = chunk or max(1, sft.CHUNK_BYTES // (4 * W.shape[0]))
-    for s in range(0, len(h), chunk):
-        logits = (h[s: s + chunk] @ W.T.to(h.dtype)).float()  # (c, V)
-        lse = logits.logsumexp(-1)  # (c,)
-        logp[s: s + chunk] = logits.gather(1, targets[s: s + chunk, None]).squeeze(1) - lse
-        p = (logits - lse[:, None]).exp_()  # (c, V) softmax, in place of a second buffer
-        ent[s: s + chunk] = lse - (p * logits).sum(-1)
-    return logp, ent
-
-
 def collate(examples, pad_id):
-    """Episodes (dicts of per-token lists: ids, roles, behav, wrapper, [old, ref]; scalar adv) -> right-padded
-    (B, T) tensors (PROMPT on padding, so padding never carries loss) and adv (B,)."""
+    """Episodes (dicts of per-token lists: ids, roles, adv, behav, wrapper, [old, ref]) -> right-padded (B, T)
+    tensors (PROMPT on padding, so padding never carries loss)."""
     out = sft.collate([(e["ids"], e["roles"]) for e in examples], pad_id)  # input_ids, roles, attention_mask
     B, T = out["input_ids"].shape
     out["wrapper"] = torch.zeros((B, T), dtype=torch.bool)
-    out["adv"] = torch.tensor([e["adv"] for e in examples], dtype=torch.float32)
-    for key in ("behav", "old", "ref"):
+    for key in ("adv", "behav", "old", "ref"):
         if key in examples[0]:
             out[key] = torch.zeros((B, T), dtype=torch.float32)
     for b, e in enumerate(examples):
         n = len(e["ids"])
         out["wrapper"][b, :n] = torch.as_tensor(e["wrapper"], dtype=torch.bool)
-        for key in ("behav", "old", "ref"):
+        for key in ("adv", "behav", "old", "ref"):
             if key in e:
                 out[key][b, :n] = torch.as_tensor(e[key], dtype=torch.float32)
     return out
@@ -360,53 +343,46 @@ def clip_range(args):
 
 
 def pg_loss(model, batch, args, n_tok, n_seq, n_echo):
-    """-> (tensor whose gradient is the step's loss gradient for this micro-batch, stats of sums).
-
-    Two passes through the chunked head on the same hidden states: a no-grad one gives log-probs and entropies,
-    from which each token's d loss / d log p is known (PPO clip, TIS weight, KL, ECHO weights); the second is
-    sft.linear_cross_entropy with exactly those weights, which back-propagates sum_i w_i * (-log p_i). The
-    (N, V) logits never exist at once. n_tok, n_seq, n_echo: the step's action tokens, sequences with action
-    tokens and sequences with ECHO tokens, over all micro-batches and ranks (the normalisers)."""
+    """-> (this micro-batch's part of the step's loss, stats of sums): the objective of the module docstring,
+    written on the per-token log-probs of sft.token_logprobs (the chunked head, differentiable: the (N, V)
+    logits never exist) and left to autograd. n_tok, n_seq, n_echo: the step's action tokens, sequences with
+    action tokens and sequences with ECHO tokens, over all micro-batches and ranks (the normalisers)."""
     echo = echo_mask(batch["roles"], batch["wrapper"], args.echo_payload_only) & (args.echo_coef > 0)  # (B, T-1)
     h, targets, act, row, sel = selected_rows(model, batch, args.temperature, echo)
-    W = model.get_output_embeddings().weight
-    logp, ent = head_logprobs(h.detach(), W.detach(), targets)
-    obs = ~act
-    adv = batch["adv"][row]  # (N,)
-    behav = batch["behav"][:, 1:][sel]
-    old = batch["old"][:, 1:][sel] if "old" in batch else logp  # the trainer before this step's first update
-    n_act_row = torch.bincount(row[act], minlength=len(batch["adv"])).float()
+    logp_all, ent = sft.token_logprobs(h, model.get_output_embeddings().weight, targets, entropy=True)  # (N,), (N,)
+    logp, obs_logp = logp_all[act], logp_all[~act]  # (n_act,) at T, (n_obs,) at T = 1
+    a_row, o_row = row[act], row[~act]
+
+    def at_act(key):  # a (B, T) per-token field at the action positions, (n_act,)
+        return batch[key][:, 1:][sel][act]
+    adv, behav = at_act("adv"), at_act("behav")
+    lp = logp.detach()
+    old = at_act("old") if "old" in batch else lp  # the trainer before this step's first update
     if args.loss_norm == "token":
-        norm = torch.full_like(logp, 1.0 / n_tok)
+        norm = torch.full_like(lp, 1.0 / n_tok)
     elif args.loss_norm == "sequence":
-        norm = 1.0 / (n_act_row[row].clamp(min=1) * n_seq)
+        norm = 1.0 / (torch.bincount(a_row, minlength=len(sel)).float()[a_row] * n_seq)
     else:  # constant (Dr. GRPO): every action token weighs the same, however long its sequence
-        norm = torch.full_like(logp, 1.0 / (args.max_len * n_seq))
+        norm = torch.full_like(lp, 1.0 / (args.max_len * n_seq))
     if args.tis_cap > 0:
         ratio, w_is = (logp - old).exp(), (old - behav).exp().clamp(max=args.tis_cap)
     else:
-        ratio, w_is = (logp - behav).exp(), torch.ones_like(logp)
+        ratio, w_is = (logp - behav).exp(), torch.ones_like(lp)
     unclipped, clipped = ratio * adv, ratio.clamp(*clip_range(args)) * adv
-    surrogate = torch.minimum(unclipped, clipped)
-    flows = unclipped <= clipped  # the min takes the unclipped branch: the gradient flows through the ratio
-    w = norm * w_is * adv * ratio * flows  # - d loss / d log p of each action token (PG part)
-    d_ref = batch["ref"][:, 1:][sel] - logp if "ref" in batch else torch.zeros_like(logp)
+    pg = -(norm * w_is * torch.minimum(unclipped, clipped)).sum()
+    d_ref = at_act("ref") - logp if "ref" in batch else torch.zeros_like(logp)  # log pi_init - log pi
     k3 = d_ref.exp() - d_ref - 1
-    w = w + args.kl_coef * norm * (d_ref.exp() - 1)
-    n_obs_row = torch.bincount(row[obs], minlength=len(batch["adv"])).float()
-    w_echo = args.echo_coef / (n_obs_row[row].clamp(min=1) * max(n_echo, 1))
-    w = torch.where(act, w, w_echo).to(torch.float32)
-    carrier, _ = sft.linear_cross_entropy(h, W, targets, w)
-    pg = -(norm * w_is * surrogate)[act].sum()
-    kl_pen = (args.kl_coef * norm * k3)[act].sum()
-    echo_term = (w_echo * -logp)[obs].sum()
-    stats = {"loss": float(pg + kl_pen + echo_term), "pg_loss": float(pg), "echo_loss": float(echo_term),
-             "act_tokens": int(act.sum()), "entropy_sum": float(ent[act].sum()),
-             "kl_init_sum": float(-d_ref[act].sum()), "kl_init_k3_sum": float(k3[act].sum()),
-             "mismatch_sum": float((behav - old)[act].sum()), "mismatch_abs_sum": float((behav - old)[act].abs().sum()),
-             "clipped_sum": float((~flows & (adv != 0))[act].sum()), "tis_w_sum": float(w_is[act].sum()),
-             "obs_tokens": int(obs.sum()), "obs_nll_sum": float(-logp[obs].sum())}
-    return carrier, stats
+    kl_pen = args.kl_coef * (norm * k3).sum()
+    n_obs_row = torch.bincount(o_row, minlength=len(sel)).float()  # (B,)
+    echo_term = (args.echo_coef / (n_obs_row[o_row] * max(n_echo, 1)) * -obs_logp).sum()
+    loss = pg + kl_pen + echo_term
+    flows = (unclipped <= clipped).detach()  # the min takes the unclipped branch: the gradient flows through the ratio
+    stats = {"loss": loss.item(), "pg_loss": pg.item(), "echo_loss": echo_term.item(), "act_tokens": len(lp),
+             "entropy_sum": float(ent[act].sum()), "kl_init_sum": float(-d_ref.detach().sum()),
+             "kl_init_k3_sum": float(k3.detach().sum()), "mismatch_sum": float((behav - old).sum()),
+             "mismatch_abs_sum": float((behav - old).abs().sum()), "clipped_sum": float((~flows & (adv != 0)).sum()),
+             "tis_w_sum": float(w_is.sum()), "obs_tokens": len(obs_logp), "obs_nll_sum": float(-obs_logp.detach().sum())}
+    return loss, stats
 
 
 class PGModule(torch.nn.Module):
@@ -429,7 +405,7 @@ def score(model, examples, args, pad_id, device, ctx):
         batch = {k: v.to(device) for k, v in collate([examples[i] for i in g], pad_id).items()}
         with ctx:
             h, targets, act, row, sel = selected_rows(model, batch, args.temperature, torch.zeros_like(batch["wrapper"][:, 1:]))
-            logp, _ = head_logprobs(h, model.get_output_embeddings().weight, targets)
+            logp, _ = sft.token_logprobs(h, model.get_output_embeddings().weight, targets)
         full = torch.zeros(sel.shape, dtype=torch.float32, device=device)
         full[sel] = logp
         for j, i in enumerate(g):
@@ -467,11 +443,18 @@ def rollout_seed(seed, step, rank, draw=0):
     return (seed * 100_003 + step) * 64 + rank + (draw << 40)
 
 
+def token_advantages(episode, adv):
+    """The advantage of each of an episode's tokens (a list, one per token; the loss reads it at the action
+    tokens) from its group-relative advantage `adv`: GRPO's outcome reward gives every token the same. A
+    per-turn or per-token advantage (turn rewards, a value model) is a change to this function alone."""
+    return [adv] * len(episode.token_ids)
+
+
 def group_examples(episodes, group_size, args):
     """Episodes of consecutive groups (group_size each) -> (training examples per group, has_signal (G,) bool,
     valid (G, S) bool). An example holds an episode's per-token lists (ids, roles, behav: the vLLM log-probs,
-    wrapper) and its advantage. Infrastructure failures are not valid: out of their group's statistics and of
-    the loss. An episode cut at --max-len keeps the verifier's reward (--overlong keep), stays in its group's
+    wrapper, adv: token_advantages). Infrastructure failures are not valid: out of their group's statistics
+    and of the loss. An episode cut at --max-len keeps the verifier's reward (--overlong keep), stays in its group's
     statistics without a loss (mask), or has --overlong-penalty taken off its reward (penalty)."""
     cut = torch.tensor([e.truncated for e in episodes]).view(-1, group_size)  # (G, S)
     rewards = torch.tensor([e.reward for e in episodes], dtype=torch.float32).view(-1, group_size)
@@ -485,7 +468,7 @@ def group_examples(episodes, group_size, args):
         g, j = divmod(i, group_size)
         if trains[g, j] and ACTION in e.roles:
             groups[g].append({"ids": e.token_ids, "roles": e.roles, "behav": e.logprobs, "wrapper": e.obs_wrapper,
-                              "adv": float(adv[g, j])})
+                              "adv": token_advantages(e, float(adv[g, j]))})
     return groups, has_signal, valid
 
 
@@ -530,7 +513,7 @@ def train_batch(model, raw, ref, opt, examples, args, pad_id, device, ctx, step,
     policy. -> (stats summed over the first epoch's micro-batches, grad norm of the last update or None).
 
     The normalisers count every example of every rank. Without a KL or ECHO term an example whose advantage is
-    0 (a group without signal) adds nothing to the loss: it is not forwarded. When no rank has an example left
+    0 at every token (a group without signal) adds nothing to the loss: it is not forwarded. When no rank has an example left
     there is nothing to learn from and nothing runs: no optimizer step either, as Adam's moments would move the
     weights on the memory of earlier gradients (and weight decay would shrink them) with a gradient of 0."""
     world = dist.get_world_size() if dist.is_initialized() else 1
@@ -539,7 +522,7 @@ def train_batch(model, raw, ref, opt, examples, args, pad_id, device, ctx, step,
     n_tok, n_seq, n_echo = sft.all_reduce([sum(ex["roles"][1:].count(ACTION) for ex in examples), len(examples),
                                            n_echo], device)
     if args.kl_coef == 0 and args.echo_coef == 0:
-        examples = [ex for ex in examples if ex["adv"] != 0]
+        examples = [ex for ex in examples if any(ex["adv"])]
     if sft.all_reduce([len(examples)], device)[0] == 0:
         return {"episodes_trained": 0}, None
     for ex, lp in zip(examples, score(ref, examples, args, pad_id, device, ctx) if examples else []):
@@ -553,11 +536,11 @@ def train_batch(model, raw, ref, opt, examples, args, pad_id, device, ctx, step,
         for k, g in enumerate(mbs):
             # an empty group (no example left on this rank) still runs a 1-token pass to keep DDP in step
             batch = collate([examples[i] for i in g] or [{"ids": [pad_id], "roles": [PROMPT], "behav": [0.0],
-                                                         "wrapper": [False], "adv": 0.0}], pad_id)
+                                                         "wrapper": [False], "adv": [0.0]}], pad_id)
             batch = {key: v.to(device) for key, v in batch.items()}
             with sft.grad_sync(model, k == len(mbs) - 1, world, args.fsdp), ctx:
-                carrier, st = model(batch, args, max(n_tok, 1), max(n_seq, 1), n_echo)
-                (carrier * world).backward()  # DDP averages over ranks; the normalisers are already global
+                loss, st = model(batch, args, max(n_tok, 1), max(n_seq, 1), n_echo)
+                (loss * world).backward()  # DDP averages over ranks; the normalisers are already global
             if epoch == 0:
                 for key, v in st.items():
                     tot[key] = tot.get(key, 0.0) + v

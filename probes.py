@@ -63,38 +63,33 @@ def get_parser():
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Full-vocabulary quantities, a chunk of rows at a time: only a (chunk, V) fp32 block is alive at once
-
-def _log_probs(h, W, temperature=1.0):
-    with torch.autocast(h.device.type, enabled=False):
-        return torch.log_softmax((h.float() @ W.float().T) / temperature, dim=-1)  # (c, V)
-
-
-def _chunked(fn, n, chunk, V):
-    chunk = chunk or max(1, sft.CHUNK_BYTES // (4 * V))  # the same logits budget as the training loss
-    return torch.cat([fn(slice(s, s + chunk)) for s in range(0, n, chunk)] or [torch.zeros(0)])
-
+# Full-vocabulary quantities, a chunk of rows at a time: the (N, V) logits never exist
 
 def token_entropy(h, W, temperature=1.0, chunk=None):
-    """Entropy (nats) of softmax(h W^T / T) per row; h (N, H), W (V, H). -> (N,)"""
-    def entropy(s):
-        lp = _log_probs(h[s], W, temperature)  # (c, V)
-        return -(lp.exp() * lp).sum(-1)
-    return _chunked(entropy, len(h), chunk, len(W))
+    """Entropy (nats) of softmax(h W^T / T) per row; h (N, H), W (V, H). -> (N,), by the training loss's head."""
+    with torch.no_grad():
+        return sft.token_logprobs(h / temperature, W, torch.zeros(len(h), dtype=torch.long, device=h.device),
+                                  entropy=True, chunk=chunk)[1]
 
 
 def token_kl(h_p, W_p, h_q, W_q, chunk=None):
-    """KL(p || q) per row with p = softmax(h_p W_p^T), q = softmax(h_q W_q^T), rows aligned. -> (N,)"""
-    def kl(s):
-        lp, lq = _log_probs(h_p[s], W_p), _log_probs(h_q[s], W_q)  # (c, V)
-        return (lp.exp() * (lp - lq)).sum(-1)
-    return _chunked(kl, len(h_p), chunk, len(W_p))
+    """KL(p || q) per row with p = softmax(h_p W_p^T), q = softmax(h_q W_q^T), rows aligned. -> (N,). Two heads
+    at once, which the training head does not do: its own chunks, four (c, V) fp32 blocks within the same
+    sft.CHUNK_BYTES (both log-softmaxes, p and the product)."""
+    chunk = chunk or sft.head_chunk(len(W_p), 4)
+    out = []
+    with torch.no_grad(), torch.autocast(h_p.device.type, enabled=False):
+        for s in range(0, len(h_p), chunk):
+            lp = torch.log_softmax(h_p[s: s + chunk].float() @ W_p.float().T, -1)  # (c, V)
+            lq = torch.log_softmax(h_q[s: s + chunk].float() @ W_q.float().T, -1)
+            out.append((lp.exp() * (lp - lq)).sum(-1))
+    return torch.cat(out) if out else torch.zeros(0, device=h_p.device)
 
 
 def token_nll(h, W, targets, chunk=None):
-    """-log softmax(h W^T)[target] per row, by the training loss's own chunked kernel. -> (N,)"""
+    """-log softmax(h W^T)[target] per row, by the training loss's head. -> (N,)"""
     with torch.no_grad():
-        return sft.linear_cross_entropy(h, W, targets, torch.zeros(len(h), device=h.device), chunk)[1]
+        return -sft.token_logprobs(h, W, targets, chunk=chunk)[0]
 
 
 def hidden(model, ids):

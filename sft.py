@@ -115,65 +115,84 @@ def micro_batches(lengths, token_budget, n_micro=0):
 CHUNK_BYTES = 512 * 2**20  # fp32 logits of one chunk: 883 rows at Qwen3's 151,936-token vocabulary
 
 
-class _LinearCrossEntropy(torch.autograd.Function):
-    """sum_i w_i * NLL_i of rows h_i through the output head W, one row-chunk at a time: a chunk's (c, V)
-    logits are the only vocabulary-sized tensor alive. The weights w are known in the forward pass, so the
-    gradients are formed there, chunk by chunk, and backward only scales them: no recomputation."""
+def head_chunk(V, buffers=1):
+    """Rows per chunk of the head: `buffers` (c, V) fp32 blocks of logits within CHUNK_BYTES."""
+    return max(1, CHUNK_BYTES // (4 * V * buffers))
+
+
+class _TokenLogprobs(torch.autograd.Function):
+    """log softmax(h W^T)[target] of rows h through the output head W, one row-chunk at a time. Forward keeps
+    only the log-sum-exp of each row (N,); backward recomputes a chunk's logits to form its gradient. Alive at
+    once: the chunk's (c, V) fp32 logits, within CHUNK_BYTES, worked on in place (with the entropy, a second
+    block and chunks of half the rows); under autocast also the (c, V) autocast-dtype matmul output (forward)
+    or gradient (backward); in backward the fp32 (V, H) gradient of W."""
 
     @staticmethod
-    def forward(ctx, h, W, targets, w, chunk, dtype):
+    def forward(ctx, h, W, targets, chunk, dtype, entropy):
         N = h.shape[0]
-        nll = torch.empty(N, dtype=torch.float32, device=h.device)  # (N,)
+        logp = torch.empty(N, dtype=torch.float32, device=h.device)  # (N,)
+        lse = torch.empty_like(logp)
+        ent = torch.empty_like(logp) if entropy else logp.new_empty(0)
+        Wc = W.to(dtype)
+        ctx.chunk, ctx.dtype = chunk or head_chunk(W.shape[0]), dtype  # backward has one block
+        chunk = chunk or head_chunk(W.shape[0], 2 if entropy else 1)
+        for s in range(0, N, chunk):
+            logits = (h[s: s + chunk].to(dtype) @ Wc.T).float()  # (c, V)
+            tgt = logits.gather(1, targets[s: s + chunk, None]).squeeze(1)  # (c,)
+            mx = logits.max(dim=-1, keepdim=True).values  # (c, 1)
+            shifted = logits.sub_(mx)  # in place: logit - max
+            z = shifted.exp() if entropy else shifted.exp_()  # (c, V) exp(logit - max): a second block only for H
+            total = z.sum(dim=-1)  # (c,)
+            lse[s: s + chunk] = mx.squeeze(1) + total.log()
+            logp[s: s + chunk] = tgt - lse[s: s + chunk]
+            if entropy:  # H = lse - sum_v p_v logit_v = log(total) - sum_v z_v (logit_v - max) / total
+                ent[s: s + chunk] = total.log() - z.mul_(shifted).sum(dim=-1) / total
+            del logits, shifted, z  # before the next chunk's logits: one block alive, not two
+        ctx.save_for_backward(h, W, targets, lse)
+        ctx.mark_non_differentiable(ent)
+        return logp, ent
+
+    @staticmethod
+    def backward(ctx, g, _g_ent):
+        h, W, targets, lse = ctx.saved_tensors
         need_h, need_W = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        ctx.w_dtype = W.dtype
         grad_h = torch.empty_like(h) if need_h else None  # (N, H)
         grad_W = torch.zeros(W.shape, dtype=torch.float32, device=W.device) if need_W else None  # (V, H)
-        Wc = W.to(dtype)
-        chunk = chunk or max(1, CHUNK_BYTES // (4 * W.shape[0]))
-        for s in range(0, N, chunk):
-            hc, tc = h[s: s + chunk].to(dtype), targets[s: s + chunk]  # (c, H), (c,)
-            logits = (hc @ Wc.T).float()  # (c, V): the one vocabulary-sized buffer; all below is in place
-            mx = logits.max(dim=-1, keepdim=True).values  # (c, 1)
-            tgt = logits.gather(1, tc[:, None]).squeeze(1)  # (c,)
-            z = logits.sub_(mx).exp_()  # (c, V) exp(logit - max)
-            total = z.sum(dim=-1)  # (c,)
-            nll[s: s + chunk] = mx.squeeze(1) + total.log() - tgt
-            if need_h or need_W:
-                g = z.div_(total[:, None])  # softmax, (c, V)
-                g[torch.arange(len(tc), device=g.device), tc] -= 1.0
-                g = g.mul_(w[s: s + chunk, None]).to(dtype)  # d(sum w*nll)/d logits
-                if need_h:
-                    grad_h[s: s + chunk] = (g @ Wc).to(h.dtype)
-                if need_W:  # accumulate in fp32 without a (V, H) fp32 temporary
-                    grad_W.addmm_(g.T, hc) if g.dtype == grad_W.dtype else grad_W.add_(g.T @ hc)
-        ctx.save_for_backward(grad_h if need_h else None, grad_W if need_W else None)
-        ctx.mark_non_differentiable(nll)
-        return (nll * w).sum(), nll
-
-    @staticmethod
-    def backward(ctx, grad_loss, _grad_nll):
-        grad_h, grad_W = ctx.saved_tensors
-        gh = grad_h * grad_loss if grad_h is not None else None
-        gW = (grad_W * grad_loss).to(ctx.w_dtype) if grad_W is not None else None
-        return gh, gW, None, None, None, None
+        Wc = W.to(ctx.dtype)
+        for s in range(0, h.shape[0], ctx.chunk):
+            hc, tc = h[s: s + ctx.chunk].to(ctx.dtype), targets[s: s + ctx.chunk]  # (c, H), (c,)
+            # g * d log p_t / d logits = g * (onehot(t) - softmax), formed in the one (c, V) block
+            gc = g[s: s + ctx.chunk]  # (c,)
+            d = (hc @ Wc.T).float().sub_(lse[s: s + ctx.chunk, None]).exp_().mul_(-gc[:, None])  # (c, V) -g softmax
+            d[torch.arange(len(tc), device=d.device), tc] += gc
+            d = d.to(ctx.dtype)
+            if need_h:
+                grad_h[s: s + ctx.chunk] = (d @ Wc).to(h.dtype)
+            if need_W:  # accumulate in fp32 without a (V, H) fp32 temporary
+                grad_W.addmm_(d.T, hc) if d.dtype == grad_W.dtype else grad_W.add_(d.T @ hc)
+            del d  # before the next chunk's logits: one block alive, not two
+        return grad_h, grad_W.to(W.dtype) if need_W else None, None, None, None, None
 
 
-def linear_cross_entropy(h, W, targets, w, chunk=None):
-    """-> (sum_i w_i NLL_i, NLL (N,) detached) for hidden rows h (N, H), head W (V, H), targets (N,), w (N,);
-    `chunk` rows at a time (default: CHUNK_BYTES of fp32 logits). Matmuls run in the autocast dtype when autocast is on; softmax and the NLL in fp32."""
+def token_logprobs(h, W, targets, entropy=False, chunk=None):
+    """-> (log softmax(h W^T)[targets] (N,), differentiable in h and W; the entropy of each row's softmax (N,),
+    detached, or None) for hidden rows h (N, H), head W (V, H), targets (N,), `chunk` rows at a time (default:
+    CHUNK_BYTES of fp32 logits): the (N, V) logits never exist. Matmuls run in the autocast dtype when autocast
+    is on; the softmax in fp32. The one head every loss and probe goes through."""
     dev = h.device.type
     dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else h.dtype
-    if not torch.is_grad_enabled():  # a parameter W would still ask for its (V, H) gradient inside forward
+    if not torch.is_grad_enabled():
         h, W = h.detach(), W.detach()
     with torch.autocast(dev, enabled=False):
-        return _LinearCrossEntropy.apply(h, W, targets, w.float(), chunk, dtype)
+        logp, ent = _TokenLogprobs.apply(h, W, targets, chunk, dtype, entropy)
+    return logp, ent if entropy else None
 
 
 def actobs_loss(model, batch, lam, w_act=1.0, n_traj=None, chunk=None):
     """-> (loss, stats). loss = sum over the batch's trajectories of
     -[w_act sum_A log p + lam sum_O log p] / (w_act |A| + lam |O|), divided by n_traj (default: the number of
     trajectories with a non-zero denominator here; pass the whole step's count when accumulating). Log-probs
-    come from the final hidden states in chunks: the (tokens, vocab) logits are never materialised.
+    come from the final hidden states through token_logprobs: the (tokens, vocab) logits are never materialised.
     stats: per-token action and observation NLL (sums, counts, means), whatever lam is."""
     ids, roles = batch["input_ids"], batch["roles"]  # (B, T)
     B = ids.shape[0]
@@ -191,7 +210,8 @@ def actobs_loss(model, batch, lam, w_act=1.0, n_traj=None, chunk=None):
     valid = denom > 0
     n = float(n_traj) if n_traj is not None else max(int(valid.sum()), 1)
     tok_w = torch.where(is_act, w_act, lam) / denom.clamp(min=1e-12)[traj] / n  # (N,); 0 where denom = 0
-    loss, nll = linear_cross_entropy(h, model.get_output_embeddings().weight, targets, tok_w, chunk)
+    logp, _ = token_logprobs(h, model.get_output_embeddings().weight, targets, chunk=chunk)  # (N,)
+    loss, nll = -(tok_w * logp).sum(), -logp.detach()
     stats = {"act_nll_sum": nll[is_act].sum().item(), "act_tokens": int(is_act.sum()),
              "obs_nll_sum": nll[is_obs].sum().item(), "obs_tokens": int(is_obs.sum()), "n_traj": int(valid.sum())}
     stats["act_nll"] = stats["act_nll_sum"] / max(stats["act_tokens"], 1)

@@ -128,7 +128,7 @@ def loss_examples(model, tokenizer, synthetic, args, shifts, extra, advs=(1.0, -
     for conv, adv, sh in zip(synthetic[:3], advs, shifts):
         ids, roles = labels.render(tokenizer, conv, max_len=200)
         wrapper = [r == OBS and i % 3 == 0 for i, r in enumerate(roles)]  # some observation tokens are wrapper text
-        ex = {"ids": ids, "roles": roles, "wrapper": wrapper, "adv": adv}
+        ex = {"ids": ids, "roles": roles, "wrapper": wrapper, "adv": [adv] * len(ids)}
         ex["behav"] = behaviour(model, ex, args.temperature, sh)
         examples.append(ex)
     if extra:  # another policy's log-probs: the initial one's (KL) or the trainer's before the first update (TIS)
@@ -153,8 +153,8 @@ def test_loss_matches_reference(model, tokenizer, synthetic, norm, case):
     model.zero_grad()
     total = 0.0
     for part in ([examples[0]], examples[1:]):  # two micro-batches, padded: the normalisers are the step's
-        carrier, st = grpo.pg_loss(model, grpo.collate(part, tokenizer.pad_token_id), args, n_tok, n_seq, n_echo)
-        carrier.backward()
+        loss, st = grpo.pg_loss(model, grpo.collate(part, tokenizer.pad_token_id), args, n_tok, n_seq, n_echo)
+        loss.backward()
         total += st["loss"]
     assert total == pytest.approx(ref.item(), rel=1e-4, abs=1e-6)
     assert any(q.grad.abs().max() > 0 for q in ref_model.parameters())
@@ -164,8 +164,8 @@ def test_loss_matches_reference(model, tokenizer, synthetic, norm, case):
         flows = {"clipped": 2, "clip-higher": 0}[case]
         model.zero_grad()
         stopped = [ex for i, ex in enumerate(examples) if i != flows]
-        carrier, st = grpo.pg_loss(model, grpo.collate(stopped, tokenizer.pad_token_id), args, n_tok, n_seq, n_echo)
-        carrier.backward()
+        loss, st = grpo.pg_loss(model, grpo.collate(stopped, tokenizer.pad_token_id), args, n_tok, n_seq, n_echo)
+        loss.backward()
         assert all(p.grad is None or p.grad.abs().max() == 0 for p in model.parameters())
         assert st["clipped_sum"] == st["act_tokens"]
     model.zero_grad()
@@ -273,7 +273,7 @@ def test_a_step_without_signal_makes_no_update(model, tokenizer, synthetic):
     before = [q.detach().clone() for q in mine.parameters()]
     state = copy.deepcopy(opt.state_dict())
     rows = forward_rows(mine.base_model)
-    tot, gnorm = run([dict(ex, adv=0.0) for ex in examples])
+    tot, gnorm = run([dict(ex, adv=[0.0] * len(ex["ids"])) for ex in examples])
     assert gnorm is None and rows == [] and tot == {"episodes_trained": 0}
     assert all(torch.equal(a, b) for a, b in zip(before, mine.parameters()))
     assert all(v["step"] == state["state"][k]["step"] for k, v in opt.state_dict()["state"].items())
@@ -294,7 +294,7 @@ def test_overlong_episodes_kept_masked_or_penalised():
     # group 0: rewards 1 0 1, the last cut by the context; group 1: 0 0 0, the last cut; group 2: an infra failure
     eps = [episode(1.0), episode(0.0), episode(1.0, truncated=True), episode(0.0), episode(0.0), episode(0.0, truncated=True),
            episode(1.0), episode(0.0), episode(0.0, failure="sandbox_error")]
-    adv = lambda groups: [[round(ex["adv"], 6) for ex in g] for g in groups]  # noqa: E731
+    adv = lambda groups: [[round(ex["adv"][0], 6) for ex in g] for g in groups]  # noqa: E731
     r = lambda rows: [[round(x, 6) for x in g] for g in rows]  # noqa: E731
     groups, signal, valid = grpo.group_examples(eps, 3, args_for())
     assert adv(groups) == r([[1 / 3, -2 / 3, 1 / 3], [0, 0, 0], [0.5, -0.5]])
@@ -305,6 +305,45 @@ def test_overlong_episodes_kept_masked_or_penalised():
     # rewards 1 0 0.5 and 0 0 -0.5: the cut episodes lose 0.5, and group 1 gains a signal
     assert adv(groups) == r([[0.5, -0.5, 0.0], [1 / 6, 1 / 6, -1 / 3], [0.5, -0.5]])
     assert signal.tolist() == [True, True, True]
+
+
+def test_a_per_turn_advantage_is_a_change_to_one_function(model, tokenizer, synthetic, monkeypatch):
+    """Replace grpo.token_advantages by a per-turn advantage (turn k's tokens get (k + 1) A) and nothing else:
+    episodes -> examples -> train_batch give the reference's update with those per-token advantages, which
+    differs from the outcome advantage's."""
+    args = args_for("--temperature", "0.7", "--grad-clip", "0")
+    eps = []
+    for conv, reward in zip(synthetic[:3], [1.0, 0.0, 0.0]):
+        ids, roles = labels.render(tokenizer, conv, max_len=200)
+        ex = {"ids": ids, "roles": roles}
+        eps.append(envs.Episode("t", [], reward=reward, token_ids=ids, roles=roles, obs_wrapper=[False] * len(ids),
+                                logprobs=behaviour(model, ex, args.temperature, 0.1)))
+
+    def turn_of_each_token(roles):
+        turns, k = [], -1
+        for i, r in enumerate(roles):
+            k += r == ACTION and (i == 0 or roles[i - 1] != ACTION)
+            turns.append(max(k, 0))
+        return turns
+
+    def update(examples):
+        m = copy.deepcopy(model)
+        grpo.train_batch(grpo.PGModule(m), m, model, torch.optim.SGD(m.parameters(), lr=0.1), examples, args,
+                         tokenizer.pad_token_id, torch.device("cpu"), contextlib.nullcontext(), 0, print)
+        return m
+
+    outcome = update(grpo.group_examples(eps, 3, args)[0][0])
+    monkeypatch.setattr(grpo, "token_advantages", lambda ep, a: [a * (k + 1) for k in turn_of_each_token(ep.roles)])
+    examples = grpo.group_examples(eps, 3, args)[0][0]
+    per_turn = update(examples)
+    group_adv = [2 / 3, -1 / 3, -1 / 3]
+    want = [dict(ex, adv=[a * (k + 1) for k in turn_of_each_token(ep.roles)]) for ex, ep, a in zip(examples, eps, group_adv)]
+    assert max(max(ex["adv"]) for ex in want) >= 2 * 2 / 3  # more than one turn
+    theirs = copy.deepcopy(model)
+    reference_steps(theirs, model, want, args, torch.optim.SGD(theirs.parameters(), lr=0.1), 1)
+    for a, b, c in zip(per_turn.parameters(), theirs.parameters(), outcome.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+    assert any(not torch.allclose(a, c, rtol=1e-3, atol=1e-6) for a, c in zip(per_turn.parameters(), outcome.parameters()))
 
 
 def test_dynamic_sampling_fills_the_step_with_signal_groups():
@@ -328,7 +367,7 @@ def test_dynamic_sampling_fills_the_step_with_signal_groups():
     draws, signal, examples = run("--dynamic-sampling", "30", signal_tasks={0, 1, 2, 3, 4})
     drawn = [g for _, gs in draws for g in gs]
     assert signal.tolist() == [g in {0, 1, 2, 3, 4} for g in drawn] and signal[:-1].sum() < 3 <= signal.sum()
-    assert len(examples) == 6 and sorted(ex["adv"] for ex in examples) == [-0.5] * 3 + [0.5] * 3
+    assert len(examples) == 6 and sorted(ex["adv"][0] for ex in examples) == [-0.5] * 3 + [0.5] * 3
     assert run("--dynamic-sampling", "30", signal_tasks={0, 1, 2, 3, 4})[0] == draws  # the same tasks again
     draws, signal, examples = run("--dynamic-sampling", "6", signal_tasks={9})
     assert len(draws) == 2 and len(signal) == 6 and len(examples) == 2 * int(signal.sum())
@@ -494,9 +533,9 @@ def bandit_step(engine, model, opt, args, prompts, target, sign, n):
     r = torch.tensor(rewards).view(len(prompts), n)
     adv, _ = grpo.group_advantages(sign * r)
     for ex, a in zip(examples, adv.flatten().tolist()):
-        ex["adv"] = a
-    carrier, _ = grpo.pg_loss(model, grpo.collate(examples, 0), args, len(examples), len(examples), 0)
-    carrier.backward()
+        ex["adv"] = [a] * len(ex["ids"])
+    loss, _ = grpo.pg_loss(model, grpo.collate(examples, 0), args, len(examples), len(examples), 0)
+    loss.backward()
     opt.step()
     opt.zero_grad()
     grpo.sync_weights(engine, model)

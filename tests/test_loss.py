@@ -47,6 +47,31 @@ def test_loss_and_grads_match_reference(model, examples, tokenizer, lam, w_act):
         torch.testing.assert_close(g, p.grad, rtol=1e-4, atol=1e-7)
 
 
+@pytest.mark.parametrize("entropy", [False, True])
+def test_the_chunked_head_matches_full_logits(entropy):
+    """sft.token_logprobs, the head every loss and probe uses: log-probs, entropies and both gradients equal the
+    full-logits log-softmax's, in chunks that do not divide the rows; under no_grad nothing asks for a gradient."""
+    torch.manual_seed(0)
+    h, W = torch.randn(50, 16, requires_grad=True), torch.randn(300, 16, requires_grad=True)
+    t, g = torch.randint(0, 300, (50,)), torch.randn(50)
+    logp, ent = sft.token_logprobs(h, W, t, entropy=entropy, chunk=7)
+    (g * logp).sum().backward()
+    got = h.grad.clone(), W.grad.clone()
+    h.grad = W.grad = None
+    full = torch.log_softmax(h @ W.T, -1)  # (N, V)
+    ref = full.gather(1, t[:, None]).squeeze(1)
+    (g * ref).sum().backward()
+    torch.testing.assert_close(logp, ref)
+    torch.testing.assert_close(got[0], h.grad)
+    torch.testing.assert_close(got[1], W.grad)
+    if entropy:
+        torch.testing.assert_close(ent, -(full.exp() * full).sum(-1))
+    else:
+        assert ent is None
+    with torch.no_grad():
+        assert not sft.token_logprobs(h, W, t, chunk=7)[0].requires_grad
+
+
 def test_stats_report_both_nlls_whatever_lambda(model, examples, tokenizer):
     batch = sft.collate(examples, tokenizer.pad_token_id)
     with torch.no_grad():
