@@ -95,7 +95,8 @@ def ks_up_to(n):
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Results: {"settings", "config", "tasks": {name: {"path", "kind", "heldout", "attempts": [record]}}, "summary"}
+# Results: {"settings", "configs": [sft.run_config of each session], "tasks": {name: {"path", "kind", "heldout",
+# "attempts": [record]}}, "summary"}
 
 def task_counts(entry):
     """(n, c, excluded, agent failures, infra failures) of one task's attempts."""
@@ -300,15 +301,10 @@ def settings_of(args):
             "concurrency": args.concurrency}
 
 
-def run_config():
-    import sft  # torch: only when a run starts
-    return {"argv": sys.argv, "git": sft.code_version(), "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
-
-
 def open_results(path, settings):
     """The results so far (a resumed run) or a fresh dict; refuses to resume with other settings."""
     if not path.exists():
-        return {"settings": settings, "config": run_config(), "sessions": 0, "tasks": {}}
+        return {"settings": settings, "configs": [], "tasks": {}}
     results = json.loads(path.read_text())
     changed = [k for k in RESUME_KEYS if results["settings"].get(k) != settings[k]]
     if changed:
@@ -363,12 +359,13 @@ def evaluate(args, rollout=None):
                 print(f"{p}: the image does not build; its attempts are recorded as image_build_error")
             jobs += [(names[p], i, task) for i in missing[p]]
     jobs.sort(key=lambda job: job[1])  # attempt 0 of every task first: a stopped run has some of each task
-    results["sessions"] += 1
+    import sft  # torch: only when a run starts (the tables and compare need none)
+    results["configs"].append(sft.run_config(vars(args)))  # one per session: a resumed run may run other code
     save_results(args.out, results)
     print(f"{len(paths)} tasks x {args.attempts} attempts: {len(jobs)} to run -> {args.out}")
     if jobs:
         from tqdm import tqdm
-        rollout = rollout or vllm_rollout(args, results["sessions"] - 1)
+        rollout = rollout or vllm_rollout(args, len(results["configs"]) - 1)
         lock, t0, bar, outcomes = threading.Lock(), time.time(), tqdm(total=len(jobs), desc="attempts"), Counter()
         transcripts = open(args.transcripts, "a") if args.transcripts else None
 

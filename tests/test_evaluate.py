@@ -221,6 +221,7 @@ def test_resume_runs_only_missing_attempts(toy_tasks, tmp_path, no_leftovers):
     first, done = recorded(out)
     everything = {(name, i) for name in first["tasks"] for i in range(2)}
     assert len(first["tasks"]) == 3 and len(done) >= 3
+    assert [(c["args"]["attempts"], c["args"]["out"]) for c in first["configs"]] == [(2, str(out))]  # what ran
     for (name, _), a in done.items():  # the broken image did not stop the run; its attempts are infra failures
         assert a["failure"] == ("image_build_error" if name == broken else None), a["error"]
 
@@ -234,7 +235,8 @@ def test_resume_runs_only_missing_attempts(toy_tasks, tmp_path, no_leftovers):
     toy = [e for name, e in res["tasks"].items() if name != broken]
     assert {e["kind"] for e in toy} == {"archive", "find_copy"} and [e["heldout"] for e in toy].count(True) == 1
     assert res["summary"]["excluded"] == 2 and res["summary"]["tasks@k"] == {1: 2, 2: 2}
-    assert res["summary"]["pass@k"] == {1: 1.0, 2: 1.0} and res["sessions"] == 2
+    assert res["summary"]["pass@k"] == {1: 1.0, 2: 1.0}
+    assert len(res["configs"]) == 2 and res["configs"][0] == first["configs"][0]  # what ran, one per session
     # every recorded attempt has its transcript: its record and the conversation
     episodes = {(r["task"], r["attempt"]): r for r in map(json.loads, transcripts.read_text().splitlines())}
     assert episodes.keys() >= final.keys()
@@ -277,7 +279,7 @@ def test_end_to_end_tiny_checkpoint_with_vllm(vllm_dir, tmp_path, base_image, no
             "--max-new-tokens", "24", "--max-len", "3072", "--concurrency", "8", "--dtype", "float32", "--out", str(out)]
     res = evaluate.main(argv)
     saved = json.loads(out.read_text())
-    assert len(saved["tasks"]) == 2 and saved["sessions"] == 1
+    assert len(saved["tasks"]) == 2 and len(saved["configs"]) == 1 and saved["configs"][0]["vllm"]  # its version
     for entry in saved["tasks"].values():
         assert [a["attempt"] for a in entry["attempts"]] == [0, 1, 2, 3]
         for a in entry["attempts"]:
