@@ -240,11 +240,32 @@ def verify(sb, task):
             return 0.0, f"verifier wrote no /logs/verifier/reward.txt or reward.json (exit {code})", tail
     except (ValueError, TypeError, KeyError) as e:
         return 0.0, f"unreadable reward file: {e!r}", tail
-    # Terminal-Bench verifiers write 0 whenever pytest fails, also when it never started (no interpreter,
-    # no pytest offline): without pytest's session banner that 0 is not a wrong answer.
-    if reward == 0 and b"pytest" in task.tests.get("test.sh", b"") and b"test session starts" not in out:
-        return 0.0, "the verifier's test runner never started (no pytest session in its output)", tail
+    never = pytest_never_ran(out) if reward == 0 and b"pytest" in task.tests.get("test.sh", b"") else None
+    if never:
+        return 0.0, f"the verifier's test runner never started ({never})", tail
     return reward, None, tail
+
+
+# What pytest prints once it has run tests, under any verbosity (-q drops the banner, -qq the summary line):
+# the summary line ("== 1 failed, 2 passed in 0.12s ==", "1 error in 0.08s" for a module that does not import),
+# the progress line ("F.  [100%]") or a FAILURES / ERRORS section.
+PYTEST_RAN = re.compile(rb"^=* *(?:\d+ \w+, )*\d+ (?:failed|passed|errors?|xfailed|xpassed|skipped)\b.* in [\d.]+s\b"
+                        rb"|^[.FEsxXR]+\s+\[\s*\d+%\]\s*$|^=+ (?:FAILURES|ERRORS) =+\s*$", re.M)
+# pytest's words when it ran nothing: exit status 4 (usage error, no such file) or 5 (no tests collected).
+PYTEST_NOTHING = re.compile(rb"^(?:ERROR: usage:|ERROR: file or directory not found|ERROR: not found:|.*pytest: error: "
+                            rb"|=* *no tests ran in|=* *\d+ deselected in|INTERNALERROR>).*$", re.M)
+
+
+def pytest_never_ran(output):
+    """Why a verifier's pytest ran no test, from its output; None when it ran tests. A run whose tests failed,
+    or whose test module did not import (pytest's exit status 1 or 2: the agent's code is often what the tests
+    import) is a wrong answer; a usage error, no test collected or an internal error (exit 3-5), or no pytest
+    output at all (no interpreter, or uv could not fetch pytest offline) is a verifier that never ran."""
+    output = re.sub(rb"\x1b\[[0-9;]*m", b"", output)  # --color=yes
+    if PYTEST_RAN.search(output):
+        return None
+    said = PYTEST_NOTHING.findall(output)  # the last is the most specific ("usage: ..." comes before the error)
+    return f"pytest ran no test: {decode(said[-1]).strip(' =')}" if said else "no pytest run in its output"
 
 
 # ----------------------------------------------------------------------------------------------------------

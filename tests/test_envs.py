@@ -2,6 +2,8 @@
 are in test_terminus.py)."""
 import json
 import random
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -44,6 +46,43 @@ def test_load_task_errors_name_the_file(tmp_path):
     (tmp_path / "task.toml").write_text("metadata = 1\n")
     with pytest.raises(ValueError, match=r"task.toml: \[metadata\] must be a table"):
         envs.load_task(tmp_path, build=False)
+
+
+# ---------------------------------------------------------------------------------------------- pytest ran or not
+
+WRONG = "def test_wrong():\n    assert 1 == 2\n\ndef test_right():\n    pass\n"
+
+
+@pytest.mark.parametrize("form", [["-q"], ["-qq"], ["-rA", "-p", "junitxml", "--junitxml", "{tmp}/j.xml"], ["--color=yes"]])
+def test_a_wrong_answer_is_a_run_under_every_pytest_form(tmp_path, form):
+    """A real pytest (`python -m pytest`, the `pytest` script's entry point), as verifiers call it: failed tests
+    and a test module that does not import are runs (wrong answers) at any verbosity, with a plugin or colour;
+    a missing file, a bad flag or no selected test is a run that never was."""
+    (tmp_path / "test_wrong.py").write_text(WRONG)
+    (tmp_path / "test_broken.py").write_text("import the_agents_module_that_is_not_there\n\ndef test_x():\n    pass\n")
+    (tmp_path / "test_pass.py").write_text("def test_right():\n    pass\n")
+    cmd = [sys.executable, "-m", "pytest"] + [a.format(tmp=tmp_path) for a in form]
+
+    def run(*args):
+        res = subprocess.run(cmd + ["-p", "no:cacheprovider", *args], cwd=tmp_path, capture_output=True)
+        return res.returncode, envs.pytest_never_ran(res.stdout + res.stderr)
+    assert run("test_wrong.py") == (1, None)
+    assert run("test_broken.py") == (2, None)
+    if form != ["-q"]:
+        return
+    assert run("test_pass.py") == (0, None)
+    code, why = run("test_missing.py")
+    assert code == 4 and why == "pytest ran no test: ERROR: file or directory not found: test_missing.py"
+    code, why = run("--no-such-flag", "test_wrong.py")
+    assert code == 4 and "error: unrecognized arguments: --no-such-flag" in why
+    code, why = run("-k", "nothing_matches", "test_wrong.py")
+    assert code == 5 and why.startswith("pytest ran no test: 2 deselected in ")
+
+
+def test_no_pytest_output_is_a_verifier_that_never_ran():
+    assert envs.pytest_never_ran(b"bash: line 9: uvx: command not found\n") == "no pytest run in its output"
+    assert "INTERNALERROR" in envs.pytest_never_ran(b"INTERNALERROR> Traceback (most recent call last):\n")
+    assert envs.pytest_never_ran(b"Temporary failure resolving 'deb.debian.org'\n1 failed in 0.20s\n") is None
 
 
 # ---------------------------------------------------------------------------------------------- generator, expert
