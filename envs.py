@@ -60,6 +60,8 @@ def parse_args(argv=None):
     o.add_argument("--concurrency", type=int, default=4)
     o.add_argument("--network", metavar="MODE", help="give tasks that allow the internet this Docker network "
                    "(bridge, host, a network's name; Sandbox's docstring says which isolates); default: none")
+    o.add_argument("--keep-agent-processes", action="store_true", help="leave what solve.sh started running for "
+                   "the verifier (tests of a service); see evaluate.py --keep-agent-processes")
 
     c = sub.add_parser("corpus", help="generate tasks, run the scripted expert, write Nemotron-format JSONL")
     c.add_argument("--out", type=Path, required=True, help="output folder: sft.jsonl, rl/, eval/")
@@ -557,9 +559,9 @@ def run_episodes(tasks, policy, *, max_turns=30, concurrency=8, template=None, n
     return [r.ep for r in runs]
 
 
-def run_oracle(tasks, *, noop=False, concurrency=4, network=None):
-    """Run each task's solution/solve.sh (or nothing, with noop) and the verifier; returns Episodes. network:
-    as in run_episodes."""
+def run_oracle(tasks, *, noop=False, concurrency=4, network=None, keep_agent=False):
+    """Run each task's solution/solve.sh (or nothing, with noop) and the verifier; returns Episodes. network,
+    keep_agent: as in run_episodes (keep_agent: what solve.sh left running stays up for the verifier)."""
     def one(task):
         ep, t0 = Episode(task.name, []), time.time()
         if task.build_error:
@@ -573,7 +575,7 @@ def run_oracle(tasks, *, noop=False, concurrency=4, network=None):
                     code, out = sb.exec(["bash", "/solution/solve.sh"], timeout=task.agent_timeout)
                     if code in (124, 137) and not sb.disk_exceeded:
                         ep.failure, ep.error = "timeout", decode(out)[-500:]
-                _score(ep, sb, task, decode(out))
+                _score(ep, sb, task, decode(out), keep_agent)
         except Exception as e:
             ep.failure, ep.error = "sandbox_error", f"{type(e).__name__}: {e}"
         ep.timings["total_s"] = time.time() - t0
@@ -630,7 +632,8 @@ def main(argv=None):
         print(f"removed {sweep()} leftover sandboxes")
     elif args.cmd == "oracle":
         tasks = [load_task(p) for p in args.tasks]
-        episodes = run_oracle(tasks, noop=args.noop, concurrency=args.concurrency, network=args.network)
+        episodes = run_oracle(tasks, noop=args.noop, concurrency=args.concurrency, network=args.network,
+                              keep_agent=args.keep_agent_processes)
         for e in episodes:
             print(f"{e.task}\treward {e.reward:.2f}\t{e.failure or 'ok'}\t{e.timings['total_s']:.1f}s"
                   + (f"\tneeds the network: {e.needs_network}" if e.needs_network else ""))
