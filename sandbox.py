@@ -42,6 +42,9 @@ PRIVATE_SOCKET = os.environ.get("ACTOBS_DOCKER_ROOT", "/var/lib/actobs-docker") 
 LABEL = "actobs.sandbox"  # every container carries it; value = "<hostname>:<pid>" of the owning process
 SCREEN = (160, 40)  # tmux window (columns, rows)
 DEFAULT_STORAGE_MB = 10240  # disk budget when a task names none (Harbor's default)
+# The stand-in's uv is offline (build_uv_image sets UV_OFFLINE=1); a sandbox given the network lifts that and has uv
+# trust the system's CAs, which in the stand-in include the host's (a TLS-inspecting egress proxy).
+STANDIN_ONLINE = {"UV_OFFLINE": "0", "UV_NATIVE_TLS": "1"}
 DISK_POLL_S = 0.2  # how often a sandbox's writable layer is measured (a walk of a small one: ~0.2 ms)
 
 # ----------------------------------------------------------------------------------------------------------
@@ -352,6 +355,9 @@ class Sandbox:
     def start(self):
         t0 = time.time()
         import docker
+        env = {"LANG": "C.UTF-8"}
+        if self.network and "UV_OFFLINE=1" in (docker_client().images.get(self.image).attrs["Config"].get("Env") or []):
+            env.update(STANDIN_ONLINE)
         # Created, then started: a container that fails to start is still ours to remove (close()).
         self.container = docker_client().containers.create(
             # The image's own entrypoint is replaced: the container only has to stay up for our execs. PID 1 is
@@ -359,7 +365,7 @@ class Sandbox:
             self.image, entrypoint=["bash", "-c", INIT], labels={LABEL: owner_label()},
             hostname="sandbox", network_mode=self.network or "none", mem_limit=f"{self.memory_mb}m",
             memswap_limit=f"{self.memory_mb}m", pids_limit=self.pids, nano_cpus=int(host_cpus(self.cpus) * 1e9),
-            working_dir=self.workdir, environment={"LANG": "C.UTF-8"})
+            working_dir=self.workdir, environment=env)
         try:
             self.container.start()
         except docker.errors.APIError as e:

@@ -12,6 +12,7 @@ import pytest
 
 import envs
 import evaluate
+import sandbox
 
 FIXTURES = Path(__file__).parent / "fixtures"
 AIDER, ENDLESS, HARBOR = FIXTURES / "aider", FIXTURES / "endless", FIXTURES / "harbor"
@@ -116,6 +117,18 @@ def test_a_download_at_solve_time_needs_the_network(base_image):
     task.allow_internet = False
     closed, = envs.run_oracle([task], network="host")
     assert (closed.reward, closed.needs_network) == (0.0, "")  # the task forbids it: nothing to give
+
+
+def test_the_standins_uv_goes_online_with_the_network(base_image):
+    """The stand-in's uv is offline (wheels of the verifiers' pins only); with the network, a verifier's
+    `uvx --with <another wheel>` fetches it from PyPI, through the host's CAs."""
+    uvx = "source /root/.local/bin/env && uvx -p 3.13 --with tomli-w==1.2.0 python -c 'import tomli_w'"
+    with sandbox.Sandbox("ubuntu:24.04") as offline:
+        code, out = offline.exec(uvx, timeout=120)
+        assert code != 0 and b"the network was disabled" in out
+    with sandbox.Sandbox("ubuntu:24.04", network="host") as online:
+        code, out = online.exec(uvx, timeout=120)
+        assert code == 0, out
 
 
 def test_keep_agent_processes_keeps_a_service_for_its_tests(base_image):
