@@ -420,19 +420,21 @@ class _Run:
     def finish(self, failure, error="", verify_=True):
         self.done = True
         self.ep.failure, self.ep.error = failure, error or ""
+        again = False  # aider's second try: the sandbox stays for it
         try:
             if verify_:
                 t = time.time()
                 seen = "\n".join(m["content"] for m in self.ep.messages[1:] if m["role"] == "user")
                 _score(self.ep, self.sb, self.task, seen, self.keep_agent)
                 self.ep.timings["verify_s"] += time.time() - t
-                if self.second_try and self.ep.first_reward is None and self.ep.failure is None and self.ep.reward < 1:
-                    return self.retry()
-        except BaseException:
-            self.close()
-            raise
-        self.close()
-        self.ep.timings["total_s"] = time.time() - self.t0
+                again = (self.second_try and self.ep.first_reward is None and self.ep.failure is None
+                         and self.ep.reward < 1)
+        finally:
+            if not again:
+                self.close()
+                self.ep.timings["total_s"] = time.time() - self.t0
+        if again:
+            self.retry()
 
     def retry(self):
         """aider's second try: the agent sees the verifier's output once, in a new terminal (verification
@@ -444,7 +446,8 @@ class _Run:
             self.sb.exec("rm -rf /tests /logs/verifier/*", user="root")
             screen = self.sb.restart_terminal()
         except Exception as e:
-            return self.finish("sandbox_error", f"second try: {type(e).__name__}: {e}", verify_=False)
+            self.finish("sandbox_error", f"second try: {type(e).__name__}: {e}", verify_=False)
+            return
         ep.messages.append({"role": "user", "content": second_try_message(ep.verifier_output, screen)})
 
     def close(self):
