@@ -6,8 +6,9 @@ episode runner (the Terminus-2 protocol) used by SFT data generation, GRPO rollo
 Needs a Docker daemon (DOCKER_HOST); `. .ci/dockerd.sh start` starts a private one.
 
     python envs.py base-image                              # debootstrap bookworm -> actobs-base:bookworm (reused)
-    python envs.py base-image --standin                    # trixie + uv/pytest, tagged ubuntu:24.04 and
+    python envs.py base-image --standin                    # trixie + uv/pytest, tagged ubuntu:24.04,
                                                            # python:3.13-slim-bookworm (Terminal-Bench 2.0's FROMs)
+                                                           # and ubuntu:22.04 (Endless Terminals')
     python envs.py oracle tests/fixtures/harbor/*          # run solution/solve.sh, print rewards (expect 1.0)
     python envs.py oracle --noop tests/fixtures/harbor/*   # do nothing, print rewards (expect 0.0)
     python envs.py oracle --network host tests/fixtures/harbor/pip-install   # a task that downloads at solve time
