@@ -75,6 +75,7 @@ def get_parser():
     p.add_argument("--max-new-tokens", type=int, default=4096, help="tokens per reply")
     p.add_argument("--max-len", type=int, default=16384, help="tokens per episode (prompt + replies + observations); longer ones are cut and flagged")
     p.add_argument("--concurrency", type=int, default=64, help="sandboxes live at once per rank")
+    p.add_argument("--network", metavar="MODE", help="Docker network for tasks that allow the internet (task.toml allow_internet): bridge, host or a network's name (see evaluate.py --network); default: none for any task")
     # objective
     p.add_argument("--clip", type=float, default=0.2, help="PPO clip epsilon on the importance ratio")
     p.add_argument("--ppo-epochs", type=int, default=1, help="optimizer steps per batch of rollouts (1 = on-policy)")
@@ -262,15 +263,17 @@ class VLLMPolicy:
 
 
 def rollout(engine, tokenizer, tasks, *, temperature, max_turns, max_new_tokens, max_len, concurrency, template=None,
-            seed=0, on_episode=None, stats=None, lockstep=False):
+            seed=0, on_episode=None, stats=None, lockstep=False, network=None, keep_agent=False, second_try=False):
     """One episode per entry of `tasks` (repeat a task for several attempts) with the engine's current weights.
     Episodes come back in the order of `tasks`, with reward, turns, failure, timings, and the token sequence
     (token_ids, roles, logprobs, obs_wrapper, truncated). on_episode(i, episode) is called as each ends.
-    stats (a dict) receives the generator's wall / busy / idle seconds."""
+    stats (a dict) receives the generator's wall / busy / idle seconds. network, keep_agent, second_try: as
+    envs.run_episodes (evaluate.py's options; training uses only network)."""
     policy = VLLMPolicy(engine, tokenizer, temperature=temperature, max_new_tokens=max_new_tokens, max_len=max_len,
                         seed=seed, lockstep=lockstep)
     return envs.run_episodes(tasks, policy, max_turns=max_turns, concurrency=concurrency, template=template,
-                             on_episode=on_episode, stats=stats)
+                             on_episode=on_episode, stats=stats, network=network, keep_agent=keep_agent,
+                             second_try=second_try)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -427,7 +430,7 @@ def score(model, examples, args, pad_id, device, ctx):
 RESUME_KEYS = ("init", "chat_template", "tasks", "prompt_template", "tasks_per_step", "group_size", "temperature",
                "max_turns", "max_new_tokens", "max_len", "clip", "ppo_epochs", "loss_norm", "scale_std", "tis_cap",
                "kl_coef", "echo_coef", "echo_payload_only", "steps", "lr", "weight_decay", "adam_betas", "adam_eps",
-               "grad_clip", "seed")
+               "grad_clip", "seed", "network")
 
 
 def load_tasks(path):
@@ -536,7 +539,7 @@ def main(argv=None):
         episodes = rollout(engine, tok, todo, temperature=args.temperature, max_turns=args.max_turns,
                            max_new_tokens=args.max_new_tokens, max_len=args.max_len, concurrency=args.concurrency,
                            template=template, seed=step_seed(args.seed, step, rank),
-                           on_episode=lambda i, e: bar.update(), stats=gen)
+                           on_episode=lambda i, e: bar.update(), stats=gen, network=args.network)
         bar.close()
         if device.type == "cuda":  # the engine's weights go to host memory and its KV cache is freed while training
             engine.sleep(level=1)

@@ -35,7 +35,7 @@ from labels import ACTION, OBS, PREFIX_TEMPLATE, PROMPT, load_tokenizer, read_tr
 def get_parser():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     # data
-    p.add_argument("--data", required=True, help="JSONL (or JSON array) of trajectories: {'conversations'|'messages': [{role, content}]}")
+    p.add_argument("--data", required=True, help="trajectories, {'conversations'|'messages': [{role, content}]} rows: a JSONL file (or JSON array), a parquet file, or a Hugging Face dataset id ID[:SPLIT] (e.g. nvidia/Nemotron-Terminal-Corpus)")
     p.add_argument("--max-len", type=int, default=16384, help="truncate trajectories to this many tokens")
     p.add_argument("--val-size", type=int, default=16, help="trajectories held out for evaluation")
     p.add_argument("--skip-bad", action="store_true", help="skip (and count) malformed rows instead of stopping")

@@ -126,8 +126,8 @@ def model(tiny_dir):
 
 @pytest.fixture(scope="session")
 def base_image():
-    """The project's base image; and the offline Terminal-Bench stand-in (trixie + uv, tagged ubuntu:24.04 and
-    python:3.13-slim-bookworm) so Harbor Dockerfiles build offline. Both are reused when present."""
+    """The project's base image; and the offline Terminal-Bench stand-in (trixie + uv, tagged ubuntu:24.04,
+    python:3.13-slim-bookworm and ubuntu:22.04) so Harbor Dockerfiles build offline. Both are reused when present."""
     import sandbox
     sandbox.build_base_image()
     sandbox.build_base_image(sandbox.STANDIN_SUITE, sandbox.STANDIN_TAGS, with_uv=True)

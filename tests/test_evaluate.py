@@ -112,6 +112,31 @@ def test_infra_failures_never_count_against_the_agent():
     assert [label for label, _ in evaluate.groups(res)] == ["all"]  # no kinds, no per-kind rows
 
 
+def test_second_try_and_needs_network_are_reported_apart():
+    res = results({"py": ("python", [0, 1, 0, 0]), "go": ("go", [0, 0, 0, 1])})
+    res["settings"]["second_try"] = True
+    py, go = res["tasks"]["py"]["attempts"], res["tasks"]["go"]["attempts"]
+    py[0].update(reward=1.0, first_reward=0.0)  # solved on the second try: counts for the final pass@k only
+    go[1]["needs_network"] = "E: Temporary failure resolving 'deb.debian.org'"
+    assert evaluate.summarize(res["tasks"], [1])["pass@k"][1] == pytest.approx((2 / 4 + 1 / 4) / 2)
+    assert evaluate.summarize(res["tasks"], [1], first=True)["pass@k"][1] == pytest.approx((1 / 4 + 1 / 4) / 2)
+    assert evaluate.summarize(res["tasks"], [1])["failures"] == {"needs network": 1}
+    lines = evaluate.table(res).splitlines()
+    assert [ln.split()[:5] for ln in lines[1:3]] == [["all", "1st", "try", "2", "25.0"], ["all", "2nd", "try", "2", "37.5"]]
+    assert [ln.split()[0] for ln in lines[3:7]] == ["go", "go", "python", "python"]
+    assert any(ln.startswith("needs network: 1 attempts") for ln in lines)
+
+
+def test_results_from_before_the_network_options_resume_with_them_off(tmp_path):
+    args = evaluate.parse_args(["--model", "m", "--tasks", str(tmp_path), "--out", str(tmp_path / "r.json")])
+    old = {k: v for k, v in evaluate.settings_of(args).items() if k not in evaluate.NEWER_KEYS}
+    (tmp_path / "r.json").write_text(json.dumps({"settings": old, "config": {}, "sessions": 1, "tasks": {}}))
+    assert evaluate.open_results(tmp_path / "r.json", evaluate.settings_of(args))["sessions"] == 1
+    with pytest.raises(SystemExit, match="network differ"):
+        evaluate.open_results(tmp_path / "r.json", evaluate.settings_of(evaluate.parse_args(
+            ["--model", "m", "--tasks", str(tmp_path), "--network", "host"])))
+
+
 def test_compare_known_answers(tmp_path):
     a = results({"t1": (None, [1, 0, 0, 0]), "t2": (None, [0, 0, 0, 0]), "t3": (None, [1, 1, 0, 0])})
     b = results({"t1": (None, [1, 1, 0, 0]), "t2": (None, [1, 0, 0, 0]), "t3": (None, [1, 1, 0, 0]),
