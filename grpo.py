@@ -79,6 +79,7 @@ def get_parser():
     p.add_argument("--max-new-tokens", type=int, default=4096, help="tokens per reply")
     p.add_argument("--max-len", type=int, default=16384, help="tokens per episode (prompt + replies + observations); longer ones are cut and flagged")
     p.add_argument("--concurrency", type=int, default=64, help="sandboxes live at once per rank")
+    p.add_argument("--network", metavar="MODE", help="Docker network for tasks that allow the internet (task.toml allow_internet): bridge, host or a network's name (see evaluate.py --network); default: none for any task")
     # objective
     p.add_argument("--clip", type=float, default=0.2, help="PPO clip epsilon on the importance ratio (both sides)")
     p.add_argument("--clip-low", type=float, help="lower clip epsilon: the ratio is clipped to [1 - clip-low, 1 + clip-high] (default --clip)")
@@ -97,6 +98,9 @@ def get_parser():
     p.add_argument("--steps", type=int, default=135)
     p.add_argument("--lr", type=float, default=1e-6, help="constant learning rate")
     p.add_argument("--weight-decay", type=float, default=0.0)
+    # PyTorch's AdamW defaults, now explicit: what every GRPO run so far trained with
+    p.add_argument("--adam-betas", type=float, nargs=2, default=[0.9, 0.999], metavar=("B1", "B2"), help="AdamW betas")
+    p.add_argument("--adam-eps", type=float, default=1e-8, help="AdamW epsilon")
     p.add_argument("--grad-clip", type=float, default=1.0, help="max global grad norm (0 = off)")
     p.add_argument("--micro-tokens", type=int, default=32768, help="token budget of one micro-batch (padded rows x length)")
     p.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32"], help="autocast and engine dtype; auto = bf16 on CUDA, fp32 on CPU")
@@ -111,6 +115,7 @@ def get_parser():
     p.add_argument("--save-every", type=int, default=10, help="checkpoint every N steps")
     p.add_argument("--keep", type=int, default=2, help="step checkpoints kept on disk")
     p.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint in --out")
+    p.add_argument("--wandb", metavar="PROJECT", help="also log every log.jsonl row to this Weights & Biases project (pip install wandb; offline under OUT/wandb/ when W&B is unreachable)")
     return p
 
 
@@ -267,15 +272,17 @@ class VLLMPolicy:
 
 
 def rollout(engine, tokenizer, tasks, *, temperature, max_turns, max_new_tokens, max_len, concurrency, template=None,
-            seed=0, on_episode=None, stats=None, lockstep=False):
+            seed=0, on_episode=None, stats=None, lockstep=False, network=None, keep_agent=False, second_try=False):
     """One episode per entry of `tasks` (repeat a task for several attempts) with the engine's current weights.
     Episodes come back in the order of `tasks`, with reward, turns, failure, timings, and the token sequence
     (token_ids, roles, logprobs, obs_wrapper, truncated). on_episode(i, episode) is called as each ends.
-    stats (a dict) receives the generator's wall / busy / idle seconds."""
+    stats (a dict) receives the generator's wall / busy / idle seconds. network, keep_agent, second_try: as
+    envs.run_episodes (evaluate.py's options; training uses only network)."""
     policy = VLLMPolicy(engine, tokenizer, temperature=temperature, max_new_tokens=max_new_tokens, max_len=max_len,
                         seed=seed, lockstep=lockstep)
     return envs.run_episodes(tasks, policy, max_turns=max_turns, concurrency=concurrency, template=template,
-                             on_episode=on_episode, stats=stats)
+                             on_episode=on_episode, stats=stats, network=network, keep_agent=keep_agent,
+                             second_try=second_try)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -420,7 +427,7 @@ def score(model, examples, args, pad_id, device, ctx):
 RESUME_KEYS = ("init", "chat_template", "tasks", "prompt_template", "tasks_per_step", "group_size", "temperature",
                "max_turns", "max_new_tokens", "max_len", "clip", "clip_low", "clip_high", "ppo_epochs", "loss_norm",
                "scale_std", "dynamic_sampling", "overlong", "overlong_penalty", "tis_cap", "kl_coef", "echo_coef",
-               "echo_payload_only", "steps", "lr", "weight_decay", "grad_clip", "seed")
+               "echo_payload_only", "steps", "lr", "weight_decay", "adam_betas", "adam_eps", "grad_clip", "seed", "network")
 
 
 def load_tasks(path):
@@ -438,8 +445,10 @@ def step_groups(n_tasks, tasks_per_step, step, seed, draw=0):
     return rng.choice(n_tasks, tasks_per_step, replace=tasks_per_step > n_tasks).tolist()
 
 
-def rollout_seed(seed, step, rank, draw=0):
-    """The sampling seed of one rank's rollouts in one draw of a step (the first draw's is draw-free)."""
+def step_seed(seed, step, rank, draw=0):
+    """The sampling seed of one rank's rollouts in one draw of a step (each turn's seed derives from it): a
+    function of (seed, step, rank, draw) alone, so a resumed run samples as the uninterrupted one would, and no
+    RNG state needs saving. The first draw's is that of a run without dynamic sampling."""
     return (seed * 100_003 + step) * 64 + rank + (draw << 40)
 
 
@@ -604,7 +613,7 @@ def main(argv=None):
     # the initial policy, for the KL from init: a full copy per rank, in the autocast dtype
     ref = sft.load_model(args.init, device).to(torch.bfloat16 if use_bf16 else torch.float32).requires_grad_(False).eval()
     model = sft.wrap_model(PGModule(raw), raw, args, device)
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+    opt = sft.adamw(model, args)
     start = 0
     if state is not None:
         sft.load_optimizer_state(model, opt, state, args.fsdp)
@@ -614,9 +623,10 @@ def main(argv=None):
     if rank == 0 and args.resume:  # drop log rows past the checkpoint: those steps run again
         rows = (out / "log.jsonl").read_text().splitlines() if (out / "log.jsonl").exists() else []
         (out / "log.jsonl").write_text("".join(r + "\n" for r in rows if json.loads(r)["step"] <= start))
+    config = sft.run_config(vars(args)) if rank == 0 else None
     if rank == 0:
-        (out / "config.json").write_text(json.dumps(sft.run_config(args), indent=2))
-    log = open(out / "log.jsonl", "a") if rank == 0 else None
+        (out / "config.json").write_text(json.dumps(config, indent=2))
+    log = sft.RunLog(out, config, args.wandb, rank)
     print0(f"{len(tasks)} tasks | {sum(p.numel() for p in raw.parameters()) / 1e6:.1f}M params | {args.steps} steps x "
            f"{args.tasks_per_step} tasks x {args.group_size} episodes | world {world} | "
            + (f"resumed at step {start}" if start else "fresh start"))
@@ -632,8 +642,8 @@ def main(argv=None):
             stats = {}
             eps = rollout(engine, tok, [tasks[g] for g in groups for _ in range(args.group_size)], temperature=args.temperature,
                           max_turns=args.max_turns, max_new_tokens=args.max_new_tokens, max_len=args.max_len,
-                          concurrency=args.concurrency, template=template, seed=rollout_seed(args.seed, step, rank, draw),
-                          on_episode=lambda i, e: bar.update(), stats=stats)
+                          concurrency=args.concurrency, template=template, seed=step_seed(args.seed, step, rank, draw),
+                          on_episode=lambda i, e: bar.update(), stats=stats, network=args.network)
             bar.close()
             gen.update(stats)
             return eps
@@ -693,9 +703,7 @@ def main(argv=None):
                         "train/kl_init_k3": sums["kl_init_k3_sum"] / na, "train/mismatch": sums["mismatch_sum"] / na,
                         "train/mismatch_abs": sums["mismatch_abs_sum"] / na, "train/clip_frac": sums["clipped_sum"] / na,
                         "train/tis_weight": sums["tis_w_sum"] / na})
-        if log:
-            log.write(json.dumps(rec) + "\n")
-            log.flush()
+        log.write(rec)
         trained = (f"ent {rec['train/entropy']:.3f} | kl {rec['train/kl_init']:.2e} | mism {rec['train/mismatch_abs']:.1e} | "
                    f"gnorm {gnorm:.3f}" if gnorm is not None and na else "nothing to learn from: no update")
         print0(f"step {step + 1}/{args.steps} | reward {rec['rollout/reward_mean']:.3f} | solved {rec['rollout/solve_rate']:.2f} | "
@@ -703,15 +711,14 @@ def main(argv=None):
                f"idle {rec['rollout/generator_idle_frac']:.0%} | train {rec['time/train_s']:.0f}s | {rec['time/step_s']:.0f}s")
         done = step + 1
         if done % args.save_every == 0 or done == args.steps:
-            sft.save_checkpoint(out / f"step-{done:06d}", model, raw, tok, opt, done, args, rank)
+            sft.save_checkpoint(out / f"step-{done:06d}", model, raw, tok, opt, done, args, rank, rng=False)
             for old in sft.checkpoint_dirs(out)[: -args.keep] if rank == 0 else []:
                 shutil.rmtree(old)
             if rank == 0:
                 plot_curves(out / "log.jsonl", out / "curves.png")
     sft.save_checkpoint(out / "final", model, raw, tok, None, args.steps, args, rank)  # weights + tokenizer only
     print0(f"final model: {out / 'final'}")
-    if log:
-        log.close()
+    log.close()
     del engine  # its shutdown also tears down the process group it joined (torchrun): before ours, not after
     gc.collect()
     sft.close_distributed()
