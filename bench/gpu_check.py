@@ -123,7 +123,8 @@ def grpo_check(root, model_dir, steps):
     out = root / "grpo"
     grpo.main(["--init", str(model_dir), "--chat-template", "prefix", "--tasks", str(tasks), "--out", str(out),
                "--steps", str(steps), "--tasks-per-step", "2", "--group-size", "4", "--max-turns", "3",
-               "--max-new-tokens", "64", "--max-len", "4096", "--lr", "1e-6", "--save-every", str(steps)])
+               "--max-new-tokens", "64", "--max-len", "4096", "--lr", "1e-6", "--save-every", str(steps),
+               "--echo-coef", "0.05"])  # every step trains (and logs the mismatch), whether or not a group has signal
     rows = [json.loads(x) for x in (out / "log.jsonl").read_text().splitlines()]
     check("grpo.py: steps logged", [r["step"] for r in rows] == list(range(1, steps + 1)), f"{len(rows)} rows")
     worst = max(r["train/mismatch_abs"] for r in rows)
