@@ -111,7 +111,7 @@ def ks_up_to(n):
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Results: {"settings", "configs": [sft.run_config of each session], "tasks": {name: {"path", "kind", "heldout",
+# Results: {"settings", "configs": [common.run_config of each session], "tasks": {name: {"path", "kind", "heldout",
 # "attempts": [record]}}, "summary"}
 
 def reward_of(a, first=False):
@@ -399,8 +399,8 @@ def evaluate(args, rollout=None):
                 print(f"{p}: the image does not build; its attempts are recorded as image_build_error")
             jobs += [(names[p], i, task) for i in missing[p]]
     jobs.sort(key=lambda job: job[1])  # attempt 0 of every task first: a stopped run has some of each task
-    import sft  # torch: only when a run starts (the tables and compare need none)
-    results["configs"].append(sft.run_config(vars(args)))  # one per session: a resumed run may run other code
+    import common  # torch: only when a run starts (the tables and compare need none)
+    results["configs"].append(common.run_config(vars(args)))  # one per session: a resumed run may run other code
     save_results(args.out, results)
     print(f"{len(paths)} tasks x {args.attempts} attempts: {len(jobs)} to run -> {args.out}")
     if jobs:

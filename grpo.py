@@ -57,8 +57,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+import common
 import envs
-import sft
 import terminus
 from labels import (ACTION, OBS, PROMPT, defuse_specials, encode, encode_spans, generation_prompt, load_tokenizer,
                     wrapper_mask)
@@ -306,7 +306,7 @@ def group_advantages(rewards, valid=None, scale_std=False, eps=1e-6):
 def collate(examples, pad_id):
     """Episodes (dicts of per-token lists: ids, roles, adv, behav, wrapper, [old, ref]) -> right-padded (B, T)
     tensors (PROMPT on padding, so padding never carries loss)."""
-    out = sft.collate([(e["ids"], e["roles"]) for e in examples], pad_id)  # input_ids, roles, attention_mask
+    out = common.collate([(e["ids"], e["roles"]) for e in examples], pad_id)  # input_ids, roles, attention_mask
     B, T = out["input_ids"].shape
     out["wrapper"] = torch.zeros((B, T), dtype=torch.bool)
     for key in ("adv", "behav", "old", "ref"):
@@ -351,12 +351,12 @@ def clip_range(args):
 
 def pg_loss(model, batch, args, n_tok, n_seq, n_echo):
     """-> (this micro-batch's part of the step's loss, stats of sums): the objective of the module docstring,
-    written on the per-token log-probs of sft.token_logprobs (the chunked head, differentiable: the (N, V)
+    written on the per-token log-probs of common.token_logprobs (the chunked head, differentiable: the (N, V)
     logits never exist) and left to autograd. n_tok, n_seq, n_echo: the step's action tokens, sequences with
     action tokens and sequences with ECHO tokens, over all micro-batches and ranks (the normalisers)."""
     echo = echo_mask(batch["roles"], batch["wrapper"], args.echo_payload_only) & (args.echo_coef > 0)  # (B, T-1)
     h, targets, act, row, sel = selected_rows(model, batch, args.temperature, echo)
-    logp_all, ent = sft.token_logprobs(h, model.get_output_embeddings().weight, targets, entropy=True)  # (N,), (N,)
+    logp_all, ent = common.token_logprobs(h, model.get_output_embeddings().weight, targets, entropy=True)  # (N,), (N,)
     logp, obs_logp = logp_all[act], logp_all[~act]  # (n_act,) at T, (n_obs,) at T = 1
     a_row, o_row = row[act], row[~act]
 
@@ -408,11 +408,11 @@ def score(model, examples, args, pad_id, device, ctx):
     """Per-token log-probs (at T) of each example's tokens under `model` (a list per example, 0 where a token
     is not an action), e.g. the initial policy for the KL, or the trainer before a multi-epoch step."""
     out = []
-    for g in sft.micro_batches([len(e["ids"]) for e in examples], args.micro_tokens):
+    for g in common.micro_batches([len(e["ids"]) for e in examples], args.micro_tokens):
         batch = {k: v.to(device) for k, v in collate([examples[i] for i in g], pad_id).items()}
         with ctx:
             h, targets, act, row, sel = selected_rows(model, batch, args.temperature, torch.zeros_like(batch["wrapper"][:, 1:]))
-            logp, _ = sft.token_logprobs(h, model.get_output_embeddings().weight, targets)
+            logp, _ = common.token_logprobs(h, model.get_output_embeddings().weight, targets)
         full = torch.zeros(sel.shape, dtype=torch.float32, device=device)
         full[sel] = logp
         for j, i in enumerate(g):
@@ -487,7 +487,7 @@ def keep_signal_groups(has_signal, room, rank, device):
     lacks, whichever ranks hold them."""
     world = dist.get_world_size() if dist.is_initialized() else 1
     mine = int(has_signal.sum())
-    counts = sft.all_reduce([mine if r == rank else 0 for r in range(world)], device)  # (world,)
+    counts = common.all_reduce([mine if r == rank else 0 for r in range(world)], device)  # (world,)
     take = max(0, min(mine, room - int(sum(counts[:rank]))))
     return has_signal.nonzero().flatten().tolist()[:take], min(int(sum(counts)), room)
 
@@ -528,11 +528,11 @@ def train_batch(model, raw, ref, opt, examples, args, pad_id, device, ctx, step,
     world = dist.get_world_size() if dist.is_initialized() else 1
     n_echo = sum(bool(echo_mask(torch.tensor(ex["roles"]), torch.tensor(ex["wrapper"]), args.echo_payload_only).any())
                  for ex in examples) if args.echo_coef > 0 else 0
-    n_tok, n_seq, n_echo = sft.all_reduce([sum(ex["roles"][1:].count(ACTION) for ex in examples), len(examples),
+    n_tok, n_seq, n_echo = common.all_reduce([sum(ex["roles"][1:].count(ACTION) for ex in examples), len(examples),
                                            n_echo], device)
     if args.kl_coef == 0 and args.echo_coef == 0:
         examples = [ex for ex in examples if any(ex["adv"])]
-    if sft.all_reduce([len(examples)], device)[0] == 0:
+    if common.all_reduce([len(examples)], device)[0] == 0:
         return {"episodes_trained": 0}, None
     for ex, lp in zip(examples, score(ref, examples, args, pad_id, device, ctx) if examples else []):
         ex["ref"] = lp
@@ -541,19 +541,19 @@ def train_batch(model, raw, ref, opt, examples, args, pad_id, device, ctx, step,
             ex["old"] = lp
     tot = {"episodes_trained": len(examples)}
     for epoch in range(args.ppo_epochs):
-        mbs = sft.rank_micro_batches([len(ex["ids"]) for ex in examples], args.micro_tokens, device)
+        mbs = common.rank_micro_batches([len(ex["ids"]) for ex in examples], args.micro_tokens, device)
         for k, g in enumerate(mbs):
             # an empty group (no example left on this rank) still runs a 1-token pass to keep DDP in step
             batch = collate([examples[i] for i in g] or [{"ids": [pad_id], "roles": [PROMPT], "behav": [0.0],
                                                          "wrapper": [False], "adv": [0.0]}], pad_id)
             batch = {key: v.to(device) for key, v in batch.items()}
-            with sft.grad_sync(model, k == len(mbs) - 1, world, args.fsdp), ctx:
+            with common.grad_sync(model, k == len(mbs) - 1, world, args.fsdp), ctx:
                 loss, st = model(batch, args, max(n_tok, 1), max(n_seq, 1), n_echo)
                 (loss * world).backward()  # DDP averages over ranks; the normalisers are already global
             if epoch == 0:
                 for key, v in st.items():
                     tot[key] = tot.get(key, 0.0) + v
-        gnorm = sft.optimizer_step(model, opt, args.grad_clip, step, log)
+        gnorm = common.optimizer_step(model, opt, args.grad_clip, step, log)
     return tot, gnorm
 
 
@@ -563,7 +563,7 @@ def infra_failure(ep):
 
 
 def plot_curves(log_path, png):
-    plt = sft.pyplot()
+    plt = common.pyplot()
     rows = [json.loads(line) for line in Path(log_path).read_text().splitlines()]
     keys = [("rollout/reward_mean", "mean reward"), ("train/entropy", "action-token entropy"), ("train/kl_init", "KL from init")]
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.5))
@@ -586,7 +586,7 @@ def main(argv=None):
 
     # a terminated run unwinds like an exception: run_episodes removes its sandboxes on the way out
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
-    distributed, rank, world, device = sft.init_distributed()
+    distributed, rank, world, device = common.init_distributed()
     print0 = print if rank == 0 else (lambda *a, **k: None)
     if args.fsdp and not distributed:
         raise ValueError("--fsdp shards across ranks: launch with torchrun")
@@ -599,7 +599,7 @@ def main(argv=None):
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
 
-    ckpt, state, finished = sft.resume_point(out, args, RESUME_KEYS, world)
+    ckpt, state, finished = common.resume_point(out, args, RESUME_KEYS, world)
     if finished:
         print0(f"{out} is finished (final/ exists); nothing to resume")
         return
@@ -609,24 +609,24 @@ def main(argv=None):
     tasks = load_tasks(args.tasks)
     use_bf16 = args.dtype == "bf16" or (args.dtype == "auto" and device.type == "cuda")
     ctx = torch.autocast(device.type, dtype=torch.bfloat16) if use_bf16 else nullcontext()
-    raw = sft.load_model(ckpt or args.init, device)
+    raw = common.load_model(ckpt or args.init, device)
     # the initial policy, for the KL from init: a full copy per rank, in the autocast dtype
-    ref = sft.load_model(args.init, device).to(torch.bfloat16 if use_bf16 else torch.float32).requires_grad_(False).eval()
-    model = sft.wrap_model(PGModule(raw), raw, args, device)
-    opt = sft.adamw(model, args)
+    ref = common.load_model(args.init, device).to(torch.bfloat16 if use_bf16 else torch.float32).requires_grad_(False).eval()
+    model = common.wrap_model(PGModule(raw), raw, args, device)
+    opt = common.adamw(model, args)
     start = 0
     if state is not None:
-        sft.load_optimizer_state(model, opt, state, args.fsdp)
+        common.load_optimizer_state(model, opt, state, args.fsdp)
         start = state["step"]
     engine = make_engine(ckpt or args.init, max_model_len=args.max_len, seed=args.seed,
                          dtype=args.dtype, gpu_memory=args.gpu_memory, kv_cache_gb=args.kv_cache_gb)
     if rank == 0 and args.resume:  # drop log rows past the checkpoint: those steps run again
         rows = (out / "log.jsonl").read_text().splitlines() if (out / "log.jsonl").exists() else []
         (out / "log.jsonl").write_text("".join(r + "\n" for r in rows if json.loads(r)["step"] <= start))
-    config = sft.run_config(vars(args)) if rank == 0 else None
+    config = common.run_config(vars(args)) if rank == 0 else None
     if rank == 0:
         (out / "config.json").write_text(json.dumps(config, indent=2))
-    log = sft.RunLog(out, config, args.wandb, rank)
+    log = common.RunLog(out, config, args.wandb, rank)
     print0(f"{len(tasks)} tasks | {sum(p.numel() for p in raw.parameters()) / 1e6:.1f}M params | {args.steps} steps x "
            f"{args.tasks_per_step} tasks x {args.group_size} episodes | world {world} | "
            + (f"resumed at step {start}" if start else "fresh start"))
@@ -678,7 +678,7 @@ def main(argv=None):
             dist.all_gather_object(parts, failures)
             failures = sum(parts, Counter())
         keys = sorted(set(ep_sums) | set(tot))
-        sums = dict(zip(keys, sft.all_reduce([ep_sums.get(k, tot.get(k, 0.0)) for k in keys], device)))
+        sums = dict(zip(keys, common.all_reduce([ep_sums.get(k, tot.get(k, 0.0)) for k in keys], device)))
         na, nv = sums.get("act_tokens", 0), max(sums["valid"], 1)
         rec = {"step": step + 1,
                "rollout/reward_mean": sums["reward_sum"] / nv, "rollout/solve_rate": sums["solved"] / nv,
@@ -711,18 +711,18 @@ def main(argv=None):
                f"idle {rec['rollout/generator_idle_frac']:.0%} | train {rec['time/train_s']:.0f}s | {rec['time/step_s']:.0f}s")
         done = step + 1
         if done % args.save_every == 0 or done == args.steps:
-            sft.save_checkpoint(out / f"step-{done:06d}", model, raw, tok, opt, done, args, rank, rng=False)
-            for old in sft.checkpoint_dirs(out)[: -args.keep] if rank == 0 else []:
+            common.save_checkpoint(out / f"step-{done:06d}", model, raw, tok, opt, done, args, rank, rng=False)
+            for old in common.checkpoint_dirs(out)[: -args.keep] if rank == 0 else []:
                 shutil.rmtree(old)
             if rank == 0:
                 plot_curves(out / "log.jsonl", out / "curves.png")
-    sft.save_checkpoint(out / "final", model, raw, tok, None, args.steps, args, rank)  # weights + tokenizer only
+    common.save_checkpoint(out / "final", model, raw, tok, None, args.steps, args, rank)  # weights + tokenizer only
     print0(f"final model: {out / 'final'}")
     log.close()
     del engine  # its shutdown also tears down the process group it joined (torchrun): before ours, not after
     gc.collect()
-    sft.close_distributed()
+    common.close_distributed()
 
 
 if __name__ == "__main__":
-    sft.run_cli(main)
+    common.run_cli(main)

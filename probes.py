@@ -26,6 +26,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+import common
 import labels
 import sft
 
@@ -68,15 +69,15 @@ def get_parser():
 def token_entropy(h, W, temperature=1.0, chunk=None):
     """Entropy (nats) of softmax(h W^T / T) per row; h (N, H), W (V, H). -> (N,), by the training loss's head."""
     with torch.no_grad():
-        return sft.token_logprobs(h / temperature, W, torch.zeros(len(h), dtype=torch.long, device=h.device),
+        return common.token_logprobs(h / temperature, W, torch.zeros(len(h), dtype=torch.long, device=h.device),
                                   entropy=True, chunk=chunk)[1]
 
 
 def token_kl(h_p, W_p, h_q, W_q, chunk=None):
     """KL(p || q) per row with p = softmax(h_p W_p^T), q = softmax(h_q W_q^T), rows aligned. -> (N,). Two heads
     at once, which the training head does not do: its own chunks, four (c, V) fp32 blocks within the same
-    sft.CHUNK_BYTES (both log-softmaxes, p and the product)."""
-    chunk = chunk or sft.head_chunk(len(W_p), 4)
+    common.CHUNK_BYTES (both log-softmaxes, p and the product)."""
+    chunk = chunk or common.head_chunk(len(W_p), 4)
     out = []
     with torch.no_grad(), torch.autocast(h_p.device.type, enabled=False):
         for s in range(0, len(h_p), chunk):
@@ -89,7 +90,7 @@ def token_kl(h_p, W_p, h_q, W_q, chunk=None):
 def token_nll(h, W, targets, chunk=None):
     """-log softmax(h W^T)[target] per row, by the training loss's head. -> (N,)"""
     with torch.no_grad():
-        return -sft.token_logprobs(h, W, targets, chunk=chunk)[0]
+        return -common.token_logprobs(h, W, targets, chunk=chunk)[0]
 
 
 def hidden(model, ids):
@@ -229,11 +230,11 @@ def kl_from_init(model, init, prompts, completions):
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Plots (matplotlib through sft.pyplot; plot_geometry lives in sft.py, which draws it after --probe-every runs)
+# Plots (matplotlib through common.pyplot; plot_geometry lives in sft.py, which draws it after --probe-every runs)
 
 def plot_series(png_path, xs, series, xlabel, ylabel, bars=False, hline=None):
     """One line (or bar group) per name in series {name: ys} over xs: numbers, or categories if strings."""
-    plt = sft.pyplot()
+    plt = common.pyplot()
     fig, ax = plt.subplots(figsize=(6.5, 3.8))
     numeric = not bars and all(isinstance(x, (int, float)) for x in xs)
     pos, width = (np.asarray(xs, dtype=float) if numeric else np.arange(len(xs))), 0.8 / max(len(series), 1)
@@ -295,8 +296,8 @@ def main(argv=None):
         for ck in args.checkpoints:
             tok, model = labels.load_tokenizer(ck, "native"), load(ck)
             ex = [labels.render(tok, c, args.max_len) for c in convs]
-            groups = sft.micro_batches([len(ids) for ids, _ in ex], args.micro_tokens)
-            batches = [{k: v.to(device) for k, v in sft.collate([ex[i] for i in g], tok.pad_token_id).items()} for g in groups]
+            groups = common.micro_batches([len(ids) for ids, _ in ex], args.micro_tokens)
+            batches = [{k: v.to(device) for k, v in common.collate([ex[i] for i in g], tok.pad_token_id).items()} for g in groups]
             with ctx:
                 geo = sft.grad_geometry(model, batches)
             rows.append({"checkpoint": str(ck), "step": _step(ck), **{f"probe/{k}": v for k, v in geo.items()}})

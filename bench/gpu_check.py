@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+import common
 import grpo
 import sft
 from bench.train import long_trajectory
@@ -45,7 +46,7 @@ def check(name, ok, detail):
 def random_model_dir(out, convs, cfg):
     """A tokenizer trained on `convs` and a random init of `cfg` saved in bf16: a checkpoint vLLM and sft.py load."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
-    sft.build_tiny(out, [m["content"] for c in convs[:20] for m in c], vocab_size=4096, hidden=64, layers=1)
+    common.build_tiny(out, [m["content"] for c in convs[:20] for m in c], vocab_size=4096, hidden=64, layers=1)
     torch.manual_seed(0)
     Qwen3ForCausalLM(Qwen3Config(**cfg)).to(torch.bfloat16).save_pretrained(out)
     return out

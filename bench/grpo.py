@@ -19,9 +19,9 @@ from pathlib import Path
 
 import torch
 
+import common
 import envs
 import grpo
-import sft
 import taskgen
 import terminus
 from labels import load_tokenizer
@@ -47,10 +47,10 @@ def main(argv=None):
         model_dir = Path(args.workdir) / f"qwen3-h{args.hidden}-l{args.layers}"
         if not (model_dir / "config.json").exists():
             texts = [terminus.DEFAULT_PROMPT] + [s.instruction + s.solve + s.test for s in specs]
-            sft.build_tiny(model_dir, texts, vocab_size=4096, hidden=args.hidden, layers=args.layers,
+            common.build_tiny(model_dir, texts, vocab_size=4096, hidden=args.hidden, layers=args.layers,
                            heads=args.hidden // 64, kv_heads=max(1, args.hidden // 128))
     tok = load_tokenizer(model_dir, "native" if args.model else "prefix")
-    model = sft.load_model(model_dir, "cpu").eval()
+    model = common.load_model(model_dir, "cpu").eval()
     batch = torch.randint(0, model.config.vocab_size, (4, 512))
 
     def train_pass_s(n=5):  # median seconds of one forward + backward of a (4, 512) batch

@@ -1,5 +1,5 @@
 """
-Benchmark: the chunked head (sft.token_logprobs) in the two losses that use it, sft.actobs_loss and
+Benchmark: the chunked head (common.token_logprobs) in the two losses that use it, sft.actobs_loss and
 grpo.pg_loss, against naive full-logits versions on the same batch, at Qwen3's vocabulary (151,936) with a tiny
 hidden size, where the output head dominates; and the head alone against the peak memory its docstring states.
 Everything runs in this process, interleaved; prints time and peak-memory ratios.
@@ -18,6 +18,7 @@ import time
 
 import torch
 
+import common
 import grpo
 import labels
 import sft
@@ -29,7 +30,7 @@ def get_parser():
     p.add_argument("--vocab", type=int, default=151936, help="vocabulary size (Qwen3's by default)")
     p.add_argument("--hidden", type=int, default=64, help="hidden size of the tiny model")
     p.add_argument("--repeats", type=int, default=3, help="timed passes per method (median reported)")
-    p.add_argument("--chunk", type=int, default=None, help="rows per chunk of the chunked loss (default: sft.CHUNK_BYTES of logits)")
+    p.add_argument("--chunk", type=int, default=None, help="rows per chunk of the chunked loss (default: common.CHUNK_BYTES of logits)")
     return p
 
 
@@ -109,7 +110,7 @@ def main(argv=None):
     model = Qwen3ForCausalLM(cfg).to(device)
     pg_args = grpo.get_parser().parse_args(["--init", "-", "--tasks", "-", "--out", "-", "--temperature", "0.7"])
     print(f"device {device} | vocab {args.vocab} | hidden {args.hidden} | {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M params"
-          f" | sft.CHUNK_BYTES {sft.CHUNK_BYTES / 2**30:.2f} GB")
+          f" | common.CHUNK_BYTES {common.CHUNK_BYTES / 2**30:.2f} GB")
     print(f"{'loss':>5} | {'tokens':>6} | {'naive s':>8} | {'ours s':>8} | {'time ratio':>10} | {'naive GB':>8} | {'ours GB':>8} | "
           f"{'mem ratio':>9} | loss diff")
     for T in args.tokens:
@@ -145,15 +146,15 @@ def main(argv=None):
             else:
                 print(f"{name:>5} | {T:>6} | {'-':>8} | {to:>8.3f} | {'-':>10} | {'-':>8} | {mo / 2**30:>8.2f} | {'-':>9} | "
                       f"naive skipped: needs ~{need / 2**30:.0f} GB, {free / 2**30:.0f} GB free")
-        # the head alone, forward + backward, against what sft.token_logprobs' docstring states
+        # the head alone, forward + backward, against what common.token_logprobs' docstring states
         h = torch.randn(T, args.hidden, device=device, requires_grad=True)
         W = model.get_output_embeddings().weight
         for entropy in (False, True):
             with (PeakCUDA() if device.type == "cuda" else PeakRSS()) as mem:
-                lp, _ = sft.token_logprobs(h, W, ids[0], entropy=entropy, chunk=args.chunk)
+                lp, _ = common.token_logprobs(h, W, ids[0], entropy=entropy, chunk=args.chunk)
                 lp.sum().backward()
             model.zero_grad(set_to_none=True)
-            budget = sft.CHUNK_BYTES + W.numel() * 4 + h.numel() * 4  # one block, the fp32 grads of W and h
+            budget = common.CHUNK_BYTES + W.numel() * 4 + h.numel() * 4  # one block, the fp32 grads of W and h
             print(f"head  | {T:>6} | entropy {entropy!s:>5} | peak {mem.peak / 2**30:.3f} GB | stated budget "
                   f"{budget / 2**30:.3f} GB | {mem.peak / budget:.2f}x")
 

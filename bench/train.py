@@ -15,6 +15,7 @@ import random
 import tempfile
 from pathlib import Path
 
+import common
 import sft
 import terminus
 
@@ -59,7 +60,7 @@ def main(argv=None):
     data.write_text("".join(json.dumps({"conversations": c}) + "\n" for c in convs))
     # a tokenizer trained here; the model dir holds a config and no weights, so sft.py initialises it randomly
     model_dir = out / "model"
-    sft.build_tiny(model_dir, [m["content"] for c in convs[:20] for m in c], vocab_size=4096, hidden=64, layers=1)
+    common.build_tiny(model_dir, [m["content"] for c in convs[:20] for m in c], vocab_size=4096, hidden=64, layers=1)
     for f in model_dir.glob("model*.safetensors"):
         f.unlink()
     cfg = dict(QWEN3_4B if args.config == "qwen3-4b" else TINY)

@@ -33,6 +33,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo's modules, when run as a script
 
+import common  # noqa: E402
 import envs  # noqa: E402
 import sft  # noqa: E402
 import terminus  # noqa: E402
@@ -249,7 +250,7 @@ def main(argv=None):
     convs = sft.read_trajectories(data)[0]
     if not (init / "config.json").exists():
         # The BPE is fit to everything the model will read and write: prompt, JSON replies, terminal output.
-        sft.build_tiny(init, [m["content"] for c in convs for m in c], vocab_size=args.vocab, hidden=args.hidden,
+        common.build_tiny(init, [m["content"] for c in convs for m in c], vocab_size=args.vocab, hidden=args.hidden,
                        layers=args.layers, heads=args.heads, kv_heads=args.kv_heads, seed=args.seed)
     t0 = time.time()
     sft.main(["--model", str(init), "--data", str(data), "--out", str(run), "--lam", "1", "--seed", str(args.seed),

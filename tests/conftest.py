@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
+import common
 import labels
-import sft
 import terminus
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -23,6 +23,10 @@ NEEDS = {"base_image": "docker", "vllm_dir": "vllm"}
 
 
 def pytest_configure(config):
+    # The tests' models are tiny: one intra-op thread computes them fastest, and on a shared machine more threads
+    # spin against each other (the pure subset under load: 10 min with torch's default 2 threads, 45 s with one).
+    # vLLM's CPU engine sets its own threads; torchrun'd tests set OMP_NUM_THREADS=1 themselves.
+    torch.set_num_threads(1)
     config.addinivalue_line("markers", "slow: end-to-end tests (CI runs them; `-m 'not slow'` is the quick subset)")
     config.addinivalue_line("markers", "docker: needs a Docker daemon and the docker SDK (its fixture: base_image)")
     config.addinivalue_line("markers", "vllm: needs vLLM installed (its fixture: vllm_dir)")
@@ -88,7 +92,7 @@ def tiny_dir(tmp_path_factory, synthetic):
     """A saved tiny random Qwen3 (+ tokenizer) dir; the tokenizer is trained on real and synthetic text."""
     texts = [m["content"] for row in nemotron_rows() for m in row["conversations"]]
     texts += [m["content"] for c in synthetic for m in c]
-    return sft.build_tiny(tmp_path_factory.mktemp("tiny"), texts, vocab_size=2048, hidden=64, layers=2, heads=4, kv_heads=2)
+    return common.build_tiny(tmp_path_factory.mktemp("tiny"), texts, vocab_size=2048, hidden=64, layers=2, heads=4, kv_heads=2)
 
 
 @pytest.fixture(scope="session")
@@ -96,7 +100,7 @@ def vllm_dir(tmp_path_factory, synthetic):
     """A tiny random Qwen3 whose head size (32) vLLM's CPU attention supports, its tokenizer trained like
     tiny_dir's and saved with its chat template."""
     texts = [m["content"] for row in nemotron_rows() for m in row["conversations"]] + [m["content"] for c in synthetic for m in c]
-    return sft.build_tiny(tmp_path_factory.mktemp("vllm-tiny"), texts, vocab_size=2048, hidden=64, layers=2, heads=2, kv_heads=1)
+    return common.build_tiny(tmp_path_factory.mktemp("vllm-tiny"), texts, vocab_size=2048, hidden=64, layers=2, heads=2, kv_heads=1)
 
 
 @pytest.fixture(scope="session")

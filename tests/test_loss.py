@@ -4,6 +4,7 @@ import random
 import pytest
 import torch
 
+import common
 import labels
 import sft
 from conftest import synthetic_trajectory
@@ -34,7 +35,7 @@ def reference_loss(model, batch, lam, w_act=1.0):
 
 @pytest.mark.parametrize("lam,w_act", [(1.0, 1.0), (0.0, 1.0), (0.3, 1.0), (1.0, 0.0)])
 def test_loss_and_grads_match_reference(model, examples, tokenizer, lam, w_act):
-    batch = sft.collate(examples, tokenizer.pad_token_id)
+    batch = common.collate(examples, tokenizer.pad_token_id)
     model.zero_grad()
     loss, stats = sft.actobs_loss(model, batch, lam, w_act, chunk=37)  # a chunk that does not divide N
     loss.backward()
@@ -49,12 +50,12 @@ def test_loss_and_grads_match_reference(model, examples, tokenizer, lam, w_act):
 
 @pytest.mark.parametrize("entropy", [False, True])
 def test_the_chunked_head_matches_full_logits(entropy):
-    """sft.token_logprobs, the head every loss and probe uses: log-probs, entropies and both gradients equal the
+    """common.token_logprobs, the head every loss and probe uses: log-probs, entropies and both gradients equal the
     full-logits log-softmax's, in chunks that do not divide the rows; under no_grad nothing asks for a gradient."""
     torch.manual_seed(0)
     h, W = torch.randn(50, 16, requires_grad=True), torch.randn(300, 16, requires_grad=True)
     t, g = torch.randint(0, 300, (50,)), torch.randn(50)
-    logp, ent = sft.token_logprobs(h, W, t, entropy=entropy, chunk=7)
+    logp, ent = common.token_logprobs(h, W, t, entropy=entropy, chunk=7)
     (g * logp).sum().backward()
     got = h.grad.clone(), W.grad.clone()
     h.grad = W.grad = None
@@ -69,11 +70,11 @@ def test_the_chunked_head_matches_full_logits(entropy):
     else:
         assert ent is None
     with torch.no_grad():
-        assert not sft.token_logprobs(h, W, t, chunk=7)[0].requires_grad
+        assert not common.token_logprobs(h, W, t, chunk=7)[0].requires_grad
 
 
 def test_stats_report_both_nlls_whatever_lambda(model, examples, tokenizer):
-    batch = sft.collate(examples, tokenizer.pad_token_id)
+    batch = common.collate(examples, tokenizer.pad_token_id)
     with torch.no_grad():
         _, s0 = sft.actobs_loss(model, batch, 0.0)
         _, s1 = sft.actobs_loss(model, batch, 1.0)
@@ -90,16 +91,16 @@ def test_stats_report_both_nlls_whatever_lambda(model, examples, tokenizer):
 
 def test_gradient_accumulation_equals_one_big_batch(model, examples, tokenizer):
     lam = 0.5
-    whole = sft.collate(examples, tokenizer.pad_token_id)
+    whole = common.collate(examples, tokenizer.pad_token_id)
     model.zero_grad()
     sft.actobs_loss(model, whole, lam)[0].backward()
     ref = [p.grad.clone() for p in model.parameters()]
     model.zero_grad()
     n = sum(sft.loss_denominator(r, lam) > 0 for _, r in examples)
-    for group in sft.micro_batches([len(i) for i, _ in examples], token_budget=700):
-        batch = sft.collate([examples[i] for i in group], tokenizer.pad_token_id)
+    for group in common.micro_batches([len(i) for i, _ in examples], token_budget=700):
+        batch = common.collate([examples[i] for i in group], tokenizer.pad_token_id)
         sft.actobs_loss(model, batch, lam, n_traj=n)[0].backward()
-    assert len(sft.micro_batches([len(i) for i, _ in examples], token_budget=700)) > 2
+    assert len(common.micro_batches([len(i) for i, _ in examples], token_budget=700)) > 2
     for g, p in zip(ref, model.parameters()):
         torch.testing.assert_close(p.grad, g, rtol=1e-4, atol=1e-7)
 
@@ -108,17 +109,17 @@ def test_trajectory_without_supervised_tokens_gives_no_nan(model, tokenizer):
     # lam = 0 and a trajectory with observations only: its denominator is 0, it must not count or NaN
     only_obs = ([1, 2, 3, 4], [P, O, O, O])
     normal = ([5, 6, 7, 8], [P, P, A, A])
-    batch = sft.collate([only_obs, normal], tokenizer.pad_token_id)
+    batch = common.collate([only_obs, normal], tokenizer.pad_token_id)
     loss, stats = sft.actobs_loss(model, batch, 0.0)
-    ref = sft.actobs_loss(model, sft.collate([normal], tokenizer.pad_token_id), 0.0)[0]
+    ref = sft.actobs_loss(model, common.collate([normal], tokenizer.pad_token_id), 0.0)[0]
     assert torch.isfinite(loss) and stats["n_traj"] == 1
     torch.testing.assert_close(loss, ref)
-    empty = sft.actobs_loss(model, sft.collate([([1, 2], [P, P])], tokenizer.pad_token_id), 1.0)[0]
+    empty = sft.actobs_loss(model, common.collate([([1, 2], [P, P])], tokenizer.pad_token_id), 1.0)[0]
     assert empty.item() == 0.0
 
 
 def test_bf16_autocast_close_to_fp32(model, examples, tokenizer):
-    batch = sft.collate(examples, tokenizer.pad_token_id)
+    batch = common.collate(examples, tokenizer.pad_token_id)
     with torch.no_grad():
         ref = sft.actobs_loss(model, batch, 1.0)[0]
         with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -128,13 +129,13 @@ def test_bf16_autocast_close_to_fp32(model, examples, tokenizer):
 
 def test_micro_batches_respect_budget_and_cover_everything():
     lengths = [500, 20, 300, 301, 40, 999, 1200, 7]
-    groups = sft.micro_batches(lengths, token_budget=1000)
+    groups = common.micro_batches(lengths, token_budget=1000)
     assert sorted(i for g in groups for i in g) == list(range(len(lengths)))
     for g in groups:
         assert len(g) == 1 or len(g) * max(lengths[i] for i in g) <= 1000
-    more = sft.micro_batches(lengths, 1000, n_micro=len(groups) + 3)
+    more = common.micro_batches(lengths, 1000, n_micro=len(groups) + 3)
     assert len(more) == len(groups) + 3 and sorted(i for g in more for i in g) == list(range(len(lengths)))
-    assert sft.micro_batches([5], 1000, n_micro=3) == [[0], [], []]
+    assert common.micro_batches([5], 1000, n_micro=3) == [[0], [], []]
 
 
 def test_lr_schedule():
@@ -145,7 +146,7 @@ def test_lr_schedule():
 
 def test_gradient_checkpointing_gives_the_same_gradients(tiny_dir, examples, tokenizer):
     from transformers import AutoModelForCausalLM
-    batch = sft.collate(examples, tokenizer.pad_token_id)
+    batch = common.collate(examples, tokenizer.pad_token_id)
     grads = []
     for ckpt in (False, True):
         m = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32)

@@ -9,6 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+import common
 import labels
 import probes
 import sft
@@ -41,7 +42,7 @@ def test_identical_losses_give_cos_1_and_r_1(model, examples, tokenizer):
     sup = [r != P for r in roles]
     as_act = (ids, [A if s else P for s in sup])  # the same tokens, once as actions, once as observations
     as_obs = (ids, [O if s else P for s in sup])
-    geo = sft.grad_geometry(model, [sft.collate([as_act, as_obs], tokenizer.pad_token_id)])
+    geo = sft.grad_geometry(model, [common.collate([as_act, as_obs], tokenizer.pad_token_id)])
     assert geo["cos"] == pytest.approx(1.0, abs=1e-5) and geo["r"] == pytest.approx(1.0, rel=1e-4)
     assert geo["norm_act"] > 0
 
@@ -51,7 +52,7 @@ def test_geometry_is_lambda_consistent_and_accumulates_over_batches(model, examp
     |g_lam|^2 must follow from (cos, norm_act, norm_obs) for every lam. Split into micro-batches, the norms
     must be those of the whole held-out set's mean losses."""
     pad = tokenizer.pad_token_id
-    one = sft.collate(examples[:1], pad)
+    one = common.collate(examples[:1], pad)
     geo = sft.grad_geometry(model, [one])
     r = torch.tensor(examples[0][1][1:])
     n_a, n_o = int((r == A).sum()), int((r == O).sum())
@@ -62,14 +63,14 @@ def test_geometry_is_lambda_consistent_and_accumulates_over_batches(model, examp
         assert got.item() == pytest.approx(want, rel=1e-4)
     assert geo["r"] == pytest.approx(geo["norm_obs"] / geo["norm_act"])
 
-    whole = sft.collate(examples, pad)
+    whole = common.collate(examples, pad)
     g_act = grads_of(model, sft.actobs_loss(model, whole, 0.0)[0])
     g_obs = grads_of(model, sft.actobs_loss(model, whole, 1.0, w_act=0.0)[0])
     sentinel = [torch.full_like(p, 7.0) for p in model.parameters()]
     for p, s in zip(model.parameters(), sentinel):
         p.grad = s
     model.train()
-    parts = [sft.collate(examples[:2], pad), sft.collate(examples[2:3], pad), sft.collate(examples[3:], pad)]
+    parts = [common.collate(examples[:2], pad), common.collate(examples[2:3], pad), common.collate(examples[3:], pad)]
     geo = sft.grad_geometry(model, parts)
     assert geo["norm_act"] == pytest.approx(g_act.norm().item(), rel=1e-4)
     assert geo["norm_obs"] == pytest.approx(g_obs.norm().item(), rel=1e-4)
@@ -82,7 +83,7 @@ def test_geometry_is_lambda_consistent_and_accumulates_over_batches(model, examp
 
 def test_geometry_without_observations_is_a_clear_error(model, tokenizer):
     with pytest.raises(ValueError, match="observation"):
-        sft.grad_geometry(model, [sft.collate([([1, 2, 3], [P, A, A])], tokenizer.pad_token_id)])
+        sft.grad_geometry(model, [common.collate([([1, 2, 3], [P, A, A])], tokenizer.pad_token_id)])
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -255,7 +256,7 @@ def test_cli_geometry_writes_jsonl_and_curve(run):
     from transformers import AutoModelForCausalLM  # the CLI's micro-batched value = one whole-set batch
     tok, m = labels.load_tokenizer(run / "step-000002", "native"), AutoModelForCausalLM.from_pretrained(run / "step-000002")
     convs = labels.read_trajectories(run / "heldout.jsonl")[0]
-    whole = sft.grad_geometry(m, [sft.collate([labels.render(tok, c, 400) for c in convs], tok.pad_token_id)])
+    whole = sft.grad_geometry(m, [common.collate([labels.render(tok, c, 400) for c in convs], tok.pad_token_id)])
     assert rows[1]["probe/cos"] == pytest.approx(whole["cos"], abs=1e-4) and rows[1]["probe/r"] == pytest.approx(whole["r"], rel=1e-4)
     assert rows[0]["probe/cos"] != pytest.approx(rows[2]["probe/cos"], abs=1e-3)
 

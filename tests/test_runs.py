@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 
+import common
 import grpo
 import sft
 from conftest import synthetic_trajectory
@@ -68,11 +69,11 @@ def test_code_state_is_a_patch_that_replays_the_edit(tmp_path):
 
 
 def test_versions_come_from_metadata_without_importing_vllm():
-    code = "import json, sys, sft; print(json.dumps([sft.run_config({})['vllm'], 'vllm' in sys.modules]))"
+    code = "import json, sys, sft; print(json.dumps([common.run_config({})['vllm'], 'vllm' in sys.modules]))"
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout
     dists = metadata.packages_distributions().get("vllm")
     assert json.loads(out) == [metadata.version(dists[0]) if dists else None, False]
-    cfg = sft.run_config({"out": Path("a/b")})
+    cfg = common.run_config({"out": Path("a/b")})
     assert (cfg["torch"], cfg["transformers"]) == (torch.__version__, metadata.version("transformers"))
     assert cfg["args"] == {"out": "a/b"} and cfg["argv"] == sys.argv
 
@@ -84,7 +85,7 @@ def test_adam_settings_are_flags_of_both_stages():
     assert {"adam_betas", "adam_eps"} <= set(sft.RESUME_KEYS) & set(grpo.RESUME_KEYS)
     g = grpo.get_parser().parse_args(["--init", "m", "--tasks", "t", "--out", "o", "--adam-betas", "0.8", "0.9",
                                       "--adam-eps", "1e-6", "--lr", "0.5", "--weight-decay", "0.1"])
-    opt = sft.adamw(torch.nn.Linear(2, 2), g)
+    opt = common.adamw(torch.nn.Linear(2, 2), g)
     assert {k: opt.param_groups[0][k] for k in ("lr", "betas", "eps", "weight_decay")} == \
         {"lr": 0.5, "betas": (0.8, 0.9), "eps": 1e-6, "weight_decay": 0.1}
 
@@ -168,9 +169,9 @@ def test_grpo_checkpoint_holds_no_rng_state_and_resumes_on_as_many_ranks(model, 
     """grpo.main saves with rng=False: its draws need no RNG state (above); the rank count is in the trainer state."""
     args = argparse.Namespace(fsdp=False, resume=True, lr=0.1, seed=0)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
-    sft.save_checkpoint(tmp_path / "step-000003", model, model, tokenizer, opt, 3, args, 0, rng=False)
+    common.save_checkpoint(tmp_path / "step-000003", model, model, tokenizer, opt, 3, args, 0, rng=False)
     assert not list((tmp_path / "step-000003").glob("rng-*"))
-    ckpt, state, finished = sft.resume_point(tmp_path, args, ("lr", "seed"), 1)
+    ckpt, state, finished = common.resume_point(tmp_path, args, ("lr", "seed"), 1)
     assert (ckpt, state["step"], finished) == (tmp_path / "step-000003", 3, False)
     with pytest.raises(ValueError, match="written by 1 ranks; resume with as many"):
-        sft.resume_point(tmp_path, args, ("lr", "seed"), 2)
+        common.resume_point(tmp_path, args, ("lr", "seed"), 2)

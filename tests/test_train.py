@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import common
 import labels
 import sft
 from conftest import nemotron_rows, synthetic_trajectory
@@ -211,9 +212,9 @@ def test_optimizer_step_skips_a_non_finite_update():
     before, said = [p.detach().clone() for p in lin.parameters()], []
     lin(torch.ones(1, 3)).sum().backward()
     lin.weight.grad[0, 0] = float("nan")
-    assert math.isnan(sft.optimizer_step(lin, opt, 1.0, 6, said.append))
+    assert math.isnan(common.optimizer_step(lin, opt, 1.0, 6, said.append))
     assert said == ["step 7: grad norm nan, update skipped"] and not opt.state
     assert all(torch.equal(a, b) for a, b in zip(before, lin.parameters())) and lin.weight.grad is None
     lin(torch.ones(1, 3)).sum().backward()  # a finite one is clipped and taken
-    assert sft.optimizer_step(lin, opt, 1.0, 7, said.append) > 1.0 and len(said) == 1
+    assert common.optimizer_step(lin, opt, 1.0, 7, said.append) > 1.0 and len(said) == 1
     assert not torch.equal(before[0], lin.weight)

