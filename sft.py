@@ -542,8 +542,8 @@ def save_checkpoint(path, model, raw, tok, opt, step, args, rank, rng=True):
                         "world": dist.get_world_size() if dist.is_initialized() else 1}, tmp / "optimizer.pt")
     barrier()
     if opt is not None and rng:
-        torch.save({"torch": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None},
-                   tmp / f"rng-{rank}.pt")
+        cuda = torch.cuda.get_rng_state() if torch.cuda.is_available() else None
+        torch.save({"torch": torch.get_rng_state(), "cuda": cuda}, tmp / f"rng-{rank}.pt")
     barrier()
     if rank == 0:
         if opt is not None:  # the marker of a complete checkpoint, written last
@@ -580,7 +580,8 @@ def code_state():
         return {"git": "", "sources": {str(f.relative_to(root)): hashlib.sha256(f.read_bytes()).hexdigest()
                                        for f in sorted([*root.glob("*.py"), *root.glob("*/*.py")])}}
     new = git("ls-files", "--others", "--exclude-standard", "--", "*.py").splitlines()
-    return {"git": commit, "diff": git("diff", "HEAD") + "".join(git("diff", "--no-index", "--", "/dev/null", f) for f in new)}
+    diff = git("diff", "HEAD") + "".join(git("diff", "--no-index", "--", "/dev/null", f) for f in new)
+    return {"git": commit, "diff": diff}
 
 
 def versions():
@@ -594,8 +595,8 @@ def versions():
 def run_config(flags):
     """What reproduces this run: the flags ({name: value}, Paths as strings), the command line, the code
     (code_state), the library versions and the start time."""
-    return {"args": json.loads(json.dumps(flags, default=str)), "argv": sys.argv, **code_state(),
-            "python": sys.version.split()[0], **versions(), "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
+    return {"args": json.loads(json.dumps(flags, default=str)), "argv": sys.argv, **code_state(), **versions(),
+            "python": sys.version.split()[0], "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
 
 
 def adamw(model, args):
