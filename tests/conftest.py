@@ -23,6 +23,10 @@ NEEDS = {"base_image": "docker", "vllm_dir": "vllm"}
 
 
 def pytest_configure(config):
+    # The tests' models are tiny: one intra-op thread computes them fastest, and on a shared machine more threads
+    # spin against each other (the pure subset under load: 10 min with torch's default 2 threads, 45 s with one).
+    # vLLM's CPU engine sets its own threads; torchrun'd tests set OMP_NUM_THREADS=1 themselves.
+    torch.set_num_threads(1)
     config.addinivalue_line("markers", "slow: end-to-end tests (CI runs them; `-m 'not slow'` is the quick subset)")
     config.addinivalue_line("markers", "docker: needs a Docker daemon and the docker SDK (its fixture: base_image)")
     config.addinivalue_line("markers", "vllm: needs vLLM installed (its fixture: vllm_dir)")
