@@ -1,0 +1,119 @@
+"""GRPO learns through the whole RL path: multi-turn episodes in real sandboxes, vLLM rollouts, the trainer's
+update and the weight sync, all through `grpo.main` as a user runs it.
+
+The world: two tasks ask for a secret word, one of four named in the instruction, written to /app/answer.txt;
+the verifier pays only for `cedar`. The policy is SFT'd (sft.main) on scripted episodes that write each of the
+four words equally often, so it solves about a quarter of its episodes and only the reward can tell it which
+word is right. GRPO must raise the solve rate from the first steps to the last; the same run with the
+advantage's sign flipped must not. The rollout/trainer log-prob mismatch stays ≤ 0.01 at every step."""
+import json
+import random
+
+import pytest
+
+import common
+import envs
+import grpo
+import sandbox
+import sft
+
+pytestmark = [pytest.mark.docker, pytest.mark.vllm, pytest.mark.slow]
+
+WORDS = ("amber", "basil", "cedar", "delta")
+RIGHT = "cedar"
+INSTRUCTIONS = ("Write the secret word ({}) into /app/answer.txt.", "Put the secret word ({}) in the file /app/answer.txt.")
+PROMPT = ('Reply with one JSON object: {"analysis": "", "plan": "", "commands": [{"keystrokes": "ls\\n", "duration": 0.1}], '
+          '"task_complete": false}.\n\nTask:\n{instruction}\n\nCurrent terminal state:\n{terminal_state}\n')
+# GRPO: 2 tasks x 8 episodes a step, lr 1e-3 with the k3 KL to the SFT policy at 0.1. Without the KL term this
+# tiny policy (hidden 64, 2 layers) lost its reply format within a few steps (KL from init 0.3-1.7 nats/token by step 3 at lr
+# 1e-3 and 2e-3: a failed episode's confirm turn is pushed down along with its wrong word, and the push spreads to
+# every context), and at lr 5e-4 it barely moved in ten steps. With it: 0.24 -> 0.69 (first / last three steps).
+STEPS, LR, KL = 16, "1e-3", "0.1"
+
+
+def reply(keys, done):
+    return json.dumps({"analysis": "", "plan": "", "commands": [{"keystrokes": k, "duration": 0.1} for k in keys],
+                       "task_complete": done})
+
+
+class Script:
+    """A submit/poll policy replaying one fixed reply list per episode: look, write a word, confirm."""
+    lockstep = False
+
+    def __init__(self, words):
+        self.words, self.queue = words, []
+
+    def submit(self, key, ep):
+        self.queue.append((key, sum(m["role"] == "assistant" for m in ep.messages)))
+
+    def pending(self):
+        return len(self.queue)
+
+    def poll(self):
+        turns = lambda w: [reply(["ls\n"], False), reply([f"echo {w} > answer.txt\n"], True), reply([], True)]
+        out, self.queue = [(k, turns(self.words[k])[t]) for k, t in self.queue], []
+        return out
+
+    def abort(self):
+        self.queue = []
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory, base_image):
+    root = tmp_path_factory.mktemp("learning")
+    (root / "prompt.txt").write_text(PROMPT)
+    for i, text in enumerate(INSTRUCTIONS):
+        d = root / "tasks" / f"secret-{i}"
+        (d / "tests").mkdir(parents=True)
+        (d / "environment").mkdir()
+        (d / "instruction.md").write_text(text.format(", ".join(WORDS)) + "\n")
+        (d / "tests" / "test.sh").write_text(f'[ "$(cat /app/answer.txt 2>/dev/null)" = {RIGHT} ] && r=1 || r=0\n'
+                                             "echo $r > /logs/verifier/reward.txt\n")
+        (d / "environment" / "Dockerfile").write_text(f"FROM {sandbox.BASE_IMAGE}\nWORKDIR /app\n")
+        (d / "task.toml").write_text("[verifier]\ntimeout_sec = 30\n\n[agent]\ntimeout_sec = 120\n\n[environment]\nmemory_mb = 256\n")
+    tasks = grpo.load_tasks(root / "tasks")
+    todo = [(t, w) for t in tasks for w in WORDS]
+    eps = envs.run_episodes([t for t, _ in todo], Script([w for _, w in todo]), max_turns=4, concurrency=8,
+                            template=PROMPT)
+    assert [e.reward for e in eps] == [float(w == RIGHT) for _, w in todo], [(e.failure, e.error) for e in eps]
+    rows = [{"conversations": e.messages} for e in eps] * 16  # each word equally often: the SFT'd policy guesses
+    random.Random(0).shuffle(rows)
+    (root / "sft.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    base = common.build_tiny(root / "base", [m["content"] for e in eps for m in e.messages] * 4, vocab_size=1024,
+                          hidden=64, layers=2, heads=2, kv_heads=1)  # head size 32: vLLM's CPU attention takes it
+    sft.main(["--model", base, "--data", str(root / "sft.jsonl"), "--out", str(root / "sft"), "--lam", "0", "--lr", "1e-2",
+              "--batch-size", "8", "--epochs", "12", "--max-len", "1024", "--val-size", "8", "--eval-every", "0",
+              "--save-every", "0", "--warmup-ratio", "0.05"])
+    return root
+
+
+def run_grpo(world, out, steps):
+    grpo.main(["--init", str(world / "sft" / "final"), "--tasks", str(world / "tasks"), "--out", str(out),
+               "--prompt-template", str(world / "prompt.txt"), "--steps", str(steps), "--tasks-per-step", "2",
+               "--group-size", "8", "--lr", LR, "--kl-coef", KL, "--max-turns", "4", "--max-new-tokens", "48", "--max-len", "1024",
+               "--concurrency", "16", "--save-every", str(steps), "--kv-cache-gb", "1"])
+    return [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
+
+
+def mean(xs):
+    return sum(xs) / len(xs)
+
+
+def test_grpo_raises_the_solve_rate(world, tmp_path, no_leftovers):
+    rows = run_grpo(world, tmp_path / "run", STEPS)
+    curve = [r["rollout/solve_rate"] for r in rows]
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
+    assert mean(curve[:3]) <= 0.4, curve  # the SFT'd policy guesses
+    assert mean(curve[-3:]) >= 0.6 and mean(curve[-3:]) - mean(curve[:3]) >= 0.3, curve  # GRPO found the word
+    mismatch = [r.get("train/mismatch_abs", 0.0) for r in rows]  # absent on a step that trained nothing
+    assert max(mismatch) <= 0.01, mismatch
+
+
+def test_flipped_advantage_does_not_learn(world, tmp_path, monkeypatch, no_leftovers):
+    """The same run with every advantage negated: the policy moves away from the paid word."""
+    real = grpo.group_advantages
+    monkeypatch.setattr(grpo, "group_advantages", lambda *a, **k: (lambda adv, sig: (-adv, sig))(*real(*a, **k)))
+    rows = run_grpo(world, tmp_path / "run", STEPS // 2)
+    curve = [r["rollout/solve_rate"] for r in rows]
+    assert mean(curve[-3:]) <= min(0.3, mean(curve[:3]) + 0.1), curve
+    assert max(r.get("train/mismatch_abs", 0.0) for r in rows) <= 0.01
