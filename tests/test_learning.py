@@ -25,10 +25,10 @@ INSTRUCTIONS = ("Write the secret word ({}) into /app/answer.txt.", "Put the sec
 PROMPT = ('Reply with one JSON object: {"analysis": "", "plan": "", "commands": [{"keystrokes": "ls\\n", "duration": 0.1}], '
           '"task_complete": false}.\n\nTask:\n{instruction}\n\nCurrent terminal state:\n{terminal_state}\n')
 # GRPO: 2 tasks x 8 episodes a step, lr 1e-3 with the k3 KL to the SFT policy at 0.1. Without the KL term this
-# tiny policy (hidden 64, 2 layers) lost its reply format within a few steps (KL from init 0.3-1.7 nats/token by step 3 at lr
-# 1e-3 and 2e-3: a failed episode's confirm turn is pushed down along with its wrong word, and the push spreads to
-# every context), and at lr 5e-4 it barely moved in ten steps. With it, measured: 0.17 -> 0.81 (mean of the first / last three
-# steps), and 0.06 -> 0.0 with the sign flipped.
+# tiny policy (hidden 64, 2 layers) lost its reply format within a few steps (KL from init 0.3-1.7 nats/token by
+# step 3 at lr 1e-3 and 2e-3: a failed episode's confirm turn is pushed down along with its wrong word, and the push
+# spreads to every context), and at lr 5e-4 it barely moved in ten steps. With it, measured: 0.17 -> 0.81 (mean of
+# the first / last three steps), and 0.06 -> 0.0 with the sign flipped.
 STEPS, LR, KL = 16, "1e-3", "0.1"
 
 
