@@ -120,7 +120,9 @@ def test_disk_budget_ends_the_episode_and_scores_0(base_image):
              envs.Task("bg", "bg\n", storage_mb=64, tests=pay),  # written in the background, between steps
              envs.Task("small", "small\n", storage_mb=64, tests=pay)]
     policy = by_instruction({"fill": [reply([fill], duration=30)],
-                             "bg": [reply(["(fallocate -l 200M /app/big &)\n"]), reply(["sleep 2\n"], duration=3)],
+                             # in 8 MB pieces: one 200 MB fallocate is refused whole where the kernel enforces a quota
+                             "bg": [reply(["(for i in $(seq 25); do fallocate -l 8M /app/b$i; done &)\n"]),
+                                    reply(["sleep 2\n"], duration=3)],
                              "small": [reply(["fallocate -l 16M /app/ok\n"])]})
     t0 = time.time()
     eps = envs.run_episodes(tasks, policy, max_turns=4, concurrency=3)
