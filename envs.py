@@ -213,7 +213,8 @@ def task_from_spec(spec):
 
 def open_sandbox(task, network=False):
     return Sandbox(task.image, workdir=task.workdir, user=task.user, cpus=task.cpus, memory_mb=task.memory_mb,
-                   storage_mb=task.storage_mb, network=network and task.allow_internet, files=task.files)
+                   storage_mb=task.storage_mb, network=network and task.allow_internet, files=task.files,
+                   tmpfs=(VERIFIER_DIR,))
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -226,15 +227,25 @@ def open_sandbox(task, network=False):
 # is written here as root stays as written. Not contained: the programs themselves (bash, python, uv) and the
 # .pth files of the image's own interpreter, which a verifier running that interpreter loads (it is recorded).
 
-# Written afresh before every verifier run: our pytest ini, uv's cache. On the container's tmpfs, so the packages uv
-# unpacks there do not count against the agent's disk budget.
-VERIFIER_DIR = "/dev/shm/actobs-verifier"
+# Emptied and written afresh before every verifier run: our pytest ini, uv's cache. A tmpfs of its own (/dev/shm
+# is noexec), so the environment uv builds there does not count against the agent's disk budget.
+VERIFIER_DIR = "/run/actobs-verifier"
 PYTEST_INIS = ("pytest.ini", ".pytest.ini", "pyproject.toml", "tox.ini", "setup.cfg")  # pytest's lookup order
 STARTUP_HOOKS = ("sitecustomize.py", "usercustomize.py")  # imported by every Python start (site.py)
 
 
 def _under(path, folder):
     return path == folder or path.startswith(folder + "/")
+
+
+# Run as root by prepare_verifier: $0 is VERIFIER_DIR, the rest are agent-written hooks to remove. VERIFIER_DIR is
+# emptied, not removed (a tmpfs mount point), after any symlink in its place is gone; it is written from inside,
+# as the daemon's archive upload does not reach into a tmpfs.
+FRESH_INPUTS = """
+rm -rf /tests "$@" && mkdir -m 755 /tests || exit 1
+if [ -L "$0" ]; then rm -f "$0"; fi
+mkdir -p -m 700 "$0" && find "$0" -mindepth 1 -delete && echo "[pytest]" > "$0/pytest.ini"
+"""
 
 
 def verifier_loaded(sb, changed):
@@ -282,12 +293,10 @@ def prepare_verifier(sb, task):
     for tool in STANDIN_TOOLS:
         if changed.get(tool) == "C" and any(_under(p, tool) for p in tampered):
             sb.restore(tool)
-    code, out = sb.exec(["bash", "-c", 'rm -rf /tests "$0" "$@" && mkdir -m 755 /tests "$0"', VERIFIER_DIR] + added,
-                        user="root")
+    code, out = sb.exec(["bash", "-c", FRESH_INPUTS, VERIFIER_DIR] + added, user="root")
     if code != 0:
         raise RuntimeError(f"could not prepare the verifier: {decode(out)[-300:]}")
-    sb.put_files([("/tests/" + rel, data, 0o755) for rel, data in task.tests.items()]
-                 + [(f"{VERIFIER_DIR}/pytest.ini", b"[pytest]\n", 0o644)])
+    sb.put_files([("/tests/" + rel, data, 0o755) for rel, data in task.tests.items()])
     return tampered
 
 

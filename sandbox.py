@@ -379,8 +379,9 @@ class Sandbox:
     daemon (btrfs_quota) the kernel also refuses writes past the budget + QUOTA_MARGIN_MB (self.quota)."""
 
     def __init__(self, image, *, workdir="/app", user="root", cpus=1.0, memory_mb=2048, storage_mb=DEFAULT_STORAGE_MB,
-                 pids=1024, network=False, files=()):
+                 pids=1024, network=False, files=(), tmpfs=()):
         self.image, self.workdir, self.user = image, workdir, user
+        self.tmpfs = tmpfs  # folders mounted as tmpfs (exec, root's): scratch space outside the disk budget
         self.cpus, self.memory_mb, self.storage_mb = cpus, memory_mb, storage_mb
         self.pids, self.network, self.files = pids, network, files
         self.container = None
@@ -414,7 +415,8 @@ class Sandbox:
             self.image, entrypoint=["bash", "-c", INIT], labels={LABEL: owner_label()},
             hostname="sandbox", network_mode="host" if self.network else "none", mem_limit=f"{self.memory_mb}m",
             memswap_limit=f"{self.memory_mb}m", pids_limit=self.pids, nano_cpus=int(host_cpus(self.cpus) * 1e9),
-            working_dir=self.workdir, environment={"LANG": "C.UTF-8"})
+            working_dir=self.workdir, environment={"LANG": "C.UTF-8"},
+            tmpfs={path: "exec,mode=700" for path in self.tmpfs})
         self.quota = self._limit_disk()  # before anything runs in it
         try:
             self.container.start()
