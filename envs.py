@@ -6,10 +6,12 @@ episode runner (the Terminus-2 protocol) used by SFT data generation, GRPO rollo
 Needs a Docker daemon (DOCKER_HOST); `. .ci/dockerd.sh start` starts a private one.
 
     python envs.py base-image                              # debootstrap bookworm -> actobs-base:bookworm (reused)
-    python envs.py base-image --standin                    # trixie + uv/pytest, tagged ubuntu:24.04 and
+    python envs.py base-image --standin                    # trixie + uv/pytest, tagged ubuntu:24.04,
                                                            # python:3.13-slim-bookworm (Terminal-Bench 2.0's FROMs)
-    python envs.py oracle tests/fixtures/harbor-tasks/*    # run solution/solve.sh, print rewards (expect 1.0)
-    python envs.py oracle --noop tests/fixtures/harbor-tasks/*   # do nothing, print rewards (expect 0.0)
+                                                           # and ubuntu:22.04 (Endless Terminals')
+    python envs.py oracle tests/fixtures/harbor/*          # run solution/solve.sh, print rewards (expect 1.0)
+    python envs.py oracle --noop tests/fixtures/harbor/*   # do nothing, print rewards (expect 0.0)
+    python envs.py oracle --network host tests/fixtures/harbor/pip-install   # a task that downloads at solve time
     python envs.py corpus --out data/corpus --n-sft 200 --n-rl 64 --n-eval 64 --seed 0
     python envs.py sweep                                   # remove sandboxes left by dead processes
 
@@ -33,7 +35,7 @@ import taskgen
 from sandbox import (BASE_IMAGE, DEFAULT_STORAGE_MB, STANDIN_SUITE, STANDIN_TAGS, STANDIN_TOOLS, DiskLimit,
                      ProcessLimit, Sandbox, ShellExited, build_base_image, docker_client, image_exists, sweep)
 from terminus import (DEFAULT_PROMPT, confirm_message, decode, fill_prompt, load_template, parse_error_message,
-                      parse_reply, with_warnings)
+                      parse_reply, second_try_message, with_warnings)
 
 VERIFIER_TAIL = 2000  # characters of the verifier's output kept on each episode
 
@@ -57,6 +59,10 @@ def parse_args(argv=None):
     o.add_argument("tasks", nargs="+", type=Path, help="Harbor task folders")
     o.add_argument("--noop", action="store_true", help="do nothing instead of solving (the reward must be 0)")
     o.add_argument("--concurrency", type=int, default=4)
+    o.add_argument("--network", metavar="MODE", help="give tasks that allow the internet this Docker network "
+                   "(bridge, host, a network's name; Sandbox's docstring says which isolates); default: none")
+    o.add_argument("--keep-agent-processes", action="store_true", help="leave what solve.sh started running for "
+                   "the verifier (tests of a service); see evaluate.py --keep-agent-processes")
 
     c = sub.add_parser("corpus", help="generate tasks, run the scripted expert, write Nemotron-format JSONL")
     c.add_argument("--out", type=Path, required=True, help="output folder: sft.jsonl, rl/, eval/")
@@ -89,12 +95,19 @@ class Task:
     cpus: float = 1.0
     memory_mb: int = 2048
     storage_mb: int = DEFAULT_STORAGE_MB
-    allow_internet: bool = False
+    allow_internet: bool = True  # Harbor's default; the sandbox gets a network only when the run gives one
     files: tuple = ()  # (path, bytes, mode) written into the container before the episode (generated tasks)
     tests: dict = dataclasses.field(default_factory=dict)  # relative path -> bytes, copied to /tests
     solution: dict = dataclasses.field(default_factory=dict)  # relative path -> bytes, copied to /solution
     build_error: str = ""  # why the image could not be built; its episodes end as image_build_error
-    kind: str | None = None  # task.toml [metadata]: `kind` (taskgen.write_harbor) or `category` (Terminal-Bench)
+    kind: str | None = None  # task.toml [metadata]: the first of KIND_FIELDS it has
+    meta: dict = dataclasses.field(default_factory=dict)  # [metadata] field -> value, for KIND_FIELDS it has
+    schema_version: str = ""  # task.toml `schema_version` (or `version`), e.g. "1.0"
+
+
+# [metadata] fields that name a task's kind, for per-kind tables: taskgen.write_harbor's `kind`, Terminal-Bench's and
+# Endless Terminals' `category`, aider-polyglot's `language`, and `difficulty`. The first one present is Task.kind.
+KIND_FIELDS = ("kind", "category", "language", "difficulty")
 
 
 def _read_dir(path):
@@ -130,8 +143,10 @@ def load_task(path, build=True):
         if not isinstance(cfg.get(section, {}), dict):
             raise ValueError(f"{toml_path}: [{section}] must be a table, got {cfg[section]!r}")
     env, agent, verifier = cfg.get("environment", {}), cfg.get("agent", {}), cfg.get("verifier", {})
-    meta = cfg.get("metadata", {})
-    kind = meta.get("kind") or meta.get("category")
+    meta = {k: str(cfg["metadata"][k]) for k in KIND_FIELDS if cfg.get("metadata", {}).get(k) not in (None, "")}
+    version = str(cfg.get("schema_version", cfg.get("version", "")))
+    if version and not re.fullmatch(r"[01](\.\d+)*", version):  # Harbor's 1.x; Endless Terminals writes "0.1"
+        raise ValueError(f"{toml_path}: schema_version {version!r} is not one this reads (0.x or 1.x)")
     field = ""
     try:
         field = "[environment] memory"
@@ -144,11 +159,11 @@ def load_task(path, build=True):
                     agent_timeout=float(agent.get("timeout_sec", 600.0)),
                     verifier_timeout=float(verifier.get("timeout_sec", 120.0)),
                     cpus=float(env.get("cpus", 1)), memory_mb=memory, storage_mb=storage,
-                    allow_internet=bool(env.get("allow_internet", False)),
+                    allow_internet=bool(env.get("allow_internet", True)),
                     workdir=str(env.get("workdir", "")), user=str(agent.get("user", "")),
                     tests=_read_dir(path / "tests"),
                     solution=_read_dir(path / "solution") if (path / "solution").is_dir() else {},
-                    kind=str(kind) if kind else None)
+                    kind=next(iter(meta.values()), None), meta=meta, schema_version=version)
     except (TypeError, ValueError) as e:
         raise ValueError(f"{toml_path}: bad value{' of ' + field if field else ''}: {e}") from None
     config = {}
@@ -206,14 +221,16 @@ def build_task_image(name, context, timeout=600.0):
 
 def task_from_spec(spec):
     """A generated task (taskgen.Spec) as a Task on the base image; its files are uploaded at start."""
-    return Task(spec.name, spec.instruction, **taskgen.LIMITS,
+    return Task(spec.name, spec.instruction, **taskgen.LIMITS, allow_internet=False,
                 files=tuple((p, text.encode(), mode) for p, text, mode in spec.files),
                 tests={"test.sh": spec.test.encode()}, solution={"solve.sh": spec.solve.encode()})
 
 
-def open_sandbox(task, network=False):
+def open_sandbox(task, network=None):
+    """network: a Docker network mode ("bridge", "host", a network's name) for a task that allows the internet;
+    None, or a task with allow_internet = false: no network."""
     return Sandbox(task.image, workdir=task.workdir, user=task.user, cpus=task.cpus, memory_mb=task.memory_mb,
-                   storage_mb=task.storage_mb, network=network and task.allow_internet, files=task.files,
+                   storage_mb=task.storage_mb, network=network if task.allow_internet else None, files=task.files,
                    tmpfs=(VERIFIER_DIR,))
 
 
@@ -300,18 +317,22 @@ def prepare_verifier(sb, task):
     return tampered
 
 
-def verify(sb, task, tampered=None):
+def verify(sb, task, keep_agent=False, tampered=None):
     """Stop every agent process, then run tests/test.sh as root in a fresh /logs/verifier, with the task's
     inputs (prepare_verifier, verifier_env); returns (reward, error, output tail), and adds the verifier-loaded
     paths the agent wrote to the list `tampered`, if given. The reward is read only from what the verifier
     wrote: no agent process is left to write it. An error (timeout, no or bad reward file, a test runner that
-    never started) is not a 0 reward."""
-    sb.stop_agent()
+    never started) is not a 0 reward. keep_agent: leave the agent's processes running (tests that probe a
+    service the agent started, as Harbor does); then anything the agent left behind can write the reward file
+    or change the tests or the verifier's inputs: a forged reward."""
+    if not keep_agent:
+        sb.stop_agent()
     found = prepare_verifier(sb, task)
     if tampered is not None:
         tampered.extend(found)
     sb.exec("rm -rf /logs/verifier && mkdir -p /logs/verifier && chmod 777 /logs/verifier", user="root")
     code, out = sb.exec(["bash", "/tests/test.sh"], user="root", timeout=task.verifier_timeout, env=verifier_env(task))
+    sb.exec(["rm", "-rf", "/tests"], user="root")  # an agent's second try neither reads the tests nor shows as tampering
     tail = decode(out)[-VERIFIER_TAIL:]
     if code in (124, 137):
         return 0.0, f"verifier timed out after {task.verifier_timeout:.0f}s", tail
@@ -328,11 +349,48 @@ def verify(sb, task, tampered=None):
             return 0.0, f"verifier wrote no /logs/verifier/reward.txt or reward.json (exit {code})", tail
     except (ValueError, TypeError, KeyError) as e:
         return 0.0, f"unreadable reward file: {e!r}", tail
-    # Terminal-Bench verifiers write 0 whenever pytest fails, also when it never started (no interpreter,
-    # no pytest offline): without pytest's session banner that 0 is not a wrong answer.
-    if reward == 0 and b"pytest" in task.tests.get("test.sh", b"") and b"test session starts" not in out:
-        return 0.0, "the verifier's test runner never started (no pytest session in its output)", tail
+    never = pytest_never_ran(out) if reward == 0 and b"pytest" in task.tests.get("test.sh", b"") else None
+    if never:
+        return 0.0, f"the verifier's test runner never started ({never})", tail
     return reward, None, tail
+
+
+# What pytest prints once it has run tests, under any verbosity (-q drops the banner, -qq the summary line):
+# the summary line ("== 1 failed, 2 passed in 0.12s ==", "1 error in 0.08s" for a module that does not import),
+# the progress line ("F.  [100%]") or a FAILURES / ERRORS section.
+PYTEST_RAN = re.compile(rb"^=* *(?:\d+ \w+, )*\d+ (?:failed|passed|errors?|xfailed|xpassed|skipped)\b.* in [\d.]+s\b"
+                        rb"|^[.FEsxXR]+\s+\[\s*\d+%\]\s*$|^=+ (?:FAILURES|ERRORS) =+\s*$", re.M)
+# pytest's words when it ran nothing: exit status 4 (usage error, no such file) or 5 (no tests collected).
+PYTEST_NOTHING = re.compile(rb"^(?:ERROR: usage:|ERROR: file or directory not found|ERROR: not found:|.*pytest: error: "
+                            rb"|=* *no tests ran in|=* *\d+ deselected in|INTERNALERROR>).*$", re.M)
+
+
+def pytest_never_ran(output):
+    """Why a verifier's pytest ran no test, from its output; None when it ran tests. A run whose tests failed,
+    or whose test module did not import (pytest's exit status 1 or 2: the agent's code is often what the tests
+    import) is a wrong answer; a usage error, no test collected or an internal error (exit 3-5), or no pytest
+    output at all (no interpreter, or uv could not fetch pytest offline) is a verifier that never ran."""
+    output = re.sub(rb"\x1b\[[0-9;]*m", b"", output)  # --color=yes
+    if PYTEST_RAN.search(output):
+        return None
+    said = PYTEST_NOTHING.findall(output)  # the last is the most specific ("usage: ..." comes before the error)
+    if said:
+        return f"pytest ran no test: {decode(said[-1]).strip(' =')}"
+    errors = re.findall(rb"^.*(?:error|not found|No such file|[Cc]annot|[Cc]ould not).*$", output, re.M)
+    return "no pytest run in its output" + (f"; its last error: {decode(errors[-1]).strip()[:300]}" if errors else "")
+
+
+# What a command prints when it needs the network and the sandbox has none (no DNS, no route): apt, pip, uv, curl,
+# git, npm, go.
+NETWORK_ERRORS = re.compile(r"^.*(?:Temporary failure (?:in name resolution|resolving)|Could not resolve (?:host|proxy)"
+                            r"|Name or service not known|No address associated with hostname|Network is unreachable"
+                            r"|getaddrinfo EAI_AGAIN|failed to lookup address information|dial tcp: lookup).*$", re.M)
+
+
+def network_evidence(text):
+    """The last line of `text` saying that something failed for want of the network, or ''."""
+    found = NETWORK_ERRORS.findall(text)
+    return found[-1].strip()[:300] if found else ""
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -355,6 +413,12 @@ class Episode:
     failure: str | None = None  # None or a failure kind (above; max_len: the policy's context was full)
     error: str = ""  # details of the failure
     verifier_output: str = ""  # the tail of tests/test.sh's output, whenever it ran
+    # Set when the reward is below 1 in a sandbox without the network (its task allows it; the run gave none) and
+    # a command failed for want of it: the line that says so (the solution's or the agent's output, or that of a
+    # verifier that never ran its tests). Not a failure kind: the reward stands, the run reports these apart.
+    needs_network: str = ""
+    # With second_try (aider's harness): the reward of the first verification; `reward` is the final one.
+    first_reward: float | None = None
     # start_s, env_s (terminal steps), policy_s (waits for its own replies), verify_s, total_s
     timings: dict = dataclasses.field(default_factory=dict)
     # Filled by token-level policies (grpo.VLLMPolicy): the one append-only sequence the policy saw and
@@ -375,10 +439,12 @@ class Episode:
 class _Run:
     """One episode's state between policy calls; every method runs in a worker thread."""
 
-    def __init__(self, task, template, network):
-        self.task, self.template, self.network = task, template, network
+    def __init__(self, task, template, network, keep_agent=False, second_try=False):
+        self.task, self.template, self.network, self.keep_agent = task, template, network, keep_agent
+        self.second_try = second_try
         self.ep = Episode(task.name, [], timings=dict(start_s=0.0, env_s=0.0, policy_s=0.0, verify_s=0.0))
         self.sb, self.done, self.confirming, self.parse_errors = None, False, False, 0
+        self.turn0, self.clock0 = 0, 0.0  # where the turn budget and the agent's clock start (a second try: anew)
 
     def begin(self):
         self.t0 = time.time()
@@ -398,7 +464,7 @@ class _Run:
         self.ep.turns += 1
         self.ep.messages.append({"role": "assistant", "content": reply})
         try:
-            failure, error = self._act(reply, max_parse_errors, last_turn=self.ep.turns >= max_turns)
+            failure, error = self._act(reply, max_parse_errors, last_turn=self.ep.turns - self.turn0 >= max_turns)
         except DiskLimit as e:
             return self.finish("disk_limit", str(e), verify_=False)
         except ProcessLimit as e:
@@ -430,7 +496,7 @@ class _Run:
         t0 = time.time()
         for i, (keys, duration) in enumerate(commands):
             # The agent's clock counts its own time (start, steps, policy calls), not waits on other episodes.
-            used = sum(self.ep.timings[k] for k in ("start_s", "env_s", "policy_s")) + time.time() - t0
+            used = sum(self.ep.timings[k] for k in ("start_s", "env_s", "policy_s")) + time.time() - t0 - self.clock0
             left = self.task.agent_timeout - used
             if left <= 0:
                 return "timeout", f"agent timeout of {self.task.agent_timeout:.0f}s reached"
@@ -448,30 +514,54 @@ class _Run:
     def finish(self, failure, error="", verify_=True):
         self.done = True
         self.ep.failure, self.ep.error = failure, error or ""
+        again = False  # aider's second try: the sandbox stays for it
         try:
             if verify_:
                 t = time.time()
-                _score(self.ep, self.sb, self.task)
-                self.ep.timings["verify_s"] = time.time() - t
+                seen = "\n".join(m["content"] for m in self.ep.messages[1:] if m["role"] == "user")
+                _score(self.ep, self.sb, self.task, seen, self.keep_agent)
+                self.ep.timings["verify_s"] += time.time() - t
+                again = (self.second_try and self.ep.first_reward is None and self.ep.failure is None
+                         and self.ep.reward < 1)
         finally:
-            self.close()
-            self.ep.timings["total_s"] = time.time() - self.t0
+            if not again:
+                self.close()
+                self.ep.timings["total_s"] = time.time() - self.t0
+        if again:
+            self.retry()
+
+    def retry(self):
+        """aider's second try: the agent sees the verifier's output once, in a new terminal (verification
+        stopped its processes), and goes on with a fresh turn budget and clock; /tests is taken away again."""
+        ep = self.ep
+        ep.first_reward, self.done, self.confirming = ep.reward, False, False
+        self.turn0, self.clock0 = ep.turns, sum(ep.timings[k] for k in ("start_s", "env_s", "policy_s"))
+        try:
+            self.sb.exec("rm -rf /tests /logs/verifier/*", user="root")
+            screen = self.sb.restart_terminal()
+        except Exception as e:
+            self.finish("sandbox_error", f"second try: {type(e).__name__}: {e}", verify_=False)
+            return
+        ep.messages.append({"role": "user", "content": second_try_message(ep.verifier_output, screen)})
 
     def close(self):
         if self.sb is not None:
             self.sb.close()
 
 
-def _score(ep, sb, task):
-    """Verify into the episode. The disk budget is checked last: a sandbox over it scores 0 as disk_limit."""
+def _score(ep, sb, task, seen="", keep_agent=False):
+    """Verify into the episode. The disk budget is checked last: a sandbox over it scores 0 as disk_limit.
+    seen: what the solution's or the agent's commands printed, searched for network errors on a reward below 1."""
     try:
-        ep.reward, verr, ep.verifier_output = verify(sb, task, ep.tampered)
+        ep.reward, verr, ep.verifier_output = verify(sb, task, keep_agent, ep.tampered)
     except Exception as e:
         ep.reward, verr = 0.0, f"{type(e).__name__}: {e}"
     if sb.disk_exceeded:
         ep.reward, ep.failure, ep.error = 0.0, "disk_limit", sb.disk_exceeded
     elif verr and ep.failure is None:
         ep.failure, ep.error = "verifier_error", verr
+    if ep.reward < 1 and task.allow_internet and not sb.network:
+        ep.needs_network = network_evidence(seen) or (network_evidence(ep.verifier_output) if verr else "")
 
 
 class BatchPolicy:
@@ -500,8 +590,8 @@ class BatchPolicy:
         self.waiting = []
 
 
-def run_episodes(tasks, policy, *, max_turns=30, concurrency=8, template=None, network=False, max_parse_errors=3,
-                 on_episode=None, stats=None):
+def run_episodes(tasks, policy, *, max_turns=30, concurrency=8, template=None, network=None, max_parse_errors=3,
+                 on_episode=None, stats=None, keep_agent=False, second_try=False):
     """Run one episode per entry of `tasks` (repeat a task for several rollouts), up to `concurrency` sandboxes
     live at once; a finished episode's slot starts the next sandbox at once. Sandbox starts and terminal steps
     run in a thread pool; this thread drives the policy.
@@ -513,11 +603,13 @@ def run_episodes(tasks, policy, *, max_turns=30, concurrency=8, template=None, n
     (grpo.VLLMPolicy) generates while sandboxes step: an episode's next turn is queued the moment its
     observation is back. on_episode(i, episode) is called as each one ends. `stats`, a dict, receives wall_s,
     policy_s (time inside poll: the generator working) and idle_s (the generator waiting for sandboxes).
-    Sandboxes are removed even if the policy raises."""
+    Sandboxes are removed even if the policy raises. network: a Docker network mode for the tasks that allow the
+    internet (open_sandbox), None for none. keep_agent: verify(..., keep_agent). second_try: after a confirmed
+    completion that the verifier scores below 1, the agent sees its output and goes on once (_Run.retry)."""
     template = template or DEFAULT_PROMPT
     policy = policy if hasattr(policy, "submit") else BatchPolicy(policy)
     sweep()
-    runs = [_Run(t, template, network) for t in tasks]
+    runs = [_Run(t, template, network, keep_agent, second_try) for t in tasks]
     todo, env, live, asked = list(range(len(runs)))[::-1], {}, 0, {}  # env: future of a pool job -> episode
     pool = ThreadPoolExecutor(max(1, concurrency))
     t_start, busy = time.time(), 0.0
@@ -564,21 +656,23 @@ def run_episodes(tasks, policy, *, max_turns=30, concurrency=8, template=None, n
     return [r.ep for r in runs]
 
 
-def run_oracle(tasks, *, noop=False, concurrency=4):
-    """Run each task's solution/solve.sh (or nothing, with noop) and the verifier; returns Episodes."""
+def run_oracle(tasks, *, noop=False, concurrency=4, network=None, keep_agent=False):
+    """Run each task's solution/solve.sh (or nothing, with noop) and the verifier; returns Episodes. network,
+    keep_agent: as in run_episodes (keep_agent: what solve.sh left running stays up for the verifier)."""
     def one(task):
         ep, t0 = Episode(task.name, []), time.time()
         if task.build_error:
             ep.failure, ep.error, ep.timings["total_s"] = "image_build_error", task.build_error, 0.0
             return ep
         try:
-            with open_sandbox(task) as sb:
+            with open_sandbox(task, network) as sb:
+                out = b""
                 if not noop:
                     sb.put_files([("/solution/" + rel, data, 0o755) for rel, data in task.solution.items()])
                     code, out = sb.exec(["bash", "/solution/solve.sh"], timeout=task.agent_timeout)
                     if code in (124, 137) and not sb.disk_exceeded:
                         ep.failure, ep.error = "timeout", decode(out)[-500:]
-                _score(ep, sb, task)
+                _score(ep, sb, task, decode(out), keep_agent)
         except Exception as e:
             ep.failure, ep.error = "sandbox_error", f"{type(e).__name__}: {e}"
         ep.timings["total_s"] = time.time() - t0
@@ -635,9 +729,11 @@ def main(argv=None):
         print(f"removed {sweep()} leftover sandboxes")
     elif args.cmd == "oracle":
         tasks = [load_task(p) for p in args.tasks]
-        episodes = run_oracle(tasks, noop=args.noop, concurrency=args.concurrency)
+        episodes = run_oracle(tasks, noop=args.noop, concurrency=args.concurrency, network=args.network,
+                              keep_agent=args.keep_agent_processes)
         for e in episodes:
-            print(f"{e.task}\treward {e.reward:.2f}\t{e.failure or 'ok'}\t{e.timings['total_s']:.1f}s")
+            print(f"{e.task}\treward {e.reward:.2f}\t{e.failure or 'ok'}\t{e.timings['total_s']:.1f}s"
+                  + (f"\tneeds the network: {e.needs_network}" if e.needs_network else ""))
             if e.failure:  # the end of the story: a build log's hint, the verifier's last words
                 print("    " + (e.error[-600:] + "\n" + e.verifier_output[-600:]).strip().replace("\n", "\n    "))
         return episodes

@@ -40,7 +40,8 @@ import terminus
 
 # Settings that change what an attempt means; a resumed run must have the same ones.
 RESUME_KEYS = ("model", "tasks", "attempts", "temperature", "max_turns", "max_new_tokens", "max_len", "prompt",
-               "seed", "dtype")
+               "seed", "dtype", "network", "keep_agent_processes", "second_try")
+NEWER_KEYS = ("network", "keep_agent_processes", "second_try")  # absent from older results files: they were off
 
 
 def parse_args(argv=None):
@@ -58,6 +59,21 @@ def parse_args(argv=None):
     p.add_argument("--concurrency", type=int, default=8, help="sandboxes live at once")
     p.add_argument("--transcripts", type=Path, help="also append every episode to this JSONL: its record, the "
                    "verifier's output and the conversation (the SFT corpus's form), to read what the policy did")
+    p.add_argument("--network", metavar="MODE", help="give the tasks that allow the internet (task.toml "
+                   "allow_internet, Harbor's default: true) this Docker network: bridge (NAT, isolated from the host's "
+                   "network; a daemon with --bridge=none has none), host (the host's network namespace: not isolated) "
+                   "or a network's name. Default: no network for any task (an attempt that failed for want of it is "
+                   "counted apart as 'needs network')")
+    p.add_argument("--keep-agent-processes", action="store_true", help="leave the agent's processes running while "
+                   "the verifier runs (tests that probe a service the agent started, as Harbor does). Trade-off: "
+                   "anything the agent left behind can then write the reward file or change the tests, so a reward "
+                   "can be forged; RL (grpo.py) always stops them")
+    p.add_argument("--second-try", action="store_true", help="aider's harness: after a completion the verifier "
+                   "scores below 1, the agent sees the test output once and continues; pass@k is reported for the "
+                   "first try and for the second apart")
+    p.add_argument("--kind-by", choices=envs.KIND_FIELDS, help="the task.toml [metadata] field the per-kind rows "
+                   "group by (language for aider-polyglot); default: the first of kind, category, language, "
+                   "difficulty a task has")
     p.add_argument("--retry-infra", action="store_true", help="on resume, run again the attempts that ended in an "
                    "infrastructure failure (otherwise they stay recorded, and excluded)")
     p.add_argument("--seed", type=int, default=0)
@@ -95,10 +111,17 @@ def ks_up_to(n):
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Results: {"settings", "config", "tasks": {name: {"path", "kind", "heldout", "attempts": [record]}}, "summary"}
+# Results: {"settings", "configs": [sft.run_config of each session], "tasks": {name: {"path", "kind", "heldout",
+# "attempts": [record]}}, "summary"}
 
-def task_counts(entry):
-    """(n, c, excluded, agent failures, infra failures) of one task's attempts."""
+def reward_of(a, first=False):
+    """An attempt's reward; first: before aider's second try (--second-try), when it had one."""
+    return a["first_reward"] if first and a.get("first_reward") is not None else a["reward"]
+
+
+def task_counts(entry, first=False):
+    """(n, c, excluded, agent failures, infra failures) of one task's attempts; c on the first try with first.
+    Attempts that failed for want of the network (needs_network) count in agent failures as `needs network`."""
     n = c = 0
     agent, infra = Counter(), Counter()
     for a in entry["attempts"]:
@@ -106,17 +129,20 @@ def task_counts(entry):
             infra[a["failure"]] += 1
             continue
         n += 1
-        c += a["reward"] >= 1.0
+        c += reward_of(a, first) >= 1.0
         if a["failure"]:
             agent[a["failure"]] += 1
+        if a.get("needs_network"):
+            agent["needs network"] += 1
     return n, c, sum(infra.values()), agent, infra
 
 
-def summarize(tasks, ks):
-    """pass@k for each k, distinct tasks solved, excluded attempts and failure counts over a {name: entry} dict."""
+def summarize(tasks, ks, first=False):
+    """pass@k for each k, distinct tasks solved, excluded attempts and failure counts over a {name: entry} dict;
+    with first, of the first try (before aider's second)."""
     counts, agent, infra, excluded = [], Counter(), Counter(), 0
     for entry in tasks.values():
-        n, c, x, a, i = task_counts(entry)
+        n, c, x, a, i = task_counts(entry, first)
         counts.append((n, c))
         excluded, agent, infra = excluded + x, agent + a, infra + i
     out = {"tasks": len(tasks), "solved": sum(c > 0 for _, c in counts), "attempts": sum(n for n, _ in counts),
@@ -127,7 +153,8 @@ def summarize(tasks, ks):
 
 
 def groups(results):
-    """(label, {name: entry}) rows of the table: all tasks, the held-out kinds on their own, then every kind."""
+    """(label, {name: entry}) rows of the table: all tasks, the held-out kinds on their own, then every kind
+    (each entry's `kind`: the [metadata] field --kind-by names)."""
     tasks = results["tasks"]
     kinds = sorted({e["kind"] for e in tasks.values() if e["kind"]})
     rows = [("all", tasks)]
@@ -149,15 +176,20 @@ def table(results):
     ks = ks_up_to(results["settings"]["attempts"])
     lines = [f"{'':20} {'tasks':>5} " + " ".join(f"{f'pass@{k}':>7}" for k in ks)
              + f" {'solved':>7} {'excl':>5}  failures"]
-    for label, tasks in groups(results):
-        s = summarize(tasks, ks)
-        fails = ", ".join(f"{k} {v}" for k, v in sorted(s["failures"].items())) or "-"
-        lines.append(f"{label[:20]:20} {s['tasks']:>5} " + " ".join(f"{pct(s['pass@k'][k]):>7}" for k in ks)
-                     + f" {s['solved']:>7} {s['excluded']:>5}  {fails}")
+    second = results["settings"].get("second_try")
+    for label, tasks in groups(results):  # with the second try: a row for the first try, one for the second
+        for name, first in [(f"{label[:12]} 1st try", True), (f"{label[:12]} 2nd try", False)] if second else [(label, False)]:
+            s = summarize(tasks, ks, first)
+            fails = ", ".join(f"{k} {v}" for k, v in sorted(s["failures"].items())) or "-"
+            lines.append(f"{name[:20]:20} {s['tasks']:>5} " + " ".join(f"{pct(s['pass@k'][k]):>7}" for k in ks)
+                         + f" {s['solved']:>7} {s['excluded']:>5}  {fails}")
     s = summarize(results["tasks"], ks)
     infra = ", ".join(f"{k} {v}" for k, v in sorted(s["infra"].items()))
     lines.append(f"pass@k in %, over {s['attempts']} attempts; {s['excluded']} excluded as infrastructure failures"
                  + (f" ({infra})" if infra else ""))
+    if s["failures"].get("needs network"):
+        lines.append(f"needs network: {s['failures']['needs network']} attempts scored below 1 in a sandbox without "
+                     "the network after a command failed for want of it (their tasks allow it: --network)")
     short = [k for k in ks if s["tasks@k"][k] < s["tasks"]]
     if short:
         lines.append(f"pass@{','.join(map(str, short))}: only tasks with at least k valid attempts "
@@ -287,9 +319,14 @@ def save_results(path, results):
 
 def attempt_record(attempt, ep):
     """tokens: the episode's token sequence (prompt, replies, observations); generated: the sampled ones."""
-    return {"attempt": attempt, "reward": ep.reward, "turns": ep.turns, "tokens": len(ep.token_ids),
-            "generated": sum(r == labels.ACTION for r in ep.roles), "wall_s": round(ep.timings.get("total_s", 0.0), 3),
-            "failure": ep.failure, "error": ep.error[-1000:]}
+    rec = {"attempt": attempt, "reward": ep.reward, "turns": ep.turns, "tokens": len(ep.token_ids),
+           "generated": sum(r == labels.ACTION for r in ep.roles), "wall_s": round(ep.timings.get("total_s", 0.0), 3),
+           "failure": ep.failure, "error": ep.error[-1000:]}
+    if ep.needs_network:
+        rec["needs_network"] = ep.needs_network
+    if ep.first_reward is not None:
+        rec["first_reward"] = ep.first_reward
+    return rec
 
 
 def settings_of(args):
@@ -297,20 +334,17 @@ def settings_of(args):
     return {"model": str(args.model), "tasks": [str(p.resolve()) for p in args.tasks], "attempts": args.attempts,
             "temperature": args.temperature, "max_turns": args.max_turns, "max_new_tokens": args.max_new_tokens,
             "max_len": args.max_len, "prompt": prompt, "seed": args.seed, "dtype": args.dtype,
+            "network": args.network, "keep_agent_processes": args.keep_agent_processes, "second_try": args.second_try,
             "concurrency": args.concurrency}
-
-
-def run_config():
-    import sft  # torch: only when a run starts
-    return {"argv": sys.argv, "git": sft.code_version(), "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
 
 
 def open_results(path, settings):
     """The results so far (a resumed run) or a fresh dict; refuses to resume with other settings."""
     if not path.exists():
-        return {"settings": settings, "config": run_config(), "sessions": 0, "tasks": {}}
+        return {"settings": settings, "configs": [], "tasks": {}}
     results = json.loads(path.read_text())
-    changed = [k for k in RESUME_KEYS if results["settings"].get(k) != settings[k]]
+    changed = [k for k in RESUME_KEYS if results["settings"].get(k) != settings[k]
+               and not (k in NEWER_KEYS and k not in results["settings"] and not settings[k])]
     if changed:
         raise SystemExit(f"{path} holds a run with other settings ({', '.join(changed)} differ): "
                          "use another --out, or the settings it was run with")
@@ -331,7 +365,8 @@ def vllm_rollout(args, session):
         # so its first attempts do not replay the random streams of the first session's.
         return grpo.rollout(engine, tokenizer, tasks, temperature=args.temperature, max_turns=args.max_turns,
                             max_new_tokens=args.max_new_tokens, max_len=args.max_len, concurrency=args.concurrency,
-                            template=template, seed=args.seed + session, on_episode=on_episode)
+                            template=template, seed=args.seed + session, on_episode=on_episode, network=args.network,
+                            keep_agent=args.keep_agent_processes, second_try=args.second_try)
     return rollout
 
 
@@ -347,7 +382,8 @@ def evaluate(args, rollout=None):
         prev = results["tasks"].get(task.name)
         if prev is not None and prev["path"] != str(p.resolve()):
             raise ValueError(f"{p}: task name {task.name!r} also names {prev['path']}")
-        entry = results["tasks"].setdefault(task.name, {"path": str(p.resolve()), "kind": task.kind, "attempts": []})
+        entry = results["tasks"].setdefault(task.name, {"path": str(p.resolve()), "attempts": []})
+        entry["kind"] = task.meta.get(args.kind_by) if args.kind_by else task.kind
         entry["heldout"] = entry["kind"] in taskgen.HELDOUT_KINDS
         if args.retry_infra:
             entry["attempts"] = [a for a in entry["attempts"] if a["failure"] not in envs.INFRA_FAILURES]
@@ -363,12 +399,13 @@ def evaluate(args, rollout=None):
                 print(f"{p}: the image does not build; its attempts are recorded as image_build_error")
             jobs += [(names[p], i, task) for i in missing[p]]
     jobs.sort(key=lambda job: job[1])  # attempt 0 of every task first: a stopped run has some of each task
-    results["sessions"] += 1
+    import sft  # torch: only when a run starts (the tables and compare need none)
+    results["configs"].append(sft.run_config(vars(args)))  # one per session: a resumed run may run other code
     save_results(args.out, results)
     print(f"{len(paths)} tasks x {args.attempts} attempts: {len(jobs)} to run -> {args.out}")
     if jobs:
         from tqdm import tqdm
-        rollout = rollout or vllm_rollout(args, results["sessions"] - 1)
+        rollout = rollout or vllm_rollout(args, len(results["configs"]) - 1)
         lock, t0, bar, outcomes = threading.Lock(), time.time(), tqdm(total=len(jobs), desc="attempts"), Counter()
         transcripts = open(args.transcripts, "a") if args.transcripts else None
 
@@ -394,6 +431,8 @@ def evaluate(args, rollout=None):
                 transcripts.close()
         print(f"{len(jobs)} attempts in {time.time() - t0:.0f}s")
     results["summary"] = summarize(results["tasks"], ks_up_to(args.attempts))
+    if args.second_try:  # the summary's pass@k is the final one; the first try's apart
+        results["summary"]["first_try"] = summarize(results["tasks"], ks_up_to(args.attempts), first=True)["pass@k"]
     save_results(args.out, results)
     print(table(results))
     return results

@@ -75,6 +75,7 @@ def get_parser():
     p.add_argument("--max-new-tokens", type=int, default=4096, help="tokens per reply")
     p.add_argument("--max-len", type=int, default=16384, help="tokens per episode (prompt + replies + observations); longer ones are cut and flagged")
     p.add_argument("--concurrency", type=int, default=64, help="sandboxes live at once per rank")
+    p.add_argument("--network", metavar="MODE", help="Docker network for tasks that allow the internet (task.toml allow_internet): bridge, host or a network's name (see evaluate.py --network); default: none for any task")
     # objective
     p.add_argument("--clip", type=float, default=0.2, help="PPO clip epsilon on the importance ratio")
     p.add_argument("--ppo-epochs", type=int, default=1, help="optimizer steps per batch of rollouts (1 = on-policy)")
@@ -88,6 +89,9 @@ def get_parser():
     p.add_argument("--steps", type=int, default=135)
     p.add_argument("--lr", type=float, default=1e-6, help="constant learning rate")
     p.add_argument("--weight-decay", type=float, default=0.0)
+    # PyTorch's AdamW defaults, now explicit: what every GRPO run so far trained with
+    p.add_argument("--adam-betas", type=float, nargs=2, default=[0.9, 0.999], metavar=("B1", "B2"), help="AdamW betas")
+    p.add_argument("--adam-eps", type=float, default=1e-8, help="AdamW epsilon")
     p.add_argument("--grad-clip", type=float, default=1.0, help="max global grad norm (0 = off)")
     p.add_argument("--micro-tokens", type=int, default=32768, help="token budget of one micro-batch (padded rows x length)")
     p.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32"], help="autocast and engine dtype; auto = bf16 on CUDA, fp32 on CPU")
@@ -102,6 +106,7 @@ def get_parser():
     p.add_argument("--save-every", type=int, default=10, help="checkpoint every N steps")
     p.add_argument("--keep", type=int, default=2, help="step checkpoints kept on disk")
     p.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint in --out")
+    p.add_argument("--wandb", metavar="PROJECT", help="also log every log.jsonl row to this Weights & Biases project (pip install wandb; offline under OUT/wandb/ when W&B is unreachable)")
     return p
 
 
@@ -258,15 +263,17 @@ class VLLMPolicy:
 
 
 def rollout(engine, tokenizer, tasks, *, temperature, max_turns, max_new_tokens, max_len, concurrency, template=None,
-            seed=0, on_episode=None, stats=None, lockstep=False):
+            seed=0, on_episode=None, stats=None, lockstep=False, network=None, keep_agent=False, second_try=False):
     """One episode per entry of `tasks` (repeat a task for several attempts) with the engine's current weights.
     Episodes come back in the order of `tasks`, with reward, turns, failure, timings, and the token sequence
     (token_ids, roles, logprobs, obs_wrapper, truncated). on_episode(i, episode) is called as each ends.
-    stats (a dict) receives the generator's wall / busy / idle seconds."""
+    stats (a dict) receives the generator's wall / busy / idle seconds. network, keep_agent, second_try: as
+    envs.run_episodes (evaluate.py's options; training uses only network)."""
     policy = VLLMPolicy(engine, tokenizer, temperature=temperature, max_new_tokens=max_new_tokens, max_len=max_len,
                         seed=seed, lockstep=lockstep)
     return envs.run_episodes(tasks, policy, max_turns=max_turns, concurrency=concurrency, template=template,
-                             on_episode=on_episode, stats=stats)
+                             on_episode=on_episode, stats=stats, network=network, keep_agent=keep_agent,
+                             second_try=second_try)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -422,7 +429,8 @@ def score(model, examples, args, pad_id, device, ctx):
 # flags that fix the task set, the objective and the schedule: a resumed run must keep them
 RESUME_KEYS = ("init", "chat_template", "tasks", "prompt_template", "tasks_per_step", "group_size", "temperature",
                "max_turns", "max_new_tokens", "max_len", "clip", "ppo_epochs", "loss_norm", "scale_std", "tis_cap",
-               "kl_coef", "echo_coef", "echo_payload_only", "steps", "lr", "weight_decay", "grad_clip", "seed")
+               "kl_coef", "echo_coef", "echo_payload_only", "steps", "lr", "weight_decay", "adam_betas", "adam_eps",
+               "grad_clip", "seed", "network")
 
 
 def load_tasks(path):
@@ -438,6 +446,13 @@ def step_groups(n_tasks, tasks_per_step, step, seed):
     draws the same."""
     rng = np.random.default_rng([seed, step])
     return rng.choice(n_tasks, tasks_per_step, replace=tasks_per_step > n_tasks).tolist()
+
+
+def step_seed(seed, step, rank):
+    """The sampling seed of one rank's rollouts at a step (each turn's seed derives from it): a function of
+    (seed, step, rank) alone, so a resumed run samples as the uninterrupted one would, and no RNG state needs
+    saving."""
+    return (seed * 100_003 + step) * 64 + rank
 
 
 def infra_failure(ep):
@@ -494,7 +509,7 @@ def main(argv=None):
     # the initial policy, for the KL from init: a full copy per rank, in the autocast dtype
     ref = sft.load_model(args.init, device).to(torch.bfloat16 if use_bf16 else torch.float32).requires_grad_(False).eval()
     model = sft.wrap_model(PGModule(raw), raw, args, device)
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+    opt = sft.adamw(model, args)
     start = 0
     if state is not None:
         sft.load_optimizer_state(model, opt, state, args.fsdp)
@@ -504,9 +519,10 @@ def main(argv=None):
     if rank == 0 and args.resume:  # drop log rows past the checkpoint: those steps run again
         rows = (out / "log.jsonl").read_text().splitlines() if (out / "log.jsonl").exists() else []
         (out / "log.jsonl").write_text("".join(r + "\n" for r in rows if json.loads(r)["step"] <= start))
+    config = sft.run_config(vars(args)) if rank == 0 else None
     if rank == 0:
-        (out / "config.json").write_text(json.dumps(sft.run_config(args), indent=2))
-    log = open(out / "log.jsonl", "a") if rank == 0 else None
+        (out / "config.json").write_text(json.dumps(config, indent=2))
+    log = sft.RunLog(out, config, args.wandb, rank)
     per_rank = args.tasks_per_step // world
     print0(f"{len(tasks)} tasks | {sum(p.numel() for p in raw.parameters()) / 1e6:.1f}M params | {args.steps} steps x "
            f"{args.tasks_per_step} tasks x {args.group_size} episodes | world {world} | "
@@ -522,8 +538,8 @@ def main(argv=None):
         gen = {}
         episodes = rollout(engine, tok, todo, temperature=args.temperature, max_turns=args.max_turns,
                            max_new_tokens=args.max_new_tokens, max_len=args.max_len, concurrency=args.concurrency,
-                           template=template, seed=(args.seed * 100_003 + step) * 64 + rank,
-                           on_episode=lambda i, e: bar.update(), stats=gen)
+                           template=template, seed=step_seed(args.seed, step, rank),
+                           on_episode=lambda i, e: bar.update(), stats=gen, network=args.network)
         bar.close()
         if device.type == "cuda":  # the engine's weights go to host memory and its KV cache is freed while training
             engine.sleep(level=1)
@@ -605,24 +621,21 @@ def main(argv=None):
                "train/grad_norm": gnorm, "train/lr": args.lr, "train/action_tokens": int(na),
                "time/rollout_s": t_roll - t0, "time/generate_s": gen["policy_s"], "time/env_wait_s": gen["idle_s"],
                "time/train_s": t_train - t_roll, "time/sync_s": t_sync - t_train, "time/step_s": time.time() - t0}
-        if log:
-            log.write(json.dumps(rec) + "\n")
-            log.flush()
+        log.write(rec)
         print0(f"step {step + 1}/{args.steps} | reward {rec['rollout/reward_mean']:.3f} | solved {rec['rollout/solve_rate']:.2f} | "
                f"signal {sums['signal']:.0f}/{sums['groups']:.0f} | ent {rec['train/entropy']:.3f} | kl {rec['train/kl_init']:.2e} | "
                f"mism {rec['train/mismatch_abs']:.1e} | gnorm {gnorm:.3f} | gen {rec['time/generate_s']:.0f}s "
                f"idle {rec['rollout/generator_idle_frac']:.0%} | train {rec['time/train_s']:.0f}s | {rec['time/step_s']:.0f}s")
         done = step + 1
         if done % args.save_every == 0 or done == args.steps:
-            sft.save_checkpoint(out / f"step-{done:06d}", model, raw, tok, opt, done, args, rank)
+            sft.save_checkpoint(out / f"step-{done:06d}", model, raw, tok, opt, done, args, rank, rng=False)
             for old in sft.checkpoint_dirs(out)[: -args.keep] if rank == 0 else []:
                 shutil.rmtree(old)
             if rank == 0:
                 plot_curves(out / "log.jsonl", out / "curves.png")
     sft.save_checkpoint(out / "final", model, raw, tok, None, args.steps, args, rank)  # weights + tokenizer only
     print0(f"final model: {out / 'final'}")
-    if log:
-        log.close()
+    log.close()
     del engine  # its shutdown also tears down the process group it joined (torchrun): before ours, not after
     gc.collect()
     sft.close_distributed()

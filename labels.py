@@ -2,6 +2,7 @@
 Trajectories in, labelled tokens out: the part of ActObs that SFT, probes, rollouts and evaluation share.
 
     convs, n_bad = read_trajectories("data.jsonl")            # errors name file, line and field
+    convs, n_bad = read_trajectories("nvidia/Nemotron-Terminal-Corpus")   # or a parquet file: `datasets`
     tok = load_tokenizer("Qwen/Qwen3-4B", "prefix")           # the chat template everything will use
     ids, roles = render(tok, convs[0], max_len=16384)         # one role per token: PROMPT, ACTION, OBS
 
@@ -49,24 +50,42 @@ def _check_row(row, where):
     return [{"role": m["role"], "content": m["content"]} for m in msgs]
 
 
+def dataset_rows(source):
+    """[(location, row)] of a parquet file (a local path, a glob or an hf:// URL) or a Hugging Face dataset id,
+    `ID[:SPLIT]` (every split when none is named), through the `datasets` library (imported only here)."""
+    import datasets
+    if source.endswith(".parquet"):
+        return [(f"{source}: row {i}", r) for i, r in
+                enumerate(datasets.load_dataset("parquet", data_files=source, split="train"))]
+    name, _, split = source.partition(":")
+    parts = datasets.load_dataset(name)
+    if split and split not in parts:
+        raise ValueError(f"{name}: no split {split!r} (it has {', '.join(parts)})")
+    return [(f"{name}[{s}]: row {i}", r) for s in ([split] if split else parts) for i, r in enumerate(parts[s])]
+
+
 def read_trajectories(path, skip_bad=False, where=None):
-    """-> (list of message lists, number of bad rows skipped). Errors name the file, line and field; a list
-    passed as `where` receives each kept trajectory's location ('file:line') for later errors."""
+    """-> (list of message lists, number of bad rows skipped) from a JSONL file, a JSON array, or what
+    dataset_rows reads (a parquet file, a Hugging Face dataset id). Errors name the file, line (row) and field;
+    a list passed as `where` receives each kept trajectory's location ('file:line') for later errors."""
     path = str(path)
     rows, convs, bad = [], [], 0
-    with open(path, encoding="utf-8") as f:
-        if path.endswith(".json"):  # a JSON array of rows, e.g. a dataset sample file
-            rows = [(f"{path}: row {i}", r) for i, r in enumerate(json.load(f))]
-        else:
-            for lineno, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    rows.append((f"{path}:{lineno}", json.loads(line)))
-                except json.JSONDecodeError as e:
-                    if not skip_bad:
-                        raise ValueError(f"{path}:{lineno}: invalid JSON ({e.msg} at column {e.colno})") from None
-                    bad += 1
+    if path.endswith(".parquet") or not (path.endswith((".json", ".jsonl")) or os.path.exists(path)):
+        rows = dataset_rows(path)
+    else:
+        with open(path, encoding="utf-8") as f:
+            if path.endswith(".json"):  # a JSON array of rows, e.g. a dataset sample file
+                rows = [(f"{path}: row {i}", r) for i, r in enumerate(json.load(f))]
+            else:
+                for lineno, line in enumerate(f, 1):
+                    if not line.strip():
+                        continue
+                    try:
+                        rows.append((f"{path}:{lineno}", json.loads(line)))
+                    except json.JSONDecodeError as e:
+                        if not skip_bad:
+                            raise ValueError(f"{path}:{lineno}: invalid JSON ({e.msg} at column {e.colno})") from None
+                        bad += 1
     for loc, row in rows:
         try:
             convs.append(_check_row(row, loc))

@@ -33,7 +33,8 @@ from terminus import MAX_DURATION, OUTPUT_HEADER, SCREEN_HEADER, decode, pane_di
 BASE_IMAGE = "actobs-base:bookworm"
 BASE_PACKAGES = ["tmux", "python3", "procps", "jq"]  # tmux: the terminal; the rest: what generated tasks use
 STANDIN_SUITE = "trixie"  # ships Python 3.13: Terminal-Bench 2.0 verifiers run `uvx -p 3.13 ...`
-STANDIN_TAGS = ["ubuntu:24.04", "python:3.13-slim-bookworm"]  # the FROM lines of Terminal-Bench 2.0 tasks
+# The FROM lines of Terminal-Bench 2.0 tasks, and of Endless Terminals' (ubuntu:22.04)
+STANDIN_TAGS = ["ubuntu:24.04", "python:3.13-slim-bookworm", "ubuntu:22.04"]
 HOST_CAS = "/usr/local/share/ca-certificates"  # the host's extra CA certificates, trusted by the stand-in too
 UV_VERSION = "0.9.7"
 VERIFIER_PINS = ["pytest==8.4.1", "pytest-json-ctrf==0.3.5"]  # what Terminal-Bench 2.0 tests/test.sh install
@@ -42,6 +43,9 @@ PRIVATE_SOCKET = os.environ.get("ACTOBS_DOCKER_ROOT", "/var/lib/actobs-docker") 
 LABEL = "actobs.sandbox"  # every container carries it; value = "<hostname>:<pid>" of the owning process
 SCREEN = (160, 40)  # tmux window (columns, rows)
 DEFAULT_STORAGE_MB = 10240  # disk budget when a task names none (Harbor's default)
+# The stand-in's uv is offline (build_uv_image sets UV_OFFLINE=1); a sandbox given the network lifts that and has uv
+# trust the system's CAs, which in the stand-in include the host's (a TLS-inspecting egress proxy).
+STANDIN_ONLINE = {"UV_OFFLINE": "0", "UV_NATIVE_TLS": "1"}
 DISK_POLL_S = 0.2  # how often a sandbox's writable layer is measured (a walk of a small one: ~0.2 ms)
 QUOTA_MARGIN_MB = 16  # the kernel's cap is the budget plus this, so a sandbox stopped by the cap shows as over budget
 STANDIN_TOOLS = ("/root/.local/bin", "/opt/actobs-wheels")  # the stand-in's verifier tool kit: uv, uvx, env, wheels
@@ -376,10 +380,14 @@ class ProcessLimit(SandboxError):
 class Sandbox:
     """A container with the task's limits and a tmux terminal; use as a context manager (always removed).
     storage_mb: the disk budget of the container's writable layer, watched every DISK_POLL_S seconds; with a btrfs
-    daemon (btrfs_quota) the kernel also refuses writes past the budget + QUOTA_MARGIN_MB (self.quota)."""
+    daemon (btrfs_quota) the kernel also refuses writes past the budget + QUOTA_MARGIN_MB (self.quota). network:
+    None (no network: only loopback) or a Docker network mode: "bridge" (the daemon's NAT network: the internet,
+    not the host's own network), "host" (the host's network namespace, its local services included: the only
+    way out on a daemon started with --bridge=none and no iptables, like .ci/dockerd.sh's, whose user-defined
+    bridges reach nothing), or a user-defined network's name."""
 
     def __init__(self, image, *, workdir="/app", user="root", cpus=1.0, memory_mb=2048, storage_mb=DEFAULT_STORAGE_MB,
-                 pids=1024, network=False, files=(), tmpfs=()):
+                 pids=1024, network=None, files=(), tmpfs=()):
         self.image, self.workdir, self.user = image, workdir, user
         self.tmpfs = tmpfs  # folders mounted as tmpfs (exec, root's): scratch space outside the disk budget
         self.cpus, self.memory_mb, self.storage_mb = cpus, memory_mb, storage_mb
@@ -408,15 +416,17 @@ class Sandbox:
     def start(self):
         t0 = time.time()
         import docker
+        env = {"LANG": "C.UTF-8"}
+        if self.network and "UV_OFFLINE=1" in (docker_client().images.get(self.image).attrs["Config"].get("Env") or []):
+            env.update(STANDIN_ONLINE)
         # Created, then started: a container that fails to start is still ours to remove (close()).
         self.container = docker_client().containers.create(
             # The image's own entrypoint is replaced: the container only has to stay up for our execs. PID 1 is
             # bash (INIT). A fixed hostname keeps prompts and observations reproducible from the seed.
             self.image, entrypoint=["bash", "-c", INIT], labels={LABEL: owner_label()},
-            hostname="sandbox", network_mode="host" if self.network else "none", mem_limit=f"{self.memory_mb}m",
+            hostname="sandbox", network_mode=self.network or "none", mem_limit=f"{self.memory_mb}m",
             memswap_limit=f"{self.memory_mb}m", pids_limit=self.pids, nano_cpus=int(host_cpus(self.cpus) * 1e9),
-            working_dir=self.workdir, environment={"LANG": "C.UTF-8"},
-            tmpfs={path: "exec,mode=700" for path in self.tmpfs})
+            working_dir=self.workdir, environment=env, tmpfs={path: "exec,mode=700" for path in self.tmpfs})
         self.quota = self._limit_disk()  # before anything runs in it
         try:
             self.container.start()
@@ -431,10 +441,20 @@ class Sandbox:
             raise SandboxError(f"{self.image}: could not prepare the container: {decode(out)[-300:]}")
         if self.files:
             self.put_files(self.files)
+        self._start_terminal()
+        self.start_s = time.time() - t0
+
+    def _start_terminal(self):
         code, out = self.exec(["bash", "-c", TERMINAL_SETUP, "setup", str(SCREEN[0]), str(SCREEN[1])])
         if code != 0:
             raise SandboxError(f"terminal did not start in {self.image} (needs bash and tmux): {decode(out)}")
-        self.start_s = time.time() - t0
+
+    def restart_terminal(self):
+        """A new terminal after stop_agent killed the old one; returns its first screen (as screen())."""
+        self.exec(["bash", "-c", "rm -rf /dev/shm/.actobs-*"], user="root")  # the old prompt file would fool setup
+        self._start_terminal()
+        self._start, self._anchor = 0, ""
+        return self.screen()
 
     def _limit_disk(self):
         """Cap the writable layer's btrfs subvolume: its exclusive bytes (what the sandbox wrote, not the image it

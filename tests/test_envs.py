@@ -2,6 +2,8 @@
 are in test_terminus.py)."""
 import json
 import random
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -12,18 +14,43 @@ import taskgen
 import terminus
 
 FIXTURES = Path(__file__).parent / "fixtures"
-HARBOR = FIXTURES / "harbor-tasks"
+HARBOR, AIDER, ENDLESS = FIXTURES / "harbor", FIXTURES / "aider", FIXTURES / "endless"
 
 
 # ---------------------------------------------------------------------------------------------- tasks
 
 def test_load_task_reads_harbor_fields():
-    task = envs.load_task(HARBOR / "hello-user", build=False)
-    assert task.name == "harbor/hello-user" and task.instruction.startswith("Run `whoami`")
-    assert (task.agent_timeout, task.verifier_timeout, task.cpus, task.memory_mb) == (120.0, 120.0, 1.0, 2048)
-    assert set(task.tests) == {"test.sh"} and set(task.solution) == {"solve.sh"}
-    assert set(envs.load_task(HARBOR / "hello-world", build=False).tests) == {"test.sh", "test_state.py"}
-    assert task.kind == "programming"  # [metadata] category
+    task = envs.load_task(HARBOR / "non-root", build=False)
+    assert task.name == "non-root" and task.instruction.startswith("Write your user name")
+    assert (task.agent_timeout, task.verifier_timeout, task.cpus, task.memory_mb) == (120.0, 60.0, 1.0, 2048)
+    assert set(task.tests) == {"test.sh"} and set(task.solution) == {"solve.sh"} and task.user == "builder"
+    assert task.kind == "system-administration" and task.schema_version == "1.1"  # [metadata] category
+    uvx = envs.load_task(HARBOR / "uvx-pytest", build=False)
+    assert uvx.name == "actobs/uvx-pytest" and set(uvx.tests) == {"test.sh", "test_greeting.py"}
+    assert envs.load_task(HARBOR / "workdir", build=False).workdir == "/srv/work"
+    assert uvx.allow_internet and envs.load_task(HARBOR / "pip-install", build=False).allow_internet  # Harbor's default
+
+
+def test_load_task_reads_aider_and_endless_terminals_layouts():
+    py, go, js = (envs.load_task(AIDER / f"polyglot_{x}", build=False)
+                  for x in ("python_run-length", "go_roman", "javascript_word-count"))
+    assert [t.meta["language"] for t in (py, go, js)] == ["python", "go", "javascript"]
+    assert py.kind == "code-editing" and py.meta == {"category": "code-editing", "language": "python", "difficulty": "easy"}
+    assert (py.schema_version, py.agent_timeout, py.verifier_timeout, py.memory_mb) == ("1.0", 1800.0, 1800.0, 4096)
+    assert set(go.tests) == {"test.sh", "roman_test.go"}  # tests reach the sandbox at verification only
+    et = envs.load_task(ENDLESS / "csv-filter", build=False)
+    assert (et.schema_version, et.kind, et.allow_internet) == ("0.1", "data-processing", True)
+    assert set(et.tests) == {"test.sh", "test_final_state.py"}  # the workdir, /home/user, is the image's WORKDIR
+    assert not envs.task_from_spec(taskgen.generate("find_copy", random.Random(0))).allow_internet  # toy world
+
+
+def test_load_task_refuses_an_unknown_schema(tmp_path):
+    for rel in ("instruction.md", "environment/Dockerfile", "tests/test.sh"):
+        (tmp_path / rel).parent.mkdir(exist_ok=True)
+        (tmp_path / rel).write_text("x")
+    (tmp_path / "task.toml").write_text('schema_version = "2.0"\n')
+    with pytest.raises(ValueError, match=r"task.toml: schema_version '2.0' is not one this reads"):
+        envs.load_task(tmp_path, build=False)
 
 
 def test_load_task_errors_name_the_file(tmp_path):
@@ -46,10 +73,50 @@ def test_load_task_errors_name_the_file(tmp_path):
         envs.load_task(tmp_path, build=False)
 
 
+# ---------------------------------------------------------------------------------------------- pytest ran or not
+
+WRONG = "def test_wrong():\n    assert 1 == 2\n\ndef test_right():\n    pass\n"
+
+
+@pytest.mark.parametrize("form", [["-q"], ["-qq"], ["-rA", "-p", "junitxml", "--junitxml", "{tmp}/j.xml"], ["--color=yes"]])
+def test_a_wrong_answer_is_a_run_under_every_pytest_form(tmp_path, form):
+    """A real pytest (`python -m pytest`, the `pytest` script's entry point), as verifiers call it: failed tests
+    and a test module that does not import are runs (wrong answers) at any verbosity, with a plugin or colour;
+    a missing file, a bad flag or no selected test is a run that never was."""
+    (tmp_path / "test_wrong.py").write_text(WRONG)
+    (tmp_path / "test_broken.py").write_text("import the_agents_module_that_is_not_there\n\ndef test_x():\n    pass\n")
+    (tmp_path / "test_pass.py").write_text("def test_right():\n    pass\n")
+    cmd = [sys.executable, "-m", "pytest"] + [a.format(tmp=tmp_path) for a in form]
+
+    def run(*args):
+        res = subprocess.run(cmd + ["-p", "no:cacheprovider", *args], cwd=tmp_path, capture_output=True)
+        return res.returncode, envs.pytest_never_ran(res.stdout + res.stderr)
+    assert run("test_wrong.py") == (1, None)
+    assert run("test_broken.py") == (2, None)
+    if form != ["-q"]:
+        return
+    assert run("test_pass.py") == (0, None)
+    code, why = run("test_missing.py")
+    assert code == 4 and why == "pytest ran no test: ERROR: file or directory not found: test_missing.py"
+    code, why = run("--no-such-flag", "test_wrong.py")
+    assert code == 4 and "error: unrecognized arguments: --no-such-flag" in why
+    code, why = run("-k", "nothing_matches", "test_wrong.py")
+    assert code == 5 and why.startswith("pytest ran no test: 2 deselected in ")
+
+
+def test_no_pytest_output_is_a_verifier_that_never_ran():
+    assert envs.pytest_never_ran(b"bash: line 9: uvx: command not found\n") == \
+        "no pytest run in its output; its last error: bash: line 9: uvx: command not found"
+    assert envs.pytest_never_ran(b"") == "no pytest run in its output"
+    assert "INTERNALERROR" in envs.pytest_never_ran(b"INTERNALERROR> Traceback (most recent call last):\n")
+    assert envs.pytest_never_ran(b"Temporary failure resolving 'deb.debian.org'\n1 failed in 0.20s\n") is None
+
+
 # ---------------------------------------------------------------------------------------------- generator, expert
 
 def test_generator_is_seeded_and_has_kinds():
-    assert len(taskgen.GENERATORS) >= 8
+    assert list(taskgen.GENERATORS) == ["find_copy", "fix_config", "csv_summary", "permissions", "log_extract",
+                                        "word_count", "rename", "replace_host", "archive"]
     for kind in taskgen.GENERATORS:
         a, b = taskgen.generate(kind, random.Random(7)), taskgen.generate(kind, random.Random(7))
         assert a == b and a.name.startswith(kind + "-") and a.files and "reward.txt" in a.test

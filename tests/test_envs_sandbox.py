@@ -10,7 +10,7 @@ import pytest
 import envs
 import sandbox
 
-HARBOR = Path(__file__).parent / "fixtures" / "harbor-tasks"
+HARBOR = Path(__file__).parent / "fixtures" / "harbor"
 
 pytestmark = pytest.mark.usefixtures("no_leftovers")
 
@@ -170,7 +170,7 @@ def test_build_timeout_and_failures_are_recorded_and_the_others_run(tmp_path, ba
     broken = tree(tmp_path, "broken", dockerfile="FROM ubuntu:24.04\nRUN echo about to fail && exit 3\n")
     missing = tree(tmp_path, "missing", dockerfile="FROM actobs-missing/image:1\n")
     t0 = time.time()
-    eps = envs.main(["oracle", str(slow), str(broken), str(missing), str(HARBOR / "hello-user")])
+    eps = envs.main(["oracle", str(slow), str(broken), str(missing), str(HARBOR / "non-root")])
     assert time.time() - t0 < 60
     assert [(e.failure, e.reward) for e in eps] == [("image_build_error", 0.0)] * 3 + [(None, 1.0)]
     assert "timed out after 2s" in eps[0].error

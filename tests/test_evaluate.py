@@ -112,6 +112,31 @@ def test_infra_failures_never_count_against_the_agent():
     assert [label for label, _ in evaluate.groups(res)] == ["all"]  # no kinds, no per-kind rows
 
 
+def test_second_try_and_needs_network_are_reported_apart():
+    res = results({"py": ("python", [0, 1, 0, 0]), "go": ("go", [0, 0, 0, 1])})
+    res["settings"]["second_try"] = True
+    py, go = res["tasks"]["py"]["attempts"], res["tasks"]["go"]["attempts"]
+    py[0].update(reward=1.0, first_reward=0.0)  # solved on the second try: counts for the final pass@k only
+    go[1]["needs_network"] = "E: Temporary failure resolving 'deb.debian.org'"
+    assert evaluate.summarize(res["tasks"], [1])["pass@k"][1] == pytest.approx((2 / 4 + 1 / 4) / 2)
+    assert evaluate.summarize(res["tasks"], [1], first=True)["pass@k"][1] == pytest.approx((1 / 4 + 1 / 4) / 2)
+    assert evaluate.summarize(res["tasks"], [1])["failures"] == {"needs network": 1}
+    lines = evaluate.table(res).splitlines()
+    assert [ln.split()[:5] for ln in lines[1:3]] == [["all", "1st", "try", "2", "25.0"], ["all", "2nd", "try", "2", "37.5"]]
+    assert [ln.split()[0] for ln in lines[3:7]] == ["go", "go", "python", "python"]
+    assert any(ln.startswith("needs network: 1 attempts") for ln in lines)
+
+
+def test_results_from_before_the_network_options_resume_with_them_off(tmp_path):
+    args = evaluate.parse_args(["--model", "m", "--tasks", str(tmp_path), "--out", str(tmp_path / "r.json")])
+    old = {k: v for k, v in evaluate.settings_of(args).items() if k not in evaluate.NEWER_KEYS}
+    (tmp_path / "r.json").write_text(json.dumps({"settings": old, "config": {}, "sessions": 1, "tasks": {}}))
+    assert evaluate.open_results(tmp_path / "r.json", evaluate.settings_of(args))["sessions"] == 1
+    with pytest.raises(SystemExit, match="network differ"):
+        evaluate.open_results(tmp_path / "r.json", evaluate.settings_of(evaluate.parse_args(
+            ["--model", "m", "--tasks", str(tmp_path), "--network", "host"])))
+
+
 def test_compare_known_answers(tmp_path):
     a = results({"t1": (None, [1, 0, 0, 0]), "t2": (None, [0, 0, 0, 0]), "t3": (None, [1, 1, 0, 0])})
     b = results({"t1": (None, [1, 1, 0, 0]), "t2": (None, [1, 0, 0, 0]), "t3": (None, [1, 1, 0, 0]),
@@ -221,6 +246,7 @@ def test_resume_runs_only_missing_attempts(toy_tasks, tmp_path, no_leftovers):
     first, done = recorded(out)
     everything = {(name, i) for name in first["tasks"] for i in range(2)}
     assert len(first["tasks"]) == 3 and len(done) >= 3
+    assert [(c["args"]["attempts"], c["args"]["out"]) for c in first["configs"]] == [(2, str(out))]  # what ran
     for (name, _), a in done.items():  # the broken image did not stop the run; its attempts are infra failures
         assert a["failure"] == ("image_build_error" if name == broken else None), a["error"]
 
@@ -234,7 +260,8 @@ def test_resume_runs_only_missing_attempts(toy_tasks, tmp_path, no_leftovers):
     toy = [e for name, e in res["tasks"].items() if name != broken]
     assert {e["kind"] for e in toy} == {"archive", "find_copy"} and [e["heldout"] for e in toy].count(True) == 1
     assert res["summary"]["excluded"] == 2 and res["summary"]["tasks@k"] == {1: 2, 2: 2}
-    assert res["summary"]["pass@k"] == {1: 1.0, 2: 1.0} and res["sessions"] == 2
+    assert res["summary"]["pass@k"] == {1: 1.0, 2: 1.0}
+    assert len(res["configs"]) == 2 and res["configs"][0] == first["configs"][0]  # what ran, one per session
     # every recorded attempt has its transcript: its record and the conversation
     episodes = {(r["task"], r["attempt"]): r for r in map(json.loads, transcripts.read_text().splitlines())}
     assert episodes.keys() >= final.keys()
@@ -277,7 +304,7 @@ def test_end_to_end_tiny_checkpoint_with_vllm(vllm_dir, tmp_path, base_image, no
             "--max-new-tokens", "24", "--max-len", "3072", "--concurrency", "8", "--dtype", "float32", "--out", str(out)]
     res = evaluate.main(argv)
     saved = json.loads(out.read_text())
-    assert len(saved["tasks"]) == 2 and saved["sessions"] == 1
+    assert len(saved["tasks"]) == 2 and len(saved["configs"]) == 1 and saved["configs"][0]["vllm"]  # its version
     for entry in saved["tasks"].values():
         assert [a["attempt"] for a in entry["attempts"]] == [0, 1, 2, 3]
         for a in entry["attempts"]:

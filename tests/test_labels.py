@@ -240,6 +240,23 @@ def test_nemotron_rows_load_as_is(tmp_path):
     assert convs_json == convs
 
 
+def test_nemotron_rows_load_from_parquet_through_datasets(tmp_path):
+    """The corpus as the hub publishes it (parquet), read through the `datasets` library as sft.py --data does:
+    the same conversations as the JSON rows, and errors that name the row."""
+    import datasets
+    rows = nemotron_rows()
+    datasets.Dataset.from_list(rows).to_parquet(str(tmp_path / "rows.parquet"))
+    where = []
+    convs, bad = labels.read_trajectories(tmp_path / "rows.parquet", where=where)
+    assert (convs, bad) == (labels.read_trajectories(_as_json(tmp_path))[0], 0)
+    assert where == [f"{tmp_path}/rows.parquet: row {i}" for i in range(3)]
+    rows[1]["conversations"][2]["role"] = "robot"
+    datasets.Dataset.from_list(rows).to_parquet(str(tmp_path / "bad.parquet"))
+    with pytest.raises(ValueError, match=r"bad.parquet: row 1: conversations\[2\].role: unknown role 'robot'"):
+        labels.read_trajectories(tmp_path / "bad.parquet")
+    assert labels.read_trajectories(tmp_path / "bad.parquet", skip_bad=True)[1] == 1
+
+
 def _as_json(tmp_path):
     p = tmp_path / "rows.json"
     p.write_text(json.dumps(nemotron_rows()))

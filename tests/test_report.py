@@ -35,8 +35,15 @@ def eval_results(ck, attempts=2, rewards=((1.0, 0.0), (0.0, 0.0)), pass_at_k=(0.
             "summary": {"pass@k": {str(2 ** i): v for i, v in enumerate(pass_at_k)}}}
 
 
-@pytest.mark.parametrize("case", ["ok", "missing_attempt", "reward_range", "decreasing", "other_model", "other_tasks",
-                                  "missing_transcript"])
+# each broken results file and the one problem it must be reported for
+EVAL_PROBLEMS = {"ok": None, "missing_attempt": "task t1 has attempts [0], expected 0..1",
+                 "reward_range": "task t0 has a reward outside [0, 1]",
+                 "decreasing": "pass@k [0.5, 0.25] not in [0, 1] or decreasing in k", "other_model": "evaluated {tmp}/elsewhere with 2 attempts; expected {tmp}/ck with 2",
+                 "other_tasks": "tasks differ from the evaluation split (2 vs 3)",
+                 "missing_transcript": "no transcript of 1 recorded attempts, e.g. ('t0', 1)"}
+
+
+@pytest.mark.parametrize("case", EVAL_PROBLEMS)
 def test_check_eval(tmp_path, case):
     ck, path = tmp_path / "ck", tmp_path / "eval.json"
     res = eval_results(ck)
@@ -56,7 +63,8 @@ def test_check_eval(tmp_path, case):
     problems = []
     tasks = {"t0": "a", "t1": "b", **({"t2": "c"} if case == "other_tasks" else {})}
     report.check_eval(path, tasks, 2, ck, problems)
-    assert (problems == []) == (case == "ok"), problems
+    want = EVAL_PROBLEMS[case] and EVAL_PROBLEMS[case].format(tmp=tmp_path)
+    assert len(problems) == (want is not None) and all(want in p for p in problems), problems
 
 
 def grpo_run(run, steps, bad_step=None):
@@ -70,12 +78,13 @@ def grpo_run(run, steps, bad_step=None):
     (d / "log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
 
 
-@pytest.mark.parametrize("steps,bad_step,want", [(3, None, 0), (2, None, 1), (3, 2, 1)])
+@pytest.mark.parametrize("steps,bad_step,want", [(3, None, None), (2, None, "steps [1, 2], expected 1..3"),
+                                                (3, 2, "step 2: not finite: train/loss")])
 def test_check_grpo(tmp_path, steps, bad_step, want):
     grpo_run(tmp_path, steps, bad_step)
     problems = []
     report.check_grpo(tmp_path, "arm", 3, problems)
-    assert len(problems) == want, problems
+    assert len(problems) == (want is not None) and all(want in p for p in problems), problems
 
 
 def test_build_names_what_is_missing(tmp_path):

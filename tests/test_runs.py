@@ -1,0 +1,176 @@
+"""Runs record what ran: config.json (flags, commit, uncommitted changes, library versions), the AdamW settings,
+the optional W&B mirror of log.jsonl, and what a resumed GRPO run needs to draw the same tasks and seeds."""
+import argparse
+import importlib.util
+import json
+import random
+import shutil
+import struct
+import subprocess
+import sys
+from importlib import metadata
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import grpo
+import sft
+from conftest import synthetic_trajectory
+
+ROOT = Path(__file__).parent.parent
+
+
+def git(cwd, *a):
+    return subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *a], cwd=cwd, check=True,
+                          capture_output=True, text=True).stdout
+
+
+def sft_copy(folder):
+    """sft.py imported from a copy in `folder`: its code_state describes that folder."""
+    spec = importlib.util.spec_from_file_location("sft_copy", folder / "sft.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_code_state_is_a_patch_that_replays_the_edit(tmp_path):
+    src = tmp_path / "src"
+    src.mkdir()
+    shutil.copy(ROOT / "sft.py", src)
+    (src / ".gitignore").write_text("runs/\n")
+    git(src, "init", "-q")
+    git(src, "add", ".")
+    git(src, "commit", "-q", "-m", "base")
+    with open(src / "sft.py", "a") as f:
+        f.write("# an idea: an edit that is not committed\n")
+    (src / "idea.py").write_text("LAM = 0.5\n")  # a new module, not yet added
+    (src / "runs").mkdir()
+    (src / "runs" / "ignored.py").write_text("x = 1\n")
+    (src / "notes.txt").write_text("not a source\n")
+    state = sft_copy(src).code_state()
+    assert state["git"] == git(src, "rev-parse", "HEAD").strip()
+    assert "ignored.py" not in state["diff"] and "notes.txt" not in state["diff"]
+
+    replay = tmp_path / "replay"
+    git(tmp_path, "clone", "-q", str(src), str(replay))
+    subprocess.run(["git", "apply"], input=state["diff"], text=True, cwd=replay, check=True)
+    for name in ("sft.py", "idea.py"):
+        assert (replay / name).read_text() == (src / name).read_text()
+
+    shutil.rmtree(src / ".git")  # a copy of the code outside git: each source's hash
+    sources = sft_copy(src).code_state()
+    assert sources["git"] == "" and "diff" not in sources
+    assert set(sources["sources"]) == {"sft.py", "idea.py", "runs/ignored.py"}
+    import hashlib
+    assert sources["sources"]["idea.py"] == hashlib.sha256(b"LAM = 0.5\n").hexdigest()
+
+
+def test_versions_come_from_metadata_without_importing_vllm():
+    code = "import json, sys, sft; print(json.dumps([sft.run_config({})['vllm'], 'vllm' in sys.modules]))"
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    dists = metadata.packages_distributions().get("vllm")
+    assert json.loads(out) == [metadata.version(dists[0]) if dists else None, False]
+    cfg = sft.run_config({"out": Path("a/b")})
+    assert (cfg["torch"], cfg["transformers"]) == (torch.__version__, metadata.version("transformers"))
+    assert cfg["args"] == {"out": "a/b"} and cfg["argv"] == sys.argv
+
+
+def test_adam_settings_are_flags_of_both_stages():
+    s = sft.get_parser().parse_args(["--data", "d", "--model", "m", "--out", "o"])
+    g = grpo.get_parser().parse_args(["--init", "m", "--tasks", "t", "--out", "o"])
+    assert (s.adam_betas, s.adam_eps, g.adam_betas, g.adam_eps) == ([0.9, 0.95], 1e-8, [0.9, 0.999], 1e-8)
+    assert {"adam_betas", "adam_eps"} <= set(sft.RESUME_KEYS) & set(grpo.RESUME_KEYS)
+    g = grpo.get_parser().parse_args(["--init", "m", "--tasks", "t", "--out", "o", "--adam-betas", "0.8", "0.9",
+                                      "--adam-eps", "1e-6", "--lr", "0.5", "--weight-decay", "0.1"])
+    opt = sft.adamw(torch.nn.Linear(2, 2), g)
+    assert {k: opt.param_groups[0][k] for k in ("lr", "betas", "eps", "weight_decay")} == \
+        {"lr": 0.5, "betas": (0.8, 0.9), "eps": 1e-6, "weight_decay": 0.1}
+
+
+def wandb_history(run_file):
+    """The history rows of an offline W&B run file: W&B's record log (a 7-byte file header, then 32 KiB blocks of
+    records, each a 7-byte header (crc32, length, type: 1 full, 2 first, 3 middle, 4 last) and its bytes) of
+    protobuf Records."""
+    from wandb.proto import wandb_internal_pb2 as pb
+    data, rows, pos, part = run_file.read_bytes(), [], 7, b""
+    while pos + 7 <= len(data):
+        if 32768 - pos % 32768 < 7:  # a block's tail too short for a header is padding
+            pos += 32768 - pos % 32768
+            continue
+        length, kind = struct.unpack("<HB", data[pos + 4:pos + 7])
+        part, pos = part + data[pos + 7:pos + 7 + length], pos + 7 + length
+        if kind in (1, 4):
+            rec = pb.Record()
+            rec.ParseFromString(part)
+            part = b""
+            if rec.WhichOneof("record_type") == "history":
+                rows.append({i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in rec.history.item})
+    return rows
+
+
+def test_sft_run_records_its_config_and_mirrors_its_log_to_wandb(tiny_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    rng = random.Random(1)
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps({"conversations": synthetic_trajectory(rng)}) + "\n" for _ in range(12)))
+    out = tmp_path / "run"
+    argv = ["--model", str(tiny_dir), "--data", str(data), "--out", str(out), "--batch-size", "4", "--val-size", "4",
+            "--max-len", "256", "--eval-every", "1", "--save-every", "0", "--stop-after", "1", "--adam-betas", "0.8",
+            "0.9", "--adam-eps", "1e-7", "--wandb", "actobs-test"]
+    sft.main(argv)
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["args"]["adam_betas"] == [0.8, 0.9] and cfg["args"]["adam_eps"] == 1e-7 and cfg["args"]["wandb"] == "actobs-test"
+    assert cfg["git"] == subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    assert "diff" in cfg and cfg["torch"] == torch.__version__
+    state = torch.load(out / "step-000001" / "trainer_state.pt", weights_only=False)
+    assert state["optimizer"]["param_groups"][0]["betas"] == (0.8, 0.9) and state["optimizer"]["param_groups"][0]["eps"] == 1e-7
+    with pytest.raises(ValueError, match=r"--adam-betas \[0.8, 0.9\] -> \[0.9, 0.95\]"):
+        sft.main([a for a in argv if a not in ("--adam-betas", "0.8", "0.9")] + ["--resume"])
+
+    sft.main(argv[: argv.index("--stop-after")] + argv[argv.index("--stop-after") + 2:] + ["--resume"])  # to the end
+    import wandb
+    wandb.teardown()  # the W&B service process writes the offline run file behind finish(): wait for it
+    run_id = (out / "wandb_id").read_text()
+    runs = sorted((out / "wandb").glob(f"offline-run-*-{run_id}/run-{run_id}.wandb"))
+    assert len(runs) == 2  # one W&B run, continued by the resumed session
+    logged = {}
+    for row in (json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()):
+        logged.setdefault(row["step"], {}).update({k: v for k, v in row.items() if k != "step"})
+    mirrored = {}
+    for row in wandb_history(runs[0]) + wandb_history(runs[1]):
+        mirrored.setdefault(row["_step"], {}).update({k: v for k, v in row.items() if not k.startswith("_")})
+    assert sorted(logged) == [1, 2] and "eval/act_nll" in logged[1] and "train/loss" in logged[2]
+    assert mirrored == logged  # every row, under the same names and steps
+
+
+def draws(steps, seed=5, world=2, n_tasks=7, tasks_per_step=4):
+    """What grpo.main's rank r rolls out at each step: its share of the step's tasks and its sampling seed."""
+    per_rank = tasks_per_step // world
+    return {step: [(grpo.step_groups(n_tasks, tasks_per_step, step, seed)[r * per_rank:(r + 1) * per_rank],
+                    grpo.step_seed(seed, step, r)) for r in range(world)] for step in steps}
+
+
+def test_a_resumed_grpo_run_draws_the_same_tasks_and_seeds():
+    full = draws(range(8))
+    np.random.seed(1)  # a fresh process resumed at step 5: other global RNG states, no state restored
+    random.seed(1)
+    torch.manual_seed(1)
+    assert draws(range(5, 8)) == {s: full[s] for s in range(5, 8)}
+    seeds = [seed for ranks in full.values() for _, seed in ranks]
+    assert len(set(seeds)) == len(seeds)  # no two ranks or steps replay one sampling stream
+    assert len({tuple(t for tasks, _ in ranks for t in tasks) for ranks in full.values()}) > 4  # steps draw anew
+    assert all(len(set(t for tasks, _ in ranks for t in tasks)) == 4 for ranks in full.values())  # no repeats in a step
+
+
+def test_grpo_checkpoint_holds_no_rng_state_and_resumes_on_as_many_ranks(model, tokenizer, tmp_path):
+    """grpo.main saves with rng=False: its draws need no RNG state (above); the rank count is in the trainer state."""
+    args = argparse.Namespace(fsdp=False, resume=True, lr=0.1, seed=0)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    sft.save_checkpoint(tmp_path / "step-000003", model, model, tokenizer, opt, 3, args, 0, rng=False)
+    assert not list((tmp_path / "step-000003").glob("rng-*"))
+    ckpt, state, finished = sft.resume_point(tmp_path, args, ("lr", "seed"), 1)
+    assert (ckpt, state["step"], finished) == (tmp_path / "step-000003", 3, False)
+    with pytest.raises(ValueError, match="written by 1 ranks; resume with as many"):
+        sft.resume_point(tmp_path, args, ("lr", "seed"), 2)
