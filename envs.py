@@ -32,8 +32,8 @@ from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from pathlib import Path
 
 import taskgen
-from sandbox import (BASE_IMAGE, DEFAULT_STORAGE_MB, STANDIN_SUITE, STANDIN_TAGS, DiskLimit, ProcessLimit, Sandbox,
-                     ShellExited, build_base_image, docker_client, image_exists, sweep)
+from sandbox import (BASE_IMAGE, DEFAULT_STORAGE_MB, STANDIN_SUITE, STANDIN_TAGS, STANDIN_TOOLS, DiskLimit,
+                     ProcessLimit, Sandbox, ShellExited, build_base_image, docker_client, image_exists, sweep)
 from terminus import (DEFAULT_PROMPT, confirm_message, decode, fill_prompt, load_template, parse_error_message,
                       parse_reply, second_try_message, with_warnings)
 
@@ -230,20 +230,109 @@ def open_sandbox(task, network=None):
     """network: a Docker network mode ("bridge", "host", a network's name) for a task that allows the internet;
     None, or a task with allow_internet = false: no network."""
     return Sandbox(task.image, workdir=task.workdir, user=task.user, cpus=task.cpus, memory_mb=task.memory_mb,
-                   storage_mb=task.storage_mb, network=network if task.allow_internet else None, files=task.files)
+                   storage_mb=task.storage_mb, network=network if task.allow_internet else None, files=task.files,
+                   tmpfs=(VERIFIER_DIR,))
 
 
-def verify(sb, task, keep_agent=False):
-    """Stop every agent process, then run tests/test.sh as root in a fresh /logs/verifier; returns (reward,
-    error, output tail). The reward is read only from what the verifier wrote: no agent process is left to
-    write it. An error (timeout, no or bad reward file, a test runner that never started) is not a 0 reward.
-    keep_agent: leave the agent's processes running (tests that probe a service the agent started, as Harbor
-    does); then anything the agent left behind can write the reward file or change the tests: a forged reward."""
+# ----------------------------------------------------------------------------------------------------------
+# The verifier's inputs are the task's: what the agent left where a verifier loads code from is not run
+#
+# The verifier runs in the agent's container (Harbor's shared mode), so whatever the agent wrote is on its
+# disk. What it must not do is run inside the verifier's own process: a conftest.py or a pytest ini file on
+# pytest's way up from /tests, a start-up hook of the verifier's Python, a pytest plugin registered by entry
+# point, a changed uv / wheel kit of the stand-in. The agent's processes are gone by then (stop_agent), so what
+# is written here as root stays as written. Not contained: the programs themselves (bash, python, uv) and the
+# .pth files of the image's own interpreter, which a verifier running that interpreter loads (it is recorded).
+
+# Emptied and written afresh before every verifier run: our pytest ini, uv's cache. A tmpfs of its own (/dev/shm
+# is noexec), so the environment uv builds there does not count against the agent's disk budget.
+VERIFIER_DIR = "/run/actobs-verifier"
+PYTEST_INIS = ("pytest.ini", ".pytest.ini", "pyproject.toml", "tox.ini", "setup.cfg")  # pytest's lookup order
+STARTUP_HOOKS = ("sitecustomize.py", "usercustomize.py")  # imported by every Python start (site.py)
+
+
+def _under(path, folder):
+    return path == folder or path.startswith(folder + "/")
+
+
+# Run as root by prepare_verifier: $0 is VERIFIER_DIR, the rest are agent-written hooks to remove. VERIFIER_DIR is
+# emptied, not removed (a tmpfs mount point), after any symlink in its place is gone; it is written from inside,
+# as the daemon's archive upload does not reach into a tmpfs.
+FRESH_INPUTS = """
+rm -rf /tests "$@" && mkdir -m 755 /tests || exit 1
+if [ -L "$0" ]; then rm -f "$0"; fi
+mkdir -p -m 700 "$0" && find "$0" -mindepth 1 -delete && echo "[pytest]" > "$0/pytest.ini"
+"""
+
+
+def verifier_loaded(sb, changed):
+    """The paths in `changed` (Sandbox.changes) that a verifier loads code or settings from without being asked:
+    anything in /tests; a conftest.py or pytest ini file in / (above /tests); a Python start-up hook
+    (sitecustomize, usercustomize, a .pth file with an `import` line: site.py runs those); an entry_points.txt
+    registering a pytest plugin; the stand-in's tool kit (STANDIN_TOOLS, where the image has it)."""
+    def reads(path, needle):
+        return needle in (sb.get_file(path) or b"")
+    tools = [t for t in STANDIN_TOOLS if changed.get(t) == "C"]  # "A": not the image's kit, the agent's own
+    found = []
+    for path in changed:
+        parent, name = os.path.split(path)
+        if (_under(path, "/tests") or (parent == "/" and name in ("conftest.py",) + PYTEST_INIS)
+                or name in STARTUP_HOOKS or any(_under(path, t) for t in tools)
+                or (name.endswith(".pth") and reads(path, b"import"))
+                or (name == "entry_points.txt" and reads(path, b"[pytest11]"))):
+            found.append(path)
+    return sorted(found)
+
+
+def verifier_env(task):
+    """The verifier's environment: pytest reads only the task's ini (or an empty one of ours) with /tests as its
+    root and no conftest.py above it; no user site-packages; uv and pip read no config file and uv starts from
+    an empty cache (the agent could have changed the image's), so the verifier's packages come from the
+    stand-in's checked wheels."""
+    ini = next((f"/tests/{n}" for n in PYTEST_INIS if n in task.tests), f"{VERIFIER_DIR}/pytest.ini")
+    return {"PYTEST_ADDOPTS": f"-c {ini} --rootdir=/tests --confcutdir=/tests", "PYTHONNOUSERSITE": "1",
+            "UV_CACHE_DIR": f"{VERIFIER_DIR}/uv-cache", "UV_NO_CONFIG": "1", "PIP_CONFIG_FILE": os.devnull}
+
+
+def prepare_verifier(sb, task):
+    """After stop_agent: put back what the agent changed of the verifier's start-up hooks (sitecustomize,
+    usercustomize), pytest plugin registrations and tool kit (as the image has them, or removed), write /tests
+    and VERIFIER_DIR afresh, root-owned. Returns the verifier-loaded paths the agent wrote (verifier_loaded),
+    sorted: the episode's tamper evidence. .pth files stay (removing them would break packages the agent
+    installed): the verifier's own environment does not read the image's (uvx), or its interpreter is the image's."""
+    changed = sb.changes()
+    tampered = verifier_loaded(sb, changed)
+    hooks = [p for p in tampered if os.path.basename(p) in STARTUP_HOOKS + ("entry_points.txt",)]
+    for path in hooks:
+        if changed[path] == "C":  # the image has one: its own comes back
+            sb.restore(path)
+    added = [p for p in hooks if changed[p] == "A"]
+    for tool in STANDIN_TOOLS:
+        if changed.get(tool) == "C" and any(_under(p, tool) for p in tampered):
+            sb.restore(tool)
+    code, out = sb.exec(["bash", "-c", FRESH_INPUTS, VERIFIER_DIR] + added, user="root")
+    if code != 0:
+        raise RuntimeError(f"could not prepare the verifier: {decode(out)[-300:]}")
+    sb.put_files([("/tests/" + rel, data, 0o755) for rel, data in task.tests.items()])
+    return tampered
+
+
+def verify(sb, task, keep_agent=False, tampered=None):
+    """Stop every agent process, then run tests/test.sh as root in a fresh /logs/verifier, with the task's
+    inputs (prepare_verifier, verifier_env); returns (reward, error, output tail), and adds the verifier-loaded
+    paths the agent wrote to the list `tampered`, if given. The reward is read only from what the verifier
+    wrote: no agent process is left to write it. An error (timeout, no or bad reward file, a test runner that
+    never started) is not a 0 reward. keep_agent: leave the agent's processes running (tests that probe a
+    service the agent started, as Harbor does); then anything the agent left behind can write the reward file
+    or change the tests or the verifier's inputs: a forged reward."""
     if not keep_agent:
         sb.stop_agent()
-    sb.put_files([("/tests/" + rel, data, 0o755) for rel, data in task.tests.items()])
+    found = prepare_verifier(sb, task)
+    if tampered is not None:
+        tampered.extend(found)
     sb.exec("rm -rf /logs/verifier && mkdir -p /logs/verifier && chmod 777 /logs/verifier", user="root")
-    code, out = sb.exec(["bash", "/tests/test.sh"], user="root", timeout=task.verifier_timeout)
+    code, out = sb.exec(["bash", "/tests/test.sh"], user="root", timeout=task.verifier_timeout, env=verifier_env(task))
+    sb.exec(["rm", "-rf", "/tests"], user="root")  # an agent's second try neither reads the tests nor shows as tampering
     tail = decode(out)[-VERIFIER_TAIL:]
     if code in (124, 137):
         return 0.0, f"verifier timed out after {task.verifier_timeout:.0f}s", tail
@@ -341,6 +430,10 @@ class Episode:
     logprobs: list = dataclasses.field(default_factory=list)
     obs_wrapper: list = dataclasses.field(default_factory=list)
     truncated: bool = False
+    # Tamper evidence: the verifier-loaded files the agent wrote (envs.prepare_verifier: anything in /tests, a
+    # conftest.py or pytest ini in /, Python start-up hooks, pytest plugin registrations, the stand-in's uv and
+    # wheels). The verifier ran without them where it could; the reward is what it then paid. GRPO counts these.
+    tampered: list = dataclasses.field(default_factory=list)
 
 
 class _Run:
@@ -460,7 +553,7 @@ def _score(ep, sb, task, seen="", keep_agent=False):
     """Verify into the episode. The disk budget is checked last: a sandbox over it scores 0 as disk_limit.
     seen: what the solution's or the agent's commands printed, searched for network errors on a reward below 1."""
     try:
-        ep.reward, verr, ep.verifier_output = verify(sb, task, keep_agent)
+        ep.reward, verr, ep.verifier_output = verify(sb, task, keep_agent, ep.tampered)
     except Exception as e:
         ep.reward, verr = 0.0, f"{type(e).__name__}: {e}"
     if sb.disk_exceeded:

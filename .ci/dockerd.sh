@@ -9,6 +9,13 @@
 # socket and log. Sourcing `start` exports DOCKER_HOST; running it prints the export line.
 # The daemon runs without iptables and without a bridge: sandboxes use network_mode="none", and image
 # builds use --network host, so no NAT rules are touched on the host.
+#
+# Disk quota: the first storage driver tried is btrfs, on a sparse file $ACTOBS_DOCKER_ROOT/btrfs.img
+# ($ACTOBS_DOCKER_DISK_GB, default half the free space where it is created) loop-mounted at
+# $ACTOBS_DOCKER_ROOT/btrfs with quotas on: sandbox.py then gives each sandbox a qgroup limit, so the kernel
+# refuses a write past its disk budget, and all the daemon holds (images and sandboxes) stays inside that file.
+# Where that cannot run (no loop device, no btrfs, not root) the log says so and overlay2 (or vfs) is used with
+# data-root $ACTOBS_DOCKER_ROOT/data: budgets are then only watched (sandbox.py), not enforced by the kernel.
 
 ACTOBS_DOCKER_ROOT="${ACTOBS_DOCKER_ROOT:-/var/lib/actobs-docker}"
 _actobs_sock="$ACTOBS_DOCKER_ROOT/docker.sock"
@@ -16,16 +23,43 @@ _actobs_pid="$ACTOBS_DOCKER_ROOT/dockerd.pid"
 
 _actobs_ready() { docker -H "unix://$_actobs_sock" version >/dev/null 2>&1; }
 
+_actobs_log() { echo "$(date -u +%FT%TZ) .ci/dockerd.sh: $*" | tee -a "$ACTOBS_DOCKER_ROOT/dockerd.log" >&2; }
+
+# Mount (creating it the first time) the quota filesystem at $ACTOBS_DOCKER_ROOT/btrfs; fails with a reason.
+_actobs_btrfs() {
+    local mnt="$ACTOBS_DOCKER_ROOT/btrfs" img="$ACTOBS_DOCKER_ROOT/btrfs.img" gb
+    if ! mountpoint -q "$mnt"; then
+        command -v mkfs.btrfs >/dev/null && command -v btrfs >/dev/null || { echo "btrfs-progs not installed"; return 1; }
+        if [ ! -f "$img" ]; then
+            gb="${ACTOBS_DOCKER_DISK_GB:-$(( $(df --output=avail -k "$ACTOBS_DOCKER_ROOT" | tail -1) / 2 / 2**20 ))}"
+            truncate -s "${gb}G" "$img" && mkfs.btrfs -q "$img" >/dev/null 2>&1 || { rm -f "$img"; echo "mkfs.btrfs failed"; return 1; }
+        fi
+        mkdir -p "$mnt" && mount -o loop "$img" "$mnt" 2>&1 || { echo "cannot loop-mount $img"; return 1; }
+    fi
+    btrfs quota enable "$mnt" 2>&1 || { echo "btrfs quota enable failed"; return 1; }
+}
+
 _actobs_start() {
-    mkdir -p "$ACTOBS_DOCKER_ROOT/data" "$ACTOBS_DOCKER_ROOT/exec" || return 1
-    local driver i
-    # overlay2 is fast; vfs is the fallback where the host filesystem cannot carry overlay (nested overlay).
-    for driver in ${ACTOBS_DOCKER_STORAGE:-overlay2 vfs}; do
+    mkdir -p "$ACTOBS_DOCKER_ROOT/exec" || return 1
+    local driver i data why started=
+    # btrfs: kernel-enforced disk budgets; overlay2 is fast; vfs where the host cannot carry overlay (nested overlay).
+    for driver in ${ACTOBS_DOCKER_STORAGE:-btrfs overlay2 vfs}; do
         _actobs_ready && break
+        data="$ACTOBS_DOCKER_ROOT/data"
+        if [ "$driver" = btrfs ]; then
+            if ! why="$(_actobs_btrfs)"; then
+                _actobs_log "no disk quota ($why): falling back to a watched, not enforced, disk budget"
+                continue
+            fi
+            data="$ACTOBS_DOCKER_ROOT/btrfs"
+            _actobs_log "disk quota: btrfs qgroups on $ACTOBS_DOCKER_ROOT/btrfs.img ($(du -h --apparent-size "$ACTOBS_DOCKER_ROOT/btrfs.img" | cut -f1) at most)"
+        fi
+        mkdir -p "$data" || return 1
         nohup dockerd --iptables=false --ip6tables=false --bridge=none --storage-driver="$driver" \
-            --data-root "$ACTOBS_DOCKER_ROOT/data" --exec-root "$ACTOBS_DOCKER_ROOT/exec" \
+            --data-root "$data" --exec-root "$ACTOBS_DOCKER_ROOT/exec" \
             --pidfile "$_actobs_pid" -H "unix://$_actobs_sock" \
             >>"$ACTOBS_DOCKER_ROOT/dockerd.log" 2>&1 </dev/null &
+        started="$driver"
         for i in $(seq 1 60); do
             _actobs_ready && break
             kill -0 $! 2>/dev/null || break  # dockerd exited (e.g. unsupported storage driver)
@@ -37,6 +71,10 @@ _actobs_start() {
         tail -n 20 "$ACTOBS_DOCKER_ROOT/dockerd.log" >&2
         return 1
     fi
+    case "$started" in
+        ""|btrfs) ;;  # already up, or up with the quota
+        *) _actobs_log "no disk quota: dockerd runs on $started; disk budgets are watched, not enforced" ;;
+    esac
     export DOCKER_HOST="unix://$_actobs_sock"
     echo "export DOCKER_HOST=$DOCKER_HOST"
 }

@@ -2,8 +2,9 @@
 # private Docker daemon (stopped again when the sourcing shell exits) and builds the sandbox base image (reused
 # when present).
 export DEBIAN_FRONTEND=noninteractive
-if ! command -v dockerd >/dev/null || ! command -v debootstrap >/dev/null; then
-    apt-get update -qq && apt-get install -y -qq docker.io debootstrap >/dev/null
+# btrfs-progs: the daemon's disk quota (.ci/dockerd.sh); without it budgets are only watched
+if ! command -v dockerd >/dev/null || ! command -v debootstrap >/dev/null || ! command -v mkfs.btrfs >/dev/null; then
+    apt-get update -qq && apt-get install -y -qq docker.io debootstrap btrfs-progs >/dev/null
 fi
 [ -x .venv/bin/python ] || python3 -m venv .venv
 . .venv/bin/activate

@@ -1,0 +1,116 @@
+"""Reward a policy cannot take without doing the task (real Docker, the offline Terminal-Bench stand-in): each
+attack below is an agent that does not do the task but plants something a verifier loads (a conftest.py, a pytest
+ini file, a plugin, a start-up hook, a changed wheel) or writes far past its disk budget. Each must score 0 and
+be recorded as tamper evidence (Episode.tampered); the honest solution still scores 1 with none."""
+import shutil
+import threading
+import time
+
+import pytest
+
+import envs
+import sandbox
+
+pytestmark = pytest.mark.usefixtures("no_leftovers")
+
+# A Terminal-Bench 2.0 verifier, as tests/fixtures/tb2-tasks have it (uvx, pinned pytest, CTRF report).
+TEST_SH = b"""#!/bin/bash
+source $HOME/.local/bin/env
+uvx -p 3.13 -w pytest==8.4.1 -w pytest-json-ctrf==0.3.5 pytest --ctrf /logs/verifier/ctrf.json /tests/test_outputs.py -rA
+if [ $? -eq 0 ]; then echo 1 > /logs/verifier/reward.txt; else echo 0 > /logs/verifier/reward.txt; fi
+"""
+TEST_PY = b"def test_answer():\n    assert open('/app/answer').read() == 'right\\n'\n"
+
+# Python that makes pytest report every test as passed, as a conftest.py or a plugin module.
+PASS_ALL = """import pytest
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    outcome.get_result().outcome = "passed"
+"""
+# A start-up hook's line (site.py runs .pth lines that begin with `import`): pytest then only collects.
+COLLECT_ONLY = "import os; os.environ['PYTEST_ADDOPTS'] = os.environ.get('PYTEST_ADDOPTS', '') + ' --co'"
+UV_ENVS = "/root/.cache/uv/archive-v0/*/lib/python3.13/site-packages"  # the verifier's cached uvx environment
+
+ATTACKS = {
+    "conftest-in-tests": f"mkdir -p /tests && cat > /tests/conftest.py <<'EOF'\n{PASS_ALL}EOF\n",
+    # with a setup.py (or an ini file) in /, pytest's rootdir is / and /conftest.py is loaded
+    "conftest-in-root": f"touch /setup.py && cat > /conftest.py <<'EOF'\n{PASS_ALL}EOF\n",
+    "ini-addopts": "printf '[pytest]\\naddopts = --collect-only\\n' > /pytest.ini\n",
+    # a package in the verifier's cached environment registering a pytest11 entry point: auto-loaded
+    "plugin-entry-point": f"for d in {UV_ENVS}; do\n"
+                          f"cat > $d/passall.py <<'EOF'\n{PASS_ALL}EOF\n"
+                          "mkdir -p $d/passall-1.0.dist-info\n"
+                          "printf 'Metadata-Version: 2.1\\nName: passall\\nVersion: 1.0\\n' > $d/passall-1.0.dist-info/METADATA\n"
+                          "printf '[pytest11]\\npassall = passall\\n' > $d/passall-1.0.dist-info/entry_points.txt\ndone\n",
+    "pth-hook": f"for d in {UV_ENVS} /root/.local/lib/python3.13/site-packages; do mkdir -p $d; "
+                f"echo \"{COLLECT_ONLY}\" > $d/zz-hook.pth; done\n",
+    "sitecustomize": f"echo \"{COLLECT_ONLY}\" >> /etc/python3.13/sitecustomize.py\n",
+    # the stand-in's offline wheels: the CTRF plugin's wheel gains a .pth, and uv's cache is cleared so it is read
+    "wheel-cache": "python3 - <<'EOF'\nimport glob, zipfile\n"
+                   "whl = glob.glob('/opt/actobs-wheels/pytest_json_ctrf-*.whl')[0]\n"
+                   f"with zipfile.ZipFile(whl, 'a') as z:\n    z.writestr('zz-ctrf.pth', {COLLECT_ONLY!r} + chr(10))\nEOF\n"
+                   "rm -rf /root/.cache/uv\n",
+}
+
+
+def tb2_task(tmp_path, **solutions):
+    d = tmp_path / "tb2-attacks"
+    for sub in ("environment", "tests"):
+        (d / sub).mkdir(parents=True)
+    (d / "task.toml").write_text("[verifier]\ntimeout_sec = 300.0\n[environment]\nstorage = \"256M\"\n")
+    (d / "instruction.md").write_text("Write right to /app/answer.\n")
+    (d / "environment" / "Dockerfile").write_text("FROM ubuntu:24.04\nWORKDIR /app\n")
+    (d / "tests" / "test.sh").write_bytes(TEST_SH)
+    (d / "tests" / "test_outputs.py").write_bytes(TEST_PY)
+    return envs.load_task(d)
+
+
+def test_planted_verifier_inputs_score_0_and_are_recorded(tmp_path, base_image):
+    base = tb2_task(tmp_path)
+    tasks = []
+    for name, script in {"solved": "echo right > /app/answer\n", **ATTACKS}.items():
+        t = envs.Task(**{**base.__dict__, "name": name, "solution": {"solve.sh": script.encode()}})
+        tasks.append(t)
+    eps = envs.run_oracle(tasks, concurrency=4)
+    got = {e.task: (e.reward, e.failure) for e in eps}
+    assert got == {"solved": (1.0, None), **{name: (0.0, None) for name in ATTACKS}}, \
+        {e.task: e.verifier_output[-400:] for e in eps if e.reward}
+    assert all(" failed" in e.verifier_output for e in eps[1:])  # the real test ran, and failed
+    tampered = {e.task: e.tampered for e in eps}
+    assert tampered["solved"] == []
+    assert "/tests/conftest.py" in tampered["conftest-in-tests"]
+    assert "/conftest.py" in tampered["conftest-in-root"] and "/pytest.ini" in tampered["ini-addopts"]
+    assert any(p.endswith("passall-1.0.dist-info/entry_points.txt") for p in tampered["plugin-entry-point"])
+    assert any(p.endswith("/zz-hook.pth") for p in tampered["pth-hook"])
+    assert tampered["sitecustomize"] == ["/etc/python3.13/sitecustomize.py"]
+    assert any(p.startswith("/opt/actobs-wheels/") for p in tampered["wheel-cache"])
+
+
+def test_a_write_of_4x_the_disk_budget_fails_inside_and_the_host_keeps_its_space(tmp_path, base_image):
+    """With the daemon's quota (.ci/dockerd.sh on btrfs) one fallocate of 4x the budget fails with a quota
+    error inside the sandbox and the host's disk never holds more than the budget and a margin; a loop of writes
+    stops at the budget and ends the episode as disk_limit, reward 0."""
+    assert sandbox.btrfs_quota() is not None, "the Docker daemon has no disk quota: `. .ci/dockerd.sh start`"
+    root = sandbox.docker_client().info()["DockerRootDir"]
+    pay = {"test.sh": b"echo 1 > /logs/verifier/reward.txt\n"}  # pays for anything: the disk limit must win
+    whole = {"test.sh": b"[ $(stat -c %s /app/big) -ge $((2**30)) ] && r=1 || r=0; echo $r > /logs/verifier/reward.txt\n"}
+    big = envs.Task("big", "x", storage_mb=256, tests=whole, solution={"solve.sh": b"fallocate -l 1G /app/big\n"})
+    fill = envs.Task("fill", "x", storage_mb=256, tests=pay, solution={
+        "solve.sh": b"for i in $(seq 64); do dd if=/dev/zero of=/app/f$i bs=1M count=16 status=none || break; done\n"})
+    free0, low, done = shutil.disk_usage(root).free, [shutil.disk_usage(root).free], threading.Event()
+
+    def sample():  # the host's free space, every 20 ms while the episodes run
+        while not done.wait(0.02):
+            low.append(shutil.disk_usage(root).free)
+    threading.Thread(target=sample, daemon=True).start()
+    try:
+        t0 = time.time()
+        small, filled = envs.run_oracle([big, fill], concurrency=2)
+    finally:
+        done.set()
+    assert (small.reward, small.failure) == (0.0, None)  # the write was refused: nothing to pay for
+    assert (filled.failure, filled.reward) == ("disk_limit", 0.0) and time.time() - t0 < 120
+    peak_mb = (free0 - min(low)) / 2**20
+    assert peak_mb < 2 * (256 + sandbox.QUOTA_MARGIN_MB), f"host disk use peaked at {peak_mb:.0f} MB"
+    print(f"host disk use peak: {peak_mb:.0f} MB for two sandboxes of 256 MB (quota {256 + sandbox.QUOTA_MARGIN_MB} MB)")
