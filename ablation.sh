@@ -19,10 +19,10 @@ case "${1:-}" in "") MODE=full ;; --quick) MODE=quick ;; *) echo "usage: bash ab
 SEED=0
 ARMS=(actionsft actobs obs-then-act)  # SFT arms; the first is the baseline of every comparison in the report
 declare -A LOSS=([actionsft]="--lam 0" [actobs]="--lam 1" [obs-then-act]="--schedule obs-then-act")
-BASE=(--sessions 256 --commands 16 --epochs 2 --batch-size 4 --lr 2e-3)                   # scripts/base_model.py
-CORPUS=(--n-sft 320 --n-rl 32 --n-eval 18)                                                # envs.py corpus
+BASE=(--sessions 256 --heldout 16 --commands 16 --epochs 2 --batch-size 2 --lr 2e-3)      # scripts/base_model.py
+CORPUS=(--n-sft 576 --n-rl 32 --n-eval 18)                                                # envs.py corpus
 HELDOUT_N=32                                                                              # trajectories for the probes
-SFT=(--lr 2e-3 --warmup-ratio 0.05 --min-lr-ratio 0.1 --batch-size 4 --epochs 3 --max-len 3072 --micro-tokens 8192
+SFT=(--lr 2e-3 --warmup-ratio 0.05 --min-lr-ratio 0.1 --batch-size 4 --epochs 2 --max-len 3072 --micro-tokens 8192
      --dtype bf16 --val-size 16 --eval-every 0 --save-every 40 --keep 1 --probe-every 20)  # sft.py, all arms
 # RL and evaluation roll out with the same limits; the expert needs ~5 turns of ~80 tokens, but its csv_summary script
 # reply is up to ~330 (`report.py limits` checks the corpus against these). One engine step decodes a token for every
@@ -33,7 +33,7 @@ EVAL=(--attempts 16 --max-turns 10 --max-new-tokens 384 --max-len 4096 --concurr
 PROBE=(--n 32 --max-len 3072)                                                             # probes.py
 SAMPLE=(--max-new-tokens 128)                                                             # probes' own samples
 if [ $MODE = quick ]; then
-    BASE=(--sessions 8 --commands 6 --epochs 1 --batch-size 4 --lr 2e-3 --hidden 64 --layers 2 --heads 2 --kv-heads 1
+    BASE=(--sessions 8 --heldout 2 --commands 6 --epochs 1 --batch-size 4 --lr 2e-3 --hidden 64 --layers 2 --heads 2 --kv-heads 1
           --vocab 1024 --max-len 1024)
     CORPUS=(--n-sft 20 --n-rl 2 --n-eval 2)
     HELDOUT_N=4

@@ -61,72 +61,102 @@ def _sentence(rng, n=8):
 # Generators: rng -> (instruction, files, test, solve, params)
 
 def gen_find_copy(rng):
-    token = f"TOKEN-{rng.randrange(16**6):06x}"
-    dirs = [f"/app/notes/{rng.choice(WORDS)}" for _ in range(3)]
-    paths = sorted({f"{rng.choice(dirs)}/{rng.choice(WORDS)}-{i}.txt" for i in range(rng.randint(5, 9))})
+    # Harder instances: a longer token, more files, and another file holding a look-alike token (same prefix).
+    n = rng.choice([4, 6, 6, 8, 10])
+    token = f"TOKEN-{rng.randrange(16**n):0{n}x}"
+    dirs = [f"/app/notes/{rng.choice(WORDS)}" for _ in range(rng.randint(2, 4))]
+    paths = sorted({f"{rng.choice(dirs)}/{rng.choice(WORDS)}-{i}.txt" for i in range(rng.randint(4, 12))})
     target = rng.choice(paths)
-    files = [(p, "\n".join(_sentence(rng) for _ in range(3)) + (f"\nref {token}\n" if p == target else "\n"), 0o644)
+    decoy = rng.choice([p for p in paths if p != target] or [None]) if rng.random() < 0.5 else None
+    lookalike = token
+    while lookalike == token:  # same length, so neither holds the other: grep for the token finds one file
+        lookalike = f"TOKEN-{token[6:8]}{rng.randrange(16**(n - 2)):0{n - 2}x}"
+    files = [(p, "\n".join(_sentence(rng) for _ in range(3)) + (f"\nref {token}\n" if p == target else
+                                                               f"\nref {lookalike}\n" if p == decoy else "\n"), 0o644)
              for p in paths]
     instr = (f"Exactly one file under /app/notes contains the string {token}. "
              f"Copy that file to /app/found.txt (same content).")
     return instr, files, _verifier(f"cmp -s /app/found.txt {target}"), f"cp {target} /app/found.txt\n", {
-        "token": token, "target": target}
+        "token": token, "target": target, "decoy": decoy}
 
 
 def gen_fix_config(rng):
+    # Harder instances: more settings around the broken ones, and one more to change (workers).
     port, level = rng.randrange(2000, 9000), rng.choice(["debug", "info", "warning", "error"])
+    workers = str(rng.randint(17, 64)) if rng.random() < 0.35 else None
     name = rng.choice(WORDS)
     keep = {"name": name, "workers": str(rng.randint(2, 16)), "root": f"/srv/{rng.choice(WORDS)}"}
+    if rng.random() < 0.5:
+        keep |= {"timeout": str(rng.randint(5, 120)), "user": rng.choice(WORDS), "retries": str(rng.randint(1, 9))}
     lines = ["[service]", f"name = {name}", f"port = {rng.choice(['eighty', 'none', str(port) + 'x'])}",
              f"workers = {keep['workers']}", f"log_level = {rng.choice(['verbose', 'loud', 'LOTS'])}",
-             f"root = {keep['root']}"]
-    instr = (f"The service will not start: /app/config/service.ini is invalid. Set port to {port} and log_level to "
-             f"{level} in the [service] section; keep every other setting unchanged.")
+             f"root = {keep['root']}"] + [f"{k} = {keep[k]}" for k in ("timeout", "user", "retries") if k in keep]
+    also = f", workers to {workers}" if workers else ""
+    instr = (f"The service will not start: /app/config/service.ini is invalid. Set port to {port}{also} and "
+             f"log_level to {level} in the [service] section; keep every other setting unchanged.")
+    want = keep | {"port": str(port), "log_level": level} | ({"workers": workers} if workers else {})
     check = (f"import configparser\nc = configparser.ConfigParser()\nc.read('/app/config/service.ini')\n"
-             f"s = c['service']\nexpect = {json.dumps(keep | {'port': str(port), 'log_level': level})}\n"
-             f"assert dict(s) == expect, dict(s)")
+             f"s = c['service']\nexpect = {json.dumps(want)}\nassert dict(s) == expect, dict(s)")
     solve = (f"sed -i -e 's/^port = .*/port = {port}/' -e 's/^log_level = .*/log_level = {level}/' "
-             f"/app/config/service.ini\n")
+             + (f"-e 's/^workers = .*/workers = {workers}/' " if workers else "") + "/app/config/service.ini\n")
     return instr, [("/app/config/service.ini", "\n".join(lines) + "\n", 0o644)], _py_verifier(check), solve, {
-        "port": port, "level": level}
+        "port": port, "level": level, "workers": workers}
+
+
+CSV_MEASURES = {"revenue": "total revenue (sum of units * price), rounded to 2 decimals",
+                "units": "total number of units sold (sum of units)"}
 
 
 def gen_csv_summary(rng):
-    cols = ["region", "product", "units", "price"]
+    # Harder instances: more rows, a column that plays no part, and units asked for instead of revenue.
+    cols = ["region", "product", "units", "price"] + (["discount"] if rng.random() < 0.5 else [])
     rng.shuffle(cols)  # the expert must read the header to know the column order
+    measure = "units" if rng.random() < 0.35 else "revenue"
     regions = rng.sample(["north", "south", "east", "west", "central"], rng.randint(2, 4))
     rows, totals = [], {r: 0.0 for r in regions}
-    for _ in range(rng.randint(6, 14)):
+    for _ in range(rng.randint(6, 24)):
         row = {"region": rng.choice(regions), "product": rng.choice(WORDS), "units": rng.randint(1, 20),
-               "price": round(rng.uniform(1, 50), 2)}
-        totals[row["region"]] += row["units"] * row["price"]
+               "price": round(rng.uniform(1, 50), 2), "discount": rng.choice([0, 5, 10, 15])}
+        totals[row["region"]] += row["units"] * (row["price"] if measure == "revenue" else 1)
         rows.append(",".join(str(row[c]) for c in cols))
     totals = {r: round(v, 2) for r, v in totals.items() if v}
     instr = ("Summarise /app/data/sales.csv into /app/summary.json: a JSON object that maps each region to its "
-             "total revenue (sum of units * price), rounded to 2 decimals.")
+             f"{CSV_MEASURES[measure]}.")
     check = (f"import json\ngot = json.load(open('/app/summary.json'))\nexpect = {json.dumps(totals)}\n"
              f"assert set(got) == set(expect) and all(abs(got[k] - v) < 0.011 for k, v in expect.items()), got")
     solve = ("python3 - <<'PY'\nimport csv, json\nt = {}\nfor r in csv.DictReader(open('/app/data/sales.csv')):\n"
-             "    t[r['region']] = t.get(r['region'], 0) + int(r['units']) * float(r['price'])\n"
+             f"    t[r['region']] = t.get(r['region'], 0) + {_CSV_TERM[measure]}\n"
              "json.dump({k: round(v, 2) for k, v in t.items()}, open('/app/summary.json', 'w'))\nPY\n")
     return instr, [("/app/data/sales.csv", ",".join(cols) + "\n" + "\n".join(rows) + "\n", 0o644)], \
-        _py_verifier(check), solve, {"columns": cols}
+        _py_verifier(check), solve, {"columns": cols, "measure": measure}
+
+
+_CSV_TERM = {"revenue": "int(r['units']) * float(r['price'])", "units": "int(r['units'])"}  # one row's share
 
 
 def gen_permissions(rng):
-    script, key = f"/app/bin/{rng.choice(WORDS)}.sh", f"/app/secrets/{rng.choice(WORDS)}.key"
+    # Harder instances: several scripts and keys, and a README beside the scripts that must keep mode 644.
+    scripts = [f"/app/bin/{w}.sh" for w in sorted(rng.sample(WORDS, rng.randint(1, 3)))]
+    keys = [f"/app/secrets/{w}.key" for w in sorted(rng.sample(WORDS, rng.randint(1, 3)))]
+    keep = ["/app/bin/README.txt"] if rng.random() < 0.5 else []
     instr = ("Fix the permissions under /app: every .sh file in /app/bin must be executable by everyone "
-             "(mode 755) and every .key file in /app/secrets readable and writable by its owner only (mode 600).")
-    files = [(script, "#!/bin/sh\necho ok\n", 0o644), (key, f"{rng.randrange(16**16):016x}\n", 0o666)]
-    test = _verifier(f'[ "$(stat -c %a {script})" = 755 ] && [ "$(stat -c %a {key})" = 600 ]')
-    return instr, files, test, f"chmod 755 {script}\nchmod 600 {key}\n", {"script": script, "key": key}
+             "(mode 755) and every .key file in /app/secrets readable and writable by its owner only (mode 600)."
+             + (" Leave other files as they are." if keep else ""))
+    files = ([(s, "#!/bin/sh\necho ok\n", 0o644) for s in scripts] + [(k, f"{rng.randrange(16**16):016x}\n", 0o666) for k in keys]
+             + [(k, "notes\n", 0o644) for k in keep])
+    want = [(s, 755) for s in scripts] + [(k, 600) for k in keys] + [(k, 644) for k in keep]
+    test = _verifier(" && ".join(f'[ "$(stat -c %a {p})" = {m} ]' for p, m in want))
+    return instr, files, test, f"chmod 755 {' '.join(scripts)}\nchmod 600 {' '.join(keys)}\n", {
+        "scripts": scripts, "keys": keys, "keep": keep}
 
 
 def gen_log_extract(rng):
+    # Harder instances: longer logs, and a second failing status whose requests must be left out.
     code, out = rng.choice([500, 502, 503, 404]), f"/app/{rng.choice(['failed', 'errors', 'bad'])}_requests.txt"
+    other = [rng.choice([c for c in (500, 502, 503, 404) if c != code])] if rng.random() < 0.5 else []
     lines, want = [], []
-    for i in range(rng.randint(15, 30)):
-        rid, status = f"req-{rng.randrange(16**6):06x}", rng.choice([200, 200, 200, 201, 304, code])
+    for i in range(rng.randint(10, 45)):
+        rid, status = f"req-{rng.randrange(16**6):06x}", rng.choice([200, 200, 200, 201, 304, code] + other)
         level = "ERROR" if status >= 500 else "INFO"
         lines.append(f"2024-05-{rng.randint(1, 28):02d}T{i % 24:02d}:{rng.randint(0, 59):02d}:00 {level} [{rid}] "
                      f"{rng.choice(['GET', 'POST'])} /api/{rng.choice(WORDS)} status={status}")
@@ -138,48 +168,61 @@ def gen_log_extract(rng):
              f"status {code} to {out}, one per line, in the order they appear in the log.")
     test = _verifier(f"[ \"$(cat {out})\" = {shlex.quote(chr(10).join(want))} ]")
     solve = f"grep 'status={code}$' /app/logs/server.log | grep -o 'req-[0-9a-f]*' > {out}\n"
-    return instr, [("/app/logs/server.log", "\n".join(lines) + "\n", 0o644)], test, solve, {"code": code, "out": out}
+    return instr, [("/app/logs/server.log", "\n".join(lines) + "\n", 0o644)], test, solve, {
+        "code": code, "out": out, "other": other}
 
 
 def gen_word_count(rng):
+    # Harder instances: more files, and longer words that start with the word (not whole-word matches).
     word = rng.choice(WORDS)
     files, count = [], 0
-    for i in range(rng.randint(2, 5)):
-        text = "\n".join(_sentence(rng, 10) for _ in range(rng.randint(3, 8)))
+    longer = [word + "s", word + "wood"] if rng.random() < 0.5 else []
+    for i in range(rng.randint(2, 7)):
+        text = "\n".join(" ".join(rng.choice(WORDS + longer * 2) for _ in range(10)) for _ in range(rng.randint(3, 8)))
         text = " ".join(w.upper() if rng.random() < 0.2 else w for w in text.split(" "))
         count += sum(w.lower() == word for w in text.split())
         files.append((f"/app/texts/{rng.choice(WORDS)}_{i}.txt", text + "\n", 0o644))
     instr = (f"Count how many times the word \"{word}\" occurs in the .txt files in /app/texts (whole words, any "
              f"letter case) and write just the number to /app/count.txt.")
     test = _verifier(f"[ \"$(tr -d ' \\n' < /app/count.txt)\" = {count} ]")
-    return instr, files, test, f"cat /app/texts/*.txt | grep -oiw {word} | wc -l > /app/count.txt\n", {"word": word}
+    return instr, files, test, f"cat /app/texts/*.txt | grep -oiw {word} | wc -l > /app/count.txt\n", {
+        "word": word, "longer": longer}
 
 
 def gen_rename(rng):
+    # Harder instances: more files, and names that contain the old extension without ending in it.
     old, new = rng.choice([("jpeg", "jpg"), ("txt", "md"), ("htm", "html"), ("yml", "yaml")])
-    names = sorted({rng.choice(WORDS) + str(rng.randint(1, 99)) for _ in range(rng.randint(3, 7))})
-    files = [(f"/app/photos/{n}.{old}", f"{n}\n", 0o644) for n in names] + [("/app/photos/README", "keep\n", 0o644)]
-    want = " ".join(sorted([f"{n}.{new}" for n in names] + ["README"]))
+    names = sorted({rng.choice(WORDS) + str(rng.randint(1, 99)) for _ in range(rng.randint(2, 10))})
+    others = ["README"] + ([f"{rng.choice(WORDS)}.{old}.bak", f"{old}_list.dat"] if rng.random() < 0.5 else [])
+    files = [(f"/app/photos/{n}.{old}", f"{n}\n", 0o644) for n in names] + [(f"/app/photos/{o}", "keep\n", 0o644) for o in others]
+    want = " ".join(sorted([f"{n}.{new}" for n in names] + others))
     instr = f"Rename every file ending in .{old} in /app/photos so that it ends in .{new} instead. Leave other files alone."
     test = _verifier(f"[ \"$(cd /app/photos && ls | sort | tr '\\n' ' ' | sed 's/ $//')\" = '{want}' ]")
     solve = f"cd /app/photos && for f in *.{old}; do mv \"$f\" \"${{f%.{old}}}.{new}\"; done\n"
-    return instr, files, test, solve, {"old": old, "new": new}
+    return instr, files, test, solve, {"old": old, "new": new, "others": others}
 
 
 def gen_replace_host(rng):
-    old, new = f"db-{rng.choice(WORDS)}.internal", f"db-{rng.choice(WORDS)}-{rng.randint(2, 9)}.internal"
+    # Harder instances: more files, and another database host (a replica) that must stay as it is.
+    a, b, c = rng.sample(WORDS, 3)
+    old, new, stay = f"db-{a}.internal", f"db-{b}-{rng.randint(2, 9)}.internal", f"db-{c}.internal"
+    replica = rng.random() < 0.5
     files, n = [], 0
-    for name in sorted(set(rng.sample(WORDS, rng.randint(2, 4)))):
+    for name in sorted(set(rng.sample(WORDS, rng.randint(2, 6)))):
         k = rng.randint(0, 2)
         n += k
-        body = [f"# {name}", f"timeout = {rng.randint(1, 60)}"] + [f"host{i} = {old}" for i in range(k)]
+        body = ([f"# {name}", f"timeout = {rng.randint(1, 60)}"] + [f"host{i} = {old}" for i in range(k)]
+                + ([f"replica = {stay}"] if replica and rng.random() < 0.6 else []))
         files.append((f"/app/conf/{name}.conf", "\n".join(body) + "\n", 0o644))
     if n == 0:
         files[0] = (files[0][0], files[0][1] + f"host = {old}\n", 0o644)
         n = 1
+    kept = sum(t.count(stay) for _, t, _ in files)
     instr = f"The database moved from {old} to {new}. Update every file in /app/conf that mentions the old host."
-    test = _verifier(f"! grep -rq {old} /app/conf && [ \"$(cat /app/conf/*.conf | grep -c {new})\" = {n} ]")
-    return instr, files, test, f"sed -i 's/{old}/{new}/g' /app/conf/*.conf\n", {"old": old, "new": new}
+    test = _verifier(f"! grep -rq {old} /app/conf && [ \"$(cat /app/conf/*.conf | grep -c {new})\" = {n} ] && "
+                     f"[ \"$(cat /app/conf/*.conf | grep -c {stay})\" = {kept} ]")
+    return instr, files, test, f"sed -i 's/{old}/{new}/g' /app/conf/*.conf\n", {
+        "old": old, "new": new, "kept": kept}
 
 
 def gen_archive(rng):
@@ -251,7 +294,7 @@ def _find_copy(m, obs):
     look = ("Nothing has been done yet. I need the one file under /app/notes that contains " + token + ".",
             "List the notes tree, then grep recursively for the token to get the file name.",
             ["ls -R /app/notes\n", f"grep -rl {token} /app/notes\n"])
-    hits = _lines(obs, r"^(/app/notes/\S+)$")
+    hits = _lines(obs, r"^(/app/notes/\S+\.txt)$")  # grep's line, not one of ls -R's "dir:" headers
     src = hits[-1] if hits else f"$(grep -rl {token} /app/notes | head -n 1)"
     act = (f"grep reports the token in {src}." if hits else "The grep output was not conclusive.",
            "Copy that file to /app/found.txt.", [f"cp {src} /app/found.txt\n"])
@@ -261,20 +304,22 @@ def _find_copy(m, obs):
 
 
 def _fix_config(m, obs):
-    port, level = m.group(1), m.group(2)
+    port, workers, level = m.group(1), m.group(2), m.group(3)
     look = ("The config file has to be repaired; I have not seen it yet.", "Print /app/config/service.ini.",
             ["cat /app/config/service.ini\n"])
     bad_port, bad_level = (_lines(obs, r"^port = (.*)$") or ["?"])[-1], (_lines(obs, r"^log_level = (.*)$") or ["?"])[-1]
     act = (f"port is '{bad_port}' and log_level is '{bad_level}'; both are invalid. The other keys look fine.",
-           f"Rewrite just those two lines with sed: port = {port}, log_level = {level}.",
-           [f"sed -i -e 's/^port = .*/port = {port}/' -e 's/^log_level = .*/log_level = {level}/' "
-            f"/app/config/service.ini\n"])
+           f"Rewrite just those lines with sed: port = {port}, log_level = {level}" +
+           (f", workers = {workers}." if workers else "."),
+           [f"sed -i -e 's/^port = .*/port = {port}/' -e 's/^log_level = .*/log_level = {level}/' " +
+            (f"-e 's/^workers = .*/workers = {workers}/' " if workers else "") + "/app/config/service.ini\n"])
     check = ("sed finished.", "Print the file again to check the two lines and that nothing else changed.",
              ["cat /app/config/service.ini\n"])
     return look, act, check
 
 
 def _csv_summary(m, obs):
+    measure = "revenue" if m.group(1) == "revenue" else "units"
     look = ("I need to know the CSV's columns before writing the summary.", "Show the header and size of the file.",
             ["head -n 5 /app/data/sales.csv\n", "wc -l /app/data/sales.csv\n"])
     header = next((ln for ln in _lines(obs, r"^([a-z,]+)$") if "region" in ln and "units" in ln), None)
@@ -282,10 +327,11 @@ def _csv_summary(m, obs):
             else "The header did not show up; reading the columns by name works whatever their order.")
     script = ("cat > /app/summarise.py << 'EOF'\nimport csv, json\n\ntotals = {}\nwith open('/app/data/sales.csv') as f:\n"
               "    for row in csv.DictReader(f):\n        region = row['region']\n"
-              "        totals[region] = totals.get(region, 0) + int(row['units']) * float(row['price'])\n"
+              f"        totals[region] = totals.get(region, 0) + {_CSV_TERM[measure].replace('r[', 'row[')}\n"
               "with open('/app/summary.json', 'w') as f:\n"
               "    json.dump({k: round(v, 2) for k, v in sorted(totals.items())}, f, indent=2)\nEOF\n")
-    act = (seen, "Write a small Python script that sums units*price per region, run it.",
+    act = (seen, f"Write a small Python script that sums {'units*price' if measure == 'revenue' else 'units'} per "
+           "region, run it.",
            [script, "python3 /app/summarise.py\n"])
     check = ("The script ran.", "Look at the JSON it wrote.", ["cat /app/summary.json\n"])
     return look, act, check
@@ -343,7 +389,7 @@ def _replace_host(m, obs):
     files = sorted(set(_lines(obs, r"^(/app/conf/[^:\s]+):\d+:")))
     act = (f"The old host appears in {', '.join(files) or 'no file I could see'}.",
            f"Replace it with {new} in place with sed.",
-           [f"sed -i 's/{re.escape(old)}/{new}/g' {' '.join(files) or '/app/conf/*.conf'}\n"])
+           [f"sed -i 's/{old}/{new}/g' {' '.join(files) or '/app/conf/*.conf'}\n"])
     check = ("sed finished.", "grep for both hosts to check.", [f"grep -rn -e {old} -e {new} /app/conf\n"])
     return look, act, check
 
@@ -359,8 +405,10 @@ def _archive(m, obs):
 
 
 EXPERTS = [  # (instruction pattern, expert); the pattern also recovers the task's parameters from the prompt
-    (r"contains the string (TOKEN-\w+)", _find_copy), (r"Set port to (\d+) and log_level to (\w+)", _fix_config),
-    (r"Summarise /app/data/sales\.csv", _csv_summary), (r"Fix the permissions under /app", _permissions),
+    (r"contains the string (TOKEN-\w+)", _find_copy),
+    (r"Set port to (\d+)(?:, workers to (\d+))? and log_level to (\w+)", _fix_config),
+    (r"Summarise /app/data/sales\.csv into /app/summary\.json: a JSON object that maps each region to its total "
+     r"(revenue|number of units)", _csv_summary), (r"Fix the permissions under /app", _permissions),
     (r"ended with status (\d+) to (\S+), one per line", _log_extract),
     (r'Count how many times the word "(\w+)"', _word_count),
     (r"ending in \.(\w+) in /app/photos so that it ends in \.(\w+)", _rename),

@@ -26,15 +26,17 @@ import json
 import os
 import random
 import re
-import shlex
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo's modules, when run as a script
 
+import torch  # noqa: E402
+
 import common  # noqa: E402
 import envs  # noqa: E402
+import labels  # noqa: E402
 import sft  # noqa: E402
 import terminus  # noqa: E402
 from taskgen import WORDS  # noqa: E402
@@ -47,6 +49,8 @@ def get_parser():
     # data
     p.add_argument("--sessions", type=int, default=256, help="terminal sessions to record")
     p.add_argument("--commands", type=int, default=16, help="commands typed per session (about)")
+    p.add_argument("--heldout", type=int, default=16, help="more sessions, recorded but not trained on: the copy "
+                   "accuracy of the base model is measured on them")
     p.add_argument("--concurrency", type=int, default=16, help="sandboxes live at once while recording")
     p.add_argument("--prompt-template", type=Path, help="file with {instruction} and {terminal_state} (default: "
                    "Terminus-2's); give the one SFT, RL and evaluation use")
@@ -62,6 +66,45 @@ def get_parser():
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--max-len", type=int, default=2048, help="tokens kept of a session")
     return p
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Literal values: the instruction names a few, the files hold some, and the user's commands quote them
+
+REF_PREFIXES = ("REF", "KEY", "TAG", "JOB", "CASE", "RUN", "BUILD", "ORDER", "TICKET", "ISSUE")
+TLDS = ("internal", "local", "lan", "example.com", "corp")
+FACTS = {  # key -> (draw a value, ways the instruction says it); the key word is in every phrasing
+    "ticket": (lambda r: f"{r.choice(REF_PREFIXES)}-{_hex(r, r.randint(4, 12))}",
+               ("The ticket for this work is {v}.", "Tag what you change with the ticket {v}.", "ticket: {v}")),
+    "port": (lambda r: str(r.randrange(1024, 65536)),
+             ("The service listens on port {v}.", "Use port {v} from now on.", "port: {v}")),
+    "limit": (lambda r: str(r.choice([r.randint(2, 99), r.randint(100, 99999)])),
+              ("The limit is {v}.", "Set the limit to {v}.", "limit: {v}")),
+    "host": (lambda r: f"{r.choice(WORDS)}-{r.choice(WORDS)}{r.choice(['', '-' + str(r.randint(1, 99))])}.{r.choice(TLDS)}",
+             ("The server host is now {v}.", "Point the host settings at {v}.", "host: {v}")),
+    "backup": (lambda r: r.choice(["/tmp", "/srv", "/var/tmp", "/opt"]) + f"/{r.choice(WORDS)}_{r.randint(1, 999)}",
+               ("Keep backup copies in {v}.", "The backup folder is {v}.", "backup: {v}")),
+    "owner": (lambda r: f"{r.choice(WORDS)}{r.randint(1, 9999)}",
+              ("The owner of these files is {v}.", "owner: {v}")),
+    "version": (lambda r: ".".join(str(r.randint(0, 30)) for _ in range(r.randint(2, 3))),
+                ("The release version is {v}.", "version: {v}")),
+}
+
+
+def _hex(rng, n):
+    return f"{rng.randrange(16**n):0{n}x}"
+
+
+def session_facts(seed, i):
+    """[(key, value)] the session's instruction names: 2-5 of FACTS, short and long."""
+    rng = random.Random(f"{seed}/facts/{i}")
+    return [(k, FACTS[k][0](rng)) for k in rng.sample(sorted(FACTS), rng.randint(2, 5))]
+
+
+def session_instruction(seed, i):
+    rng = random.Random(f"{seed}/say/{i}")
+    said = [rng.choice(FACTS[k][1]).format(v=v) for k, v in session_facts(seed, i)]
+    return f"Explore and tidy the files on this machine (session {seed}-{i}). " + " ".join(said)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -96,7 +139,8 @@ def _file(rng, ext):
                               for _ in range(rng.randint(2, 8)))
     if ext == "log":
         return "".join(f"2024-0{rng.randint(1, 9)}-{rng.randint(10, 28)} {rng.randint(0, 23):02d}:{rng.randint(0, 59):02d} "
-                       f"{rng.choice(['INFO', 'INFO', 'WARN', 'ERROR', 'DEBUG'])} {rng.choice(WORDS)}: {_text(rng, 1)}"
+                       f"{rng.choice(['INFO', 'INFO', 'WARN', 'ERROR', 'DEBUG'])} {rng.choice(WORDS)}: "
+                       f"id={_hex(rng, rng.randint(5, 10))} {_text(rng, 1)}"
                        for _ in range(rng.randint(3, 20)))
     if ext == "py":
         w = rng.choice(WORDS)
@@ -104,16 +148,36 @@ def _file(rng, ext):
     return f"#!/bin/sh\necho {rng.choice(WORDS)} {rng.randint(1, 99)}\n"  # sh
 
 
-def random_tree(rng):
-    """[(absolute path, text, mode)]: 2-4 folders under one or two roots, 5-16 files of mixed types."""
+def random_tree(rng, facts=()):
+    """[(absolute path, text, mode)]: 2-4 folders under one or two roots, 5-16 files of mixed types. Each fact's
+    key is set to another value in one config file (the user's commands may set it to the instruction's), and a
+    note or two mention the ticket, so that greps for the facts find something."""
     roots = rng.sample(ROOTS, rng.randint(1, 2))
     dirs = [r for r in roots] + [f"{rng.choice(roots)}/{rng.choice(WORDS)}" for _ in range(rng.randint(1, 3))]
     files = {}
     for _ in range(rng.randint(5, 16)):
         ext = rng.choice(["txt", "txt", "md", "csv", "json", "ini", "conf", "yaml", "log", "log", "py", "sh"])
         files[f"{rng.choice(dirs)}/{rng.choice(WORDS)}{rng.choice(['', '_' + str(rng.randint(1, 9))])}.{ext}"] = ext
-    return [(p, _file(rng, ext), 0o755 if ext == "sh" else rng.choice([0o644, 0o644, 0o600, 0o664]))
+    texts = {p: _file(rng, ext) for p, ext in sorted(files.items())}
+    configs = [p for p, ext in sorted(files.items()) if ext in ("ini", "conf", "yaml")]
+    for key, value in facts:
+        if key == "ticket":
+            for p in rng.sample(sorted(texts), rng.randint(1, 2)):
+                texts[p] += f"see {value}\n"
+        elif configs and key != "backup":
+            p = rng.choice(configs)
+            texts[p] += f"{key}{': ' if p.endswith('.yaml') else ' = '}{FACTS[key][0](rng)}\n"
+    return [(p, texts[p], 0o755 if ext == "sh" else rng.choice([0o644, 0o644, 0o600, 0o664]))
             for p, ext in sorted(files.items())]
+
+
+def session_tree(seed, i):
+    return random_tree(random.Random(f"{seed}/tree/{i}"), session_facts(seed, i))
+
+
+def tree_ids(tree):
+    """The random ids the tree's files hold (log lines' id=...): values an output shows and a command may quote."""
+    return sorted({m for _, t, _ in tree for m in re.findall(r"\bid=([0-9a-f]+)", t)})
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -128,7 +192,6 @@ def _command(rng, tree, seen):
     text = next(t for p, t, _ in tree if p == f)
     word = rng.choice(re.findall(r"[a-z]{4,}", text) or WORDS)
     n = rng.randint(1, 8)
-    q = shlex.quote
     if not seen:  # look around first
         return rng.choice([f"ls {d}", f"ls -l {d}", f"ls -R {rng.choice(dirs).rsplit('/', 1)[0] or '/'}",
                            f"find {d} -type f", f"find / -name '*.{ext}' -not -path '/proc/*' 2>/dev/null | head",
@@ -171,13 +234,44 @@ def _command(rng, tree, seen):
     return rng.choice(choices)
 
 
-def session_instruction(seed, i):
-    return f"Explore and tidy the files on this machine (session {seed}-{i})."
-
-
 def _session_rng(prompt):
     sid = re.search(r"\(session (\d+)-(\d+)\)", prompt)
     return int(sid.group(1)), int(sid.group(2))
+
+
+def _quoting_command(rng, tree, seen, facts, ids):
+    """A command that quotes a literal value: a fact of the instruction (found by its key) or an id an earlier
+    output showed."""
+    paths = [p for p, _, _ in tree]
+    f = rng.choice(seen or paths)
+    d, root = os.path.dirname(f), f.split("/")[1]
+    if ids and (not facts or rng.random() < 0.35):
+        v = rng.choice(ids)
+        return rng.choice([f"grep -n {v} {f}", f"grep -rl {v} /{root}", f"grep -rn id={v} {d}", f"echo {v} >> /tmp/ids.txt",
+                           f"grep -c {v} {f}", f"sed -i '/{v}/d' {f}", f"grep -B1 -A1 {v} {f}"])
+    key, v = rng.choice(facts)
+    configs = [p for p, t, _ in tree if re.search(rf"^{key}\b", t, re.M)]
+    keyed = [f"echo '{key} = {v}' >> {f}", f'echo "{key}: {v}" > /tmp/{key}.txt', f"printf '{key}=%s\\n' {v} >> {f}",
+             f"grep -rn {key} {d} ; echo {key} {v}"]
+    if configs:
+        c = rng.choice(configs)
+        sep = ": " if c.endswith(".yaml") else " = "
+        keyed += [f"sed -i 's/^{key}{sep}.*/{key}{sep}{v}/' {c} && grep -n {key} {c}"] * 3
+    plain = [f"grep -rn {v} /{root}", f"grep -rl {v} {d}", f"echo {v} >> {f}", f"echo {v} > /tmp/{rng.choice(WORDS)}.txt"]
+    if key == "backup":
+        plain += [f"mkdir -p {v} && cp {f} {v}/ && ls {v}", f"mkdir -p {v}", f"cp {f} {v}/", f"ls -l {v}",
+                  f"tar -czf {v}.tar.gz -C {d} . && ls -l {v}.tar.gz"]
+    if key == "host":
+        old = rng.choice(re.findall(r"^host\s*[=:]\s*(\S+)$", "".join(t for _, t, _ in tree), re.M) or [rng.choice(WORDS)])
+        plain += [f"sed -i 's/{old}/{v}/g' {f}", f"grep -rl {old} /{root} | xargs sed -i 's/{old}/{v}/g'",
+                  f"ping -c 1 {v}", f"getent hosts {v} || echo unknown {v}"]
+    if key in ("port", "limit"):
+        plain += [f"python3 -c 'print({v} + 1)'", f"seq {v} {v}", f"grep -rw {v} /{root}"]
+    if key == "ticket":
+        plain += [f"touch /tmp/{v}.done && ls /tmp", f"grep -rl {v} /{root} | head -n 1", f"git log --grep {v} 2>&1"]
+    if key in ("owner", "version"):
+        plain += [f"id {v}", f"echo {v} > {d}/{key}.txt && cat {d}/{key}.txt"]
+    return rng.choice(keyed if rng.random() < 0.5 else plain)
 
 
 def user_policy(n_commands):
@@ -186,15 +280,18 @@ def user_policy(n_commands):
     from the session's seed and what the terminal printed."""
     def reply(messages):
         seed, i = _session_rng(messages[0]["content"])
-        tree = random_tree(random.Random(f"{seed}/tree/{i}"))
+        tree, facts = session_tree(seed, i), session_facts(seed, i)
         turn = sum(m["role"] == "assistant" for m in messages)
         typed = sum(len(json.loads(m["content"])["commands"]) for m in messages if m["role"] == "assistant")
         if typed >= n_commands:
             return json.dumps({"analysis": "", "plan": "", "commands": [], "task_complete": True})
         shown = "\n".join(m["content"] for m in messages[1:] if m["role"] == "user")
         seen = [p for p, _, _ in tree if os.path.basename(p) in shown]
+        ids = [v for v in tree_ids(tree) if v in shown]
         rng = random.Random(f"{seed}/cmd/{i}/{turn}")
-        cmds = [_command(rng, tree, seen) for _ in range(rng.choice([1, 1, 1, 2, 3]))]
+        # About half the commands quote a value: one of the instruction's facts or an id on screen.
+        cmds = [_quoting_command(rng, tree, seen, facts, ids) if turn and rng.random() < 0.5 else _command(rng, tree, seen)
+                for _ in range(rng.choice([1, 1, 1, 2, 3]))]
         return json.dumps({"analysis": "", "plan": "", "task_complete": False,
                            "commands": [{"keystrokes": c + "\n", "duration": 2.0} for c in cmds]})
     return lambda states: [reply(m) for m in states]
@@ -203,19 +300,81 @@ def user_policy(n_commands):
 def session_tasks(n, seed):
     """Generated tasks of the runner: a random tree each, nothing to verify (the verifier always passes)."""
     return [envs.Task(f"session-{seed}-{i}", session_instruction(seed, i), agent_timeout=600.0, memory_mb=512,
-                      files=tuple((p, t.encode(), m) for p, t, m in random_tree(random.Random(f"{seed}/tree/{i}"))),
+                      files=tuple((p, t.encode(), m) for p, t, m in session_tree(seed, i)),
                       tests={"test.sh": b"#!/bin/bash\necho 1 > /logs/verifier/reward.txt\n"})
             for i in range(n)]
 
 
-def record_sessions(n, n_commands, seed, concurrency=8, template=None):
-    """Run n sessions in real sandboxes -> their conversations (sessions that failed in Docker are dropped)."""
-    eps = envs.run_episodes(session_tasks(n, seed), user_policy(n_commands), max_turns=n_commands + 4,
+def record_sessions(n, n_commands, seed, concurrency=8, template=None, start=0):
+    """Run sessions start..n-1 in real sandboxes -> their conversations (sessions that failed in Docker are
+    dropped)."""
+    eps = envs.run_episodes(session_tasks(n, seed)[start:], user_policy(n_commands), max_turns=n_commands + 4,
                             concurrency=concurrency, template=template)
     bad = [e for e in eps if e.failure]
     for e in bad[:5]:
         print(f"  {e.task}: {e.failure} {e.error[:200]}")
     return [e.messages for e in eps if not e.failure]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Copy accuracy: does the model type a literal value exactly where the session's user did?
+
+def value_events(conv):
+    """[(assistant message index, start, end, source)]: each place a reply's text holds one of the session's
+    values (an instruction fact, a file's id or a file's name) that an earlier message showed; source is
+    "instruction" when the first message (the prompt) holds it, else "output"."""
+    seed, i = _session_rng(conv[0]["content"])
+    tree = session_tree(seed, i)
+    values = [v for _, v in session_facts(seed, i)] + tree_ids(tree) + sorted({os.path.basename(p) for p, _, _ in tree})
+    events = []
+    for j, m in enumerate(conv):
+        if m["role"] != "assistant":
+            continue
+        before = [x["content"] for x in conv[:j]]
+        for v in values:
+            for hit in re.finditer(rf"(?<![\w.-]){re.escape(v)}(?![\w-]|\.\w)", m["content"]):
+                if any(v in b for b in before):
+                    events.append((j, hit.start(), hit.end(), "instruction" if v in before[0] else "output"))
+    return events
+
+
+@torch.no_grad()
+def copy_accuracy(model_dir, convs, max_len, events=value_events):
+    """Exact copies of the values `events(conv)` finds (value_events' form) under greedy decoding, teacher-forced
+    on the conversation's own text: a value counts as copied when every token of it is the model's argmax given
+    what precedes it (what greedy decoding of that reply would type). Values within the first max_len tokens;
+    by source and length (short: up to 6 characters)."""
+    from transformers import AutoModelForCausalLM
+    tok = labels.load_tokenizer(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    tally = {}
+    for conv in convs:
+        text = tok.apply_chat_template(conv, tokenize=False)
+        enc = tok(text, return_offsets_mapping=True, add_special_tokens=False)
+        ids, offsets = enc["input_ids"][:max_len], enc["offset_mapping"][:max_len]
+        pred = model(torch.tensor([ids])).logits[0].argmax(-1).tolist()  # (T,): argmax next token at each position
+        cursor, starts = 0, {}
+        for j, m in enumerate(conv):  # the prefix template writes each message's content once, in order
+            cursor = text.index(m["content"], cursor)
+            starts[j] = cursor
+        for j, a, b, source in events(conv):
+            a, b = starts[j] + a, starts[j] + b
+            span = [t for t, (s0, s1) in enumerate(offsets) if s0 < b and s1 > a]
+            if not span or span[-1] >= len(ids) - 1 or span[0] == 0:
+                continue
+            ok = all(pred[t - 1] == ids[t] for t in span)
+            key = f"{source}_{'short' if b - a <= 6 else 'long'}"
+            n, k = tally.get(key, (0, 0))
+            tally[key] = (n + 1, k + ok)
+    out = {}
+    for source in ("instruction", "output"):
+        n = sum(tally.get(f"{source}_{x}", (0, 0))[0] for x in ("short", "long"))
+        k = sum(tally.get(f"{source}_{x}", (0, 0))[1] for x in ("short", "long"))
+        out[source] = {"n": n, "exact": k / max(n, 1)}
+        for x in ("short", "long"):
+            n, k = tally.get(f"{source}_{x}", (0, 0))
+            out[source][x] = {"n": n, "exact": k / max(n, 1)}
+    return out
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -233,21 +392,37 @@ def main(argv=None):
                              "choose another --out")
     else:
         (out / "settings.json").write_text(json.dumps(settings, indent=2))
-    if (out / "model" / "config.json").exists():
+    if (out / "model" / "config.json").exists() and (out / "metrics.json").exists():
         print(f"base model reused: {out / 'model'}")
         return str(out / "model")
 
-    data = out / "sessions.jsonl"
+    data, heldout = out / "sessions.jsonl", out / "heldout.jsonl"
     if not data.exists():
         t0 = time.time()
-        convs = record_sessions(args.sessions, args.commands, args.seed, args.concurrency,
+        # Sessions and held-out sessions are one recording: indices >= --sessions are held out (other trees, facts).
+        convs = record_sessions(args.sessions + args.heldout, args.commands, args.seed, args.concurrency,
                                 terminus.load_template(args.prompt_template))
-        envs.write_jsonl(data, [{"conversations": c} for c in convs])
-        print(f"recorded {len(convs)}/{args.sessions} sessions "
-              f"({sum(len(m['content']) for c in convs for m in c) / 1e6:.2f} MB) -> {data} | {time.time() - t0:.0f}s")
+        split = [_session_rng(c[0]["content"])[1] >= args.sessions for c in convs]
+        envs.write_jsonl(heldout, [{"conversations": c} for c, h in zip(convs, split) if h])
+        envs.write_jsonl(data, [{"conversations": c} for c, h in zip(convs, split) if not h])
+        print(f"recorded {len(convs)}/{args.sessions + args.heldout} sessions ({sum(split)} held out, "
+              f"{sum(len(m['content']) for c in convs for m in c) / 1e6:.2f} MB) -> {data} | {time.time() - t0:.0f}s")
+    if not (out / "model" / "config.json").exists():
+        pretrain(args, data)
+    copy = copy_accuracy(out / "model", labels.read_trajectories(heldout)[0], args.max_len)
+    (out / "metrics.json").write_text(json.dumps({"copy_accuracy": copy}, indent=2))
+    print("copy accuracy (greedy, held-out sessions): " + " | ".join(
+        f"{s} {copy[s]['exact']:.1%} of {copy[s]['n']} (short {copy[s]['short']['exact']:.1%}, long "
+        f"{copy[s]['long']['exact']:.1%})" for s in copy) + f" -> {out / 'metrics.json'}")
+    return str(out / "model")
+
+
+def pretrain(args, data):
+    """Fit the BPE, build the random model, pre-train it on the sessions -> OUT/model."""
+    out = args.out
     run = out / "pretrain"
     init = run / "init"
-    convs = sft.read_trajectories(data)[0]
+    convs = labels.read_trajectories(data)[0]
     if not (init / "config.json").exists():
         # The BPE is fit to everything the model will read and write: prompt, JSON replies, terminal output.
         common.build_tiny(init, [m["content"] for c in convs for m in c], vocab_size=args.vocab, hidden=args.hidden,
@@ -259,7 +434,6 @@ def main(argv=None):
               "--val-size", str(min(16, len(convs) // 10)), "--eval-every", "0", "--save-every", "20", "--keep", "1", "--resume"])
     os.replace(run / "final", out / "model")
     print(f"base model: {out / 'model'} | pre-training {time.time() - t0:.0f}s")
-    return str(out / "model")
 
 
 if __name__ == "__main__":

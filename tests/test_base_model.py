@@ -15,7 +15,7 @@ import labels  # noqa: E402
 import taskgen  # noqa: E402
 
 TINY = ["--sessions", "4", "--commands", "5", "--vocab", "400", "--hidden", "32", "--layers", "1", "--heads", "2",
-        "--kv-heads", "1", "--epochs", "1", "--batch-size", "2", "--max-len", "1024", "--concurrency", "4",
+        "--kv-heads", "1", "--epochs", "1", "--batch-size", "2", "--max-len", "1024", "--concurrency", "4", "--heldout", "2",
         "--prompt-template", str(Path(__file__).resolve().parents[1] / "scripts" / "toy_prompt.txt")]
 
 
@@ -32,6 +32,33 @@ def test_sessions_follow_the_seed_and_stay_off_the_tasks():
     task_dirs = {p.rsplit("/", 1)[0] for s in taskgen.make_splits(45, 0, 9)["sft"] + taskgen.make_splits(0, 0, 9)["eval"]
                  for p, _, _ in s.files}
     assert not task_dirs & {p.rsplit("/", 1)[0] for tree in a for p, _, _ in tree}
+
+
+def test_commands_quote_the_instructions_values_and_earlier_outputs():
+    # The instruction names literal values and the scripted user types them; value_events finds exactly the
+    # values a command quotes after an earlier message showed them, and says where they came from.
+    policy, n, quoted = base_model.user_policy(16), 0, {"instruction": 0, "output": 0}
+    for i in range(12):
+        facts, tree = base_model.session_facts(0, i), base_model.session_tree(0, i)
+        instr = base_model.session_instruction(0, i)
+        assert 2 <= len(facts) and all(v in instr and k in instr for k, v in facts)
+        screen = "\n".join(t for _, t, _ in tree) + "\n".join(p for p, _, _ in tree)  # every file shown
+        conv = [{"role": "user", "content": instr}]
+        for _ in range(8):
+            conv += [{"role": "assistant", "content": policy([conv])[0]}, {"role": "user", "content": screen}]
+        for j, a, b, source in base_model.value_events(conv):
+            v = conv[j]["content"][a:b]
+            assert conv[j]["role"] == "assistant" and (v in instr) == (source == "instruction")
+            assert v in [v for _, v in facts] + base_model.tree_ids(tree) + [Path(p).name for p, _, _ in tree]
+            quoted[source] += 1
+        n += len(conv) // 2
+    assert quoted["instruction"] > n / 8 and quoted["output"] > n / 20, (quoted, n)
+    # a value typed before anything showed it is not a copy
+    v = base_model.session_facts(0, 0)[0][1]
+    conv = [{"role": "user", "content": "Task: (session 0-0)"}, {"role": "assistant", "content": f"echo {v}"}]
+    assert base_model.value_events(conv) == []
+    conv[0]["content"] = base_model.session_instruction(0, 0)
+    assert base_model.value_events(conv) == [(1, 5, 5 + len(v), "instruction")]
 
 
 @pytest.mark.slow
@@ -53,6 +80,11 @@ def test_build_records_pretrains_and_reuses(tmp_path, no_leftovers):
     assert {"<|im_start|>", "<|im_end|>", "<|endoftext|>"} <= set(tok.get_vocab())
     for text in (shown, conv[1]["content"]):  # the BPE is fit to the terminal's text and to the JSON replies
         assert len(tok(text)["input_ids"]) < len(text.encode()) * 2 / 3  # bytes would be 1 token each
+    held = [json.loads(line)["conversations"] for line in (out / "heldout.jsonl").read_text().splitlines()]
+    assert len(held) == 2 and all("(session 0-4)" in c[0]["content"] or "(session 0-5)" in c[0]["content"] for c in held)
+    copy = json.loads((out / "metrics.json").read_text())["copy_accuracy"]
+    assert copy["instruction"]["n"] > 0 and 0 <= copy["instruction"]["exact"] <= 1
+    assert copy["instruction"]["n"] == copy["instruction"]["short"]["n"] + copy["instruction"]["long"]["n"]
     # cached: the same settings reuse the model, others are refused
     assert base_model.main(["--out", str(out)] + TINY) == str(model_dir)
     with pytest.raises(ValueError, match="--lr"):
@@ -60,7 +92,8 @@ def test_build_records_pretrains_and_reuses(tmp_path, no_leftovers):
     # reproducible: the same sessions and seed give the same weights
     again = tmp_path / "again"
     again.mkdir()
-    shutil.copy(out / "sessions.jsonl", again / "sessions.jsonl")
+    for name in ("sessions.jsonl", "heldout.jsonl"):
+        shutil.copy(out / name, again / name)
     base_model.main(["--out", str(again)] + TINY)
     from transformers import AutoModelForCausalLM
     a = AutoModelForCausalLM.from_pretrained(model_dir).state_dict()

@@ -2,6 +2,7 @@
 are in test_terminus.py)."""
 import json
 import random
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -121,6 +122,27 @@ def test_generator_is_seeded_and_has_kinds():
         a, b = taskgen.generate(kind, random.Random(7)), taskgen.generate(kind, random.Random(7))
         assert a == b and a.name.startswith(kind + "-") and a.files and "reward.txt" in a.test
     assert taskgen.generate("find_copy", random.Random(1)) != taskgen.generate("find_copy", random.Random(2))
+
+
+def test_every_training_kind_mixes_easy_and_harder_instances():
+    # What makes an instance harder (a look-alike token, one more setting, a distractor...) is drawn per instance,
+    # so each kind has both; the expert's instruction pattern still recovers every value it must type.
+    hard = {"find_copy": lambda p: p["decoy"] is not None, "fix_config": lambda p: p["workers"] is not None,
+            "csv_summary": lambda p: p["measure"] == "units", "permissions": lambda p: bool(p["keep"]),
+            "log_extract": lambda p: bool(p["other"]), "word_count": lambda p: bool(p["longer"]),
+            "rename": lambda p: len(p["others"]) > 1, "replace_host": lambda p: p["kept"] > 0}
+    assert set(hard) == set(taskgen.GENERATORS) - set(taskgen.HELDOUT_KINDS)
+    for kind, is_hard in hard.items():
+        specs = [taskgen.generate(kind, random.Random(i)) for i in range(40)]
+        assert {is_hard(s.params) for s in specs} == {True, False}, kind
+        assert len({len(s.files) for s in specs}) > 1 or kind in ("fix_config", "csv_summary", "log_extract"), kind
+    for spec in (taskgen.generate("fix_config", random.Random(i)) for i in range(40)):
+        m = next(re.search(p, spec.instruction) for p, e in taskgen.EXPERTS if e.__name__ == "_fix_config")
+        assert (m.group(1), m.group(2), m.group(3)) == (str(spec.params["port"]), spec.params["workers"], spec.params["level"])
+    for spec in (taskgen.generate("find_copy", random.Random(i)) for i in range(40)):
+        texts = [t for _, t, _ in spec.files]
+        assert sum(spec.params["token"] in t for t in texts) == 1  # grep for the exact token finds one file
+        assert sum("TOKEN-" in t for t in texts) == 1 + (spec.params["decoy"] is not None)
 
 
 def test_splits_are_disjoint_and_hold_out_kinds():

@@ -151,7 +151,11 @@ def test_sandbox_error_is_recorded(base_image):
 
 @pytest.mark.slow
 def test_expert_solves_every_kind(base_image):
-    specs = [taskgen.generate(k, random.Random(11)) for k in taskgen.GENERATORS]
+    # and the harder variant of every training kind (a look-alike token, workers to set too...): seeds 14 and 19 draw it
+    harder = {14: ("fix_config", "csv_summary", "replace_host"),
+              19: ("find_copy", "permissions", "log_extract", "word_count", "rename")}
+    specs = [taskgen.generate(k, random.Random(11)) for k in taskgen.GENERATORS] + \
+        [taskgen.generate(k, random.Random(seed)) for seed, kinds in harder.items() for k in kinds]
     eps = envs.run_episodes([envs.task_from_spec(s) for s in specs], taskgen.expert_policy, max_turns=10, concurrency=5)
     assert [(e.task, e.reward, e.failure) for e in eps] == [(s.name, 1.0, None) for s in specs]
     assert all(e.messages[-1]["role"] == "assistant" and 4 <= e.turns <= 6 for e in eps)
