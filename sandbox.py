@@ -115,7 +115,7 @@ def btrfs_quota():
             _quota_fs = False if why else (root, sysfs)
             if why:
                 print(f"warning: no disk quota ({why}): sandbox disk budgets are watched, not enforced by the "
-                      "kernel; `. .ci/dockerd.sh start` runs a daemon with one", file=sys.stderr)
+                      "kernel; `ACTOBS_DOCKER_STORAGE=btrfs . .ci/dockerd.sh start` runs a daemon with one", file=sys.stderr)
         return _quota_fs or None
 
 

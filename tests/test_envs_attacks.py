@@ -87,11 +87,12 @@ def test_planted_verifier_inputs_score_0_and_are_recorded(tmp_path, base_image):
     assert any(p.startswith("/opt/actobs-wheels/") for p in tampered["wheel-cache"])
 
 
+@pytest.mark.quota
 def test_a_write_of_4x_the_disk_budget_fails_inside_and_the_host_keeps_its_space(tmp_path, base_image):
     """With the daemon's quota (.ci/dockerd.sh on btrfs) one fallocate of 4x the budget fails with a quota
     error inside the sandbox and the host's disk never holds more than the budget and a margin; a loop of writes
     stops at the budget and ends the episode as disk_limit, reward 0."""
-    assert sandbox.btrfs_quota() is not None, "the Docker daemon has no disk quota: `. .ci/dockerd.sh start`"
+    assert sandbox.btrfs_quota() is not None, "the Docker daemon has no disk quota: `ACTOBS_DOCKER_STORAGE=btrfs . .ci/dockerd.sh start`"
     root = sandbox.docker_client().info()["DockerRootDir"]
     pay = {"test.sh": b"echo 1 > /logs/verifier/reward.txt\n"}  # pays for anything: the disk limit must win
     whole = {"test.sh": b"[ $(stat -c %s /app/big) -ge $((2**30)) ] && r=1 || r=0; echo $r > /logs/verifier/reward.txt\n"}
