@@ -28,9 +28,9 @@ def git(cwd, *a):
                           capture_output=True, text=True).stdout
 
 
-def sft_copy(folder):
-    """sft.py imported from a copy in `folder`: its code_state describes that folder."""
-    spec = importlib.util.spec_from_file_location("sft_copy", folder / "sft.py")
+def common_copy(folder):
+    """common.py imported from a copy in `folder`: its code_state describes that folder."""
+    spec = importlib.util.spec_from_file_location("common_copy", folder / "common.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -39,6 +39,7 @@ def sft_copy(folder):
 def test_code_state_is_a_patch_that_replays_the_edit(tmp_path):
     src = tmp_path / "src"
     src.mkdir()
+    shutil.copy(ROOT / "common.py", src)
     shutil.copy(ROOT / "sft.py", src)
     (src / ".gitignore").write_text("runs/\n")
     git(src, "init", "-q")
@@ -50,7 +51,7 @@ def test_code_state_is_a_patch_that_replays_the_edit(tmp_path):
     (src / "runs").mkdir()
     (src / "runs" / "ignored.py").write_text("x = 1\n")
     (src / "notes.txt").write_text("not a source\n")
-    state = sft_copy(src).code_state()
+    state = common_copy(src).code_state()
     assert state["git"] == git(src, "rev-parse", "HEAD").strip()
     assert "ignored.py" not in state["diff"] and "notes.txt" not in state["diff"]
 
@@ -61,15 +62,15 @@ def test_code_state_is_a_patch_that_replays_the_edit(tmp_path):
         assert (replay / name).read_text() == (src / name).read_text()
 
     shutil.rmtree(src / ".git")  # a copy of the code outside git: each source's hash
-    sources = sft_copy(src).code_state()
+    sources = common_copy(src).code_state()
     assert sources["git"] == "" and "diff" not in sources
-    assert set(sources["sources"]) == {"sft.py", "idea.py", "runs/ignored.py"}
+    assert set(sources["sources"]) == {"common.py", "sft.py", "idea.py", "runs/ignored.py"}
     import hashlib
     assert sources["sources"]["idea.py"] == hashlib.sha256(b"LAM = 0.5\n").hexdigest()
 
 
 def test_versions_come_from_metadata_without_importing_vllm():
-    code = "import json, sys, sft; print(json.dumps([common.run_config({})['vllm'], 'vllm' in sys.modules]))"
+    code = "import json, sys, common, sft; print(json.dumps([common.run_config({})['vllm'], 'vllm' in sys.modules]))"
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout
     dists = metadata.packages_distributions().get("vllm")
     assert json.loads(out) == [metadata.version(dists[0]) if dists else None, False]
