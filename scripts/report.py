@@ -167,7 +167,9 @@ def check_grpo(run, arm, steps, problems):
     for r in log:
         if not (finite(r.get("rollout/reward_mean")) and 0 <= r["rollout/reward_mean"] <= 1):
             problems.append(f"{d / 'log.jsonl'} step {r.get('step')}: rollout/reward_mean {r.get('rollout/reward_mean')!r}")
-        bad = [k for k in ("train/entropy", "train/kl_init", "train/loss") if not finite(r.get(k))]
+        # a step that trained nothing (train/optimizer_steps 0: no group with signal) logs no training metrics
+        trained = r.get("train/optimizer_steps", 1) > 0
+        bad = [k for k in ("train/entropy", "train/kl_init", "train/loss") if (trained or k in r) and not finite(r.get(k))]
         if bad:
             problems.append(f"{d / 'log.jsonl'} step {r.get('step')}: not finite: {', '.join(bad)}")
     if not (d / "curves.png").is_file():
@@ -382,9 +384,10 @@ def build(run):
            "|---|---|---|---|---|---|---|"]
     for a in arms:
         g = grpo[a]
+        ent, kl = ([r[k] for r in g if k in r] for k in ("train/entropy", "train/kl_init"))  # steps that trained
         md.append(f"| {names[a]} | {len(g)} | {g[0]['rollout/reward_mean']:.3f} → {g[-1]['rollout/reward_mean']:.3f} | "
                   f"{g[-1]['rollout/solve_rate']:.3f} | {sum(r['rollout/groups_with_signal'] for r in g):.0f} | "
-                  f"{g[0]['train/entropy']:.3f} → {g[-1]['train/entropy']:.3f} | {g[-1]['train/kl_init']:.2e} |")
+                  + (f"{ent[0]:.3f} → {ent[-1]:.3f} | {kl[-1]:.2e} |" if ent else "no step trained | — |"))
     md += ["", "## Gradient geometry during SFT (geometry.png; each arm's probe_geometry.png)", "",
            "| arm | cos(g_act, g_obs) first → last | r = ‖g_obs‖/‖g_act‖ first → last |", "|---|---|---|"]
     for a in arms:
