@@ -67,7 +67,9 @@ def test_check_eval(tmp_path, case):
     assert len(problems) == (want is not None) and all(want in p for p in problems), problems
 
 
-def grpo_run(run, steps, bad_step=None):
+def grpo_run(run, steps, bad_step=None, bare_step=None, trained=True):
+    """A GRPO run folder; bad_step logs a NaN loss, bare_step no training metrics (with train/optimizer_steps 0
+    unless trained: a step that trained and logged nothing is malformed)."""
     d = run / "arm-grpo"
     (d / "final").mkdir(parents=True)
     for f in report.WEIGHTS:
@@ -75,13 +77,18 @@ def grpo_run(run, steps, bad_step=None):
     (d / "curves.png").write_bytes(b"")
     rows = [{"step": s, "rollout/reward_mean": 0.5, "train/entropy": 1.0, "train/kl_init": 0.0,
              "train/loss": float("nan") if s == bad_step else 0.1} for s in range(1, steps + 1)]
+    if bare_step:
+        rows[bare_step - 1] = {"step": bare_step, "rollout/reward_mean": 0.0, **({} if trained else {"train/optimizer_steps": 0})}
     (d / "log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
 
 
-@pytest.mark.parametrize("steps,bad_step,want", [(3, None, None), (2, None, "steps [1, 2], expected 1..3"),
-                                                (3, 2, "step 2: not finite: train/loss")])
-def test_check_grpo(tmp_path, steps, bad_step, want):
-    grpo_run(tmp_path, steps, bad_step)
+@pytest.mark.parametrize("steps,bad_step,bare_step,trained,want", [
+    (3, None, None, True, None), (2, None, None, True, "steps [1, 2], expected 1..3"),
+    (3, 2, None, True, "step 2: not finite: train/loss"),
+    (3, None, 2, False, None),  # no group with signal: no update, no training metrics
+    (3, None, 2, True, "step 2: not finite: train/entropy, train/kl_init, train/loss")])
+def test_check_grpo(tmp_path, steps, bad_step, bare_step, trained, want):
+    grpo_run(tmp_path, steps, bad_step, bare_step, trained)
     problems = []
     report.check_grpo(tmp_path, "arm", 3, problems)
     assert len(problems) == (want is not None) and all(want in p for p in problems), problems
