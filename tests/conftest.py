@@ -3,6 +3,7 @@ Qwen3 chat template renders with it), and synthetic Terminus-2-style trajectorie
 import json
 import random
 import re
+import time
 from pathlib import Path
 
 import pytest
@@ -62,6 +63,28 @@ def synthetic_trajectory(rng, turns=None):
         out = "\n".join(rng.choice(files) + f" {rng.randint(1, 999)}" for _ in range(rng.randint(1, 4)))
         msgs.append({"role": "user", "content": terminus.OUTPUT_HEADER + f"root@box:/app# {cmd}\n{out}\nroot@box:/app# "})
     return msgs
+
+
+class ScriptedAsync:
+    """A submit/poll policy with fixed replies per episode, not lock-step: it answers whatever is queued."""
+    lockstep = False
+
+    def __init__(self, replies):
+        self.replies, self.queue, self.asked = replies, [], []
+
+    def submit(self, key, ep):
+        self.asked.append((time.time(), key))
+        self.queue.append((key, sum(m["role"] == "assistant" for m in ep.messages)))
+
+    def pending(self):
+        return len(self.queue)
+
+    def poll(self):
+        out, self.queue = [(k, self.replies[k][turn]) for k, turn in self.queue], []
+        return out
+
+    def abort(self):
+        self.queue = []
 
 
 # Every literal piece of the observation templates (text between their {fields}), as a wrapper recogniser must

@@ -20,6 +20,7 @@ import grpo
 import labels
 import sandbox
 import taskgen
+from conftest import ScriptedAsync
 from labels import ACTION, OBS, PROMPT
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -430,27 +431,6 @@ def test_observation_after_a_cut_reply(tokenizer):
 
 
 # ---------------------------------------------------------------------------------------------- the episode loop
-
-class ScriptedAsync:
-    """A submit/poll policy with fixed replies per episode, not lock-step: it answers whatever is queued."""
-    lockstep = False
-
-    def __init__(self, replies):
-        self.replies, self.queue, self.asked = replies, [], []
-
-    def submit(self, key, ep):
-        self.asked.append((time.time(), key))
-        self.queue.append((key, sum(m["role"] == "assistant" for m in ep.messages)))
-
-    def pending(self):
-        return len(self.queue)
-
-    def poll(self):
-        out, self.queue = [(k, self.replies[k][turn]) for k, turn in self.queue], []
-        return out
-
-    def abort(self):
-        self.queue = []
 
 
 def reply(keys, duration, done=False):

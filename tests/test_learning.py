@@ -16,6 +16,7 @@ import envs
 import grpo
 import sandbox
 import sft
+from conftest import ScriptedAsync
 
 pytestmark = [pytest.mark.docker, pytest.mark.vllm, pytest.mark.slow]
 
@@ -38,26 +39,9 @@ def reply(keys, done):
                        "task_complete": done})
 
 
-class Script:
-    """A submit/poll policy replaying one fixed reply list per episode: look, write a word, confirm."""
-    lockstep = False
-
-    def __init__(self, words):
-        self.words, self.queue = words, []
-
-    def submit(self, key, ep):
-        self.queue.append((key, sum(m["role"] == "assistant" for m in ep.messages)))
-
-    def pending(self):
-        return len(self.queue)
-
-    def poll(self):
-        turns = lambda w: [reply(["ls\n"], False), reply([f"echo {w} > answer.txt\n"], True), reply([], True)]
-        out, self.queue = [(k, turns(self.words[k])[t]) for k, t in self.queue], []
-        return out
-
-    def abort(self):
-        self.queue = []
+def turns(word):
+    """The scripted episode that writes `word`: look, write it, confirm."""
+    return [reply(["ls\n"], False), reply([f"echo {word} > answer.txt\n"], True), reply([], True)]
 
 
 @pytest.fixture(scope="module")
@@ -75,8 +59,8 @@ def world(tmp_path_factory, base_image):
         (d / "task.toml").write_text("[verifier]\ntimeout_sec = 30\n\n[agent]\ntimeout_sec = 120\n\n[environment]\nmemory_mb = 256\n")
     tasks = grpo.load_tasks(root / "tasks")
     todo = [(t, w) for t in tasks for w in WORDS]
-    eps = envs.run_episodes([t for t, _ in todo], Script([w for _, w in todo]), max_turns=4, concurrency=8,
-                            template=PROMPT)
+    script = ScriptedAsync({k: turns(w) for k, (_, w) in enumerate(todo)})
+    eps = envs.run_episodes([t for t, _ in todo], script, max_turns=4, concurrency=8, template=PROMPT)
     assert [e.reward for e in eps] == [float(w == RIGHT) for _, w in todo], [(e.failure, e.error) for e in eps]
     rows = [{"conversations": e.messages} for e in eps] * 16  # each word equally often: the SFT'd policy guesses
     random.Random(0).shuffle(rows)
