@@ -47,15 +47,16 @@ def lam_of(st, arm):
 
 def arm_labels(st):
     """{SFT arm: label}: the arms, then the λ-sweep arms."""
-    return {**{a: LABELS.get(a, a) for a in st["arms"].split()}, **{a: f"λ={lam_of(st, a):g}" for a in st[SWEEP_KEY].split()}}
+    return {**{a: LABELS.get(a, a) for a in st["arms"].split()},
+            **{a: f"λ={lam_of(st, a):g}" for a in st[SWEEP_KEY].split()}}
 
 
 def model_names(st):
     """{run folder: label} of every evaluated checkpoint: the base, each SFT arm, each arm and λ-sweep arm after
     GRPO (a λ-sweep arm's SFT checkpoint is not evaluated), ActionSFT after GRPO with ECHO and at T*."""
-    labels = arm_labels(st)
-    return {"base": "base", **{a: labels[a] for a in st["arms"].split()},
-            **{f"{a}-grpo": f"{label} + GRPO" for a, label in labels.items()},
+    arm_label = arm_labels(st)
+    return {"base": "base", **{a: arm_label[a] for a in st["arms"].split()},
+            **{f"{a}-grpo": f"{label} + GRPO" for a, label in arm_label.items()},
             f"{ECHO}-grpo": f"{LABELS['actionsft']} + GRPO + ECHO", TSTAR: f"{LABELS['actionsft']} + GRPO at T*"}
 
 
@@ -397,7 +398,8 @@ def sweep_table(cmp, lams):
     """pass@1 and pass@n of each λ's GRPO'd arm minus the baseline's, with the 95% intervals of compare()."""
     ks = [cmp["ks"][0], cmp["ks"][-1]]
     rows = {r["k"]: r for r in cmp["rows"]}
-    lines = ["| λ | run | " + " | ".join(f"pass@{k} | vs [0] (95% CI)" for k in ks) + " |", "|---|---|" + "---|---|" * len(ks)]
+    lines = ["| λ | run | " + " | ".join(f"pass@{k} | vs [0] (95% CI)" for k in ks) + " |",
+             "|---|---|" + "---|---|" * len(ks)]
     for i, (lam, label) in enumerate(zip(lams, cmp["runs"])):
         cells = []
         for k in ks:
@@ -422,7 +424,8 @@ def plot_sweep(path, cmp, lams):
                [0.0] + [100 * (hi - x) for x, (_, hi) in zip(r["diff"][1:], r["ci"][1:])]]
         ax.errorbar(lams, d, yerr=err, marker="o", capsize=3)
         ax.axhline(0, color="grey", lw=0.8)
-        ax.set(title=f"pass@{k} advantage over {cmp['runs'][0]}", xlabel="λ (SFT observation-loss weight)", ylabel="points")
+        ax.set(title=f"pass@{k} advantage over {cmp['runs'][0]}", xlabel="λ (SFT observation-loss weight)",
+               ylabel="points")
         ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -527,10 +530,11 @@ def build(run):
     swept = evaluate.compare([(names[m], results[m]) for _, m in points]) if points else None
     evaluate.plot_compare(evaluate.compare([(names[m], r) for m, r in results.items()]), run / "pass_at_k.png")
     plot_runs(run / "grpo_curves.png", [("rollout/reward_mean", "mean reward"), ("train/entropy", "action-token entropy"),
-                                        ("train/kl_init", "KL from the SFT checkpoint")], {names[m]: g for m, g in grpo.items()})
-    labels = arm_labels(st)
+                                        ("train/kl_init", "KL from the SFT checkpoint")],
+              {names[m]: g for m, g in grpo.items()})
+    arm_label = arm_labels(st)
     plot_runs(run / "geometry.png", [("probe/cos", "cos(g_act, g_obs) during SFT"), ("probe/r", "r = |g_obs| / |g_act|")],
-              {labels[a]: g for a, g in geo.items()})
+              {arm_label[a]: g for a, g in geo.items()})
     if swept:
         plot_sweep(run / "lambda_sweep.png", swept, [lam for lam, _ in points])
     rl, rl_txt = rl_table(grpo, names)
@@ -554,7 +558,8 @@ def build(run):
           f"## Before GRPO: the SFT arms and the base model ({names[arms[0]]} is the baseline [0])", "", "```",
           before_txt, "```", ""]
     for m, cmp in effect.items():
-        md += [f"## What GRPO did: {names[grpo_runs(st)[m]]} → {names[m]}", "", "```", evaluate.compare_table(cmp), "```", ""]
+        md += [f"## What GRPO did: {names[grpo_runs(st)[m]]} → {names[m]}", "", "```", evaluate.compare_table(cmp),
+               "```", ""]
     md += ["A difference whose 95% interval contains 0 is no evidence of a difference: report it as a null result.", ""]
     if swept:
         md += [f"## The λ trade-off: SFT with λ × the observation loss, then the same GRPO ({names[points[0][1]]} is "
@@ -567,7 +572,8 @@ def build(run):
            "| arm | cos(g_act, g_obs) first → last | r = ‖g_obs‖/‖g_act‖ first → last |", "|---|---|---|"]
     for a, g in geo.items():
         g = sorted(g, key=lambda r: r["step"])
-        md.append(f"| {labels[a]} | {g[0]['probe/cos']:.3f} → {g[-1]['probe/cos']:.3f} | {g[0]['probe/r']:.3f} → {g[-1]['probe/r']:.3f} |")
+        md.append(f"| {arm_label[a]} | {g[0]['probe/cos']:.3f} → {g[-1]['probe/cos']:.3f} | "
+                  f"{g[0]['probe/r']:.3f} → {g[-1]['probe/r']:.3f} |")
     md += ["", "## Probes of the SFT checkpoints on held-out trajectories (probes/*.json and *.png)", "",
            probe_table(probes, run, names), "",
            "## Wall time per stage (seconds, summed over the sessions of a resumed run)", "", "| stage | seconds |", "|---|---|"]
