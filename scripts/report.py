@@ -498,6 +498,9 @@ def build(run):
     if settings is None:
         return problems
     st = settings["stages"]
+    missing = [k for k in ("arms", SWEEP_KEY, "corpus", "heldout_n", "grpo", "echo", "eval") if k not in st]
+    if missing:
+        return [f"{run / 'settings.json'}: no {', '.join(missing)} (a run folder of an older ablation.sh?)"]
     check_model(run / "base" / "model", problems)
     ev = check_corpus(run, st, problems)
     arms, sweep_arms = st["arms"].split(), st[SWEEP_KEY].split()

@@ -137,6 +137,12 @@ def test_build_names_what_is_missing(tmp_path):
     assert "eval/lam0.5.json" not in text  # a λ-sweep arm is evaluated after GRPO only
 
 
+def test_build_names_missing_settings(tmp_path):
+    report.write_settings(tmp_path, ["arms=actionsft actobs", "grpo=--steps 2", "eval=--attempts 2"])  # no ECHO, no sweep
+    assert report.build(tmp_path) == [f"{tmp_path}/settings.json: no sweep_arms, corpus, heldout_n, echo (a run folder "
+                                      "of an older ablation.sh?)"]
+
+
 def test_settings_take_more_sweep_arms_only(tmp_path):
     base = ["arms=actionsft actobs", "loss_actobs=--lam 1", "grpo=--steps 2"]
     report.write_settings(tmp_path, base + ["sweep_arms="])
