@@ -217,7 +217,8 @@ def check_grpo(run, name, init, steps, echo_coef, problems):
             problems.append(f"{d / 'log.jsonl'} step {r.get('step')}: rollout/reward_mean {r.get('rollout/reward_mean')!r}")
         # a step that trained nothing (train/optimizer_steps 0: no group with signal) logs no training metrics
         trained = r.get("train/optimizer_steps", 1) > 0
-        bad = [k for k in ("train/entropy", "train/kl_init", "train/loss") if (trained or k in r) and not finite(r.get(k))]
+        bad = [k for k in ("train/entropy", "train/kl_init", "train/kl_init_k3", "train/loss")
+               if (trained or k in r) and not finite(r.get(k))]
         if bad:
             problems.append(f"{d / 'log.jsonl'} step {r.get('step')}: not finite: {', '.join(bad)}")
     if not (d / "curves.png").is_file():
@@ -433,34 +434,37 @@ def plot_sweep(path, cmp, lams):
 
 
 def rl_time(log):
-    """What a GRPO run did to its policy over the steps that trained (the others log neither metric): action-token
-    entropy at the first, on average, at the last, and the KL from the SFT checkpoint at the last."""
-    ent, kl = ([r[k] for r in log if k in r] for k in ("train/entropy", "train/kl_init"))
+    """What a GRPO run did to its policy over the steps that trained (the others log none of these): action-token
+    entropy at the first, on average, at the last, and the KL from the SFT checkpoint at the last, as grpo.py
+    estimates it on the sampled tokens: k1 (the mean log-ratio, grpo_curves.png's; noise can make it < 0) and k3
+    (exp(-d) + d - 1 with d the log-ratio: never < 0, so it ranks the runs)."""
+    ent, kl, k3 = ([r[k] for r in log if k in r] for k in ("train/entropy", "train/kl_init", "train/kl_init_k3"))
     if not ent:
         return {"trained_steps": 0}
     return {"trained_steps": len(ent), "entropy_first": ent[0], "entropy_mean": sum(ent) / len(ent),
-            "entropy_last": ent[-1], "kl_end": kl[-1]}
+            "entropy_last": ent[-1], "kl_end": kl[-1], "kl_k3_end": k3[-1]}
 
 
 def rl_table(grpo, names):
     """One row per GRPO run: reward, solve rate, signal, and its rl_time; then which kept the most entropy and
     which ended closest to its SFT checkpoint."""
     lines = ["| GRPO run | steps (trained) | reward first → last | solve rate last | groups with signal (sum) | "
-             "entropy first / mean / last | KL from the SFT checkpoint at the end |", "|---|---|---|---|---|---|---|"]
+             "entropy first / mean / last | KL from the SFT checkpoint at the end, k1 / k3 |", "|---|---|---|---|---|---|---|"]
     rl = {m: rl_time(g) for m, g in grpo.items()}
     for m, g in grpo.items():
         t = rl[m]
         lines.append(f"| {names[m]} | {len(g)} ({t['trained_steps']}) | {g[0]['rollout/reward_mean']:.3f} → "
                      f"{g[-1]['rollout/reward_mean']:.3f} | {g[-1]['rollout/solve_rate']:.3f} | "
                      f"{sum(r['rollout/groups_with_signal'] for r in g):.0f} | "
-                     + (f"{t['entropy_first']:.3f} / {t['entropy_mean']:.3f} / {t['entropy_last']:.3f} | {t['kl_end']:.2e} |"
-                        if t["trained_steps"] else "no step trained | — |"))
+                     + (f"{t['entropy_first']:.3f} / {t['entropy_mean']:.3f} / {t['entropy_last']:.3f} | "
+                        f"{t['kl_end']:.2e} / {t['kl_k3_end']:.2e} |" if t["trained_steps"] else "no step trained | — |"))
     trained = {m: t for m, t in rl.items() if t["trained_steps"]}
     if trained:
         most = max(trained, key=lambda m: trained[m]["entropy_mean"])
-        closest = min(trained, key=lambda m: trained[m]["kl_end"])
+        closest = min(trained, key=lambda m: trained[m]["kl_k3_end"])
         lines += ["", f"Most entropy kept during GRPO (mean over the trained steps): {names[most]}; closest to its SFT "
-                  f"checkpoint at the end: {names[closest]} (the paper: ActObs, on both)."]
+                  f"checkpoint at the end (k3): {names[closest]} (the paper: ActObs, on both). A step that trained "
+                  "nothing (no group with signal) measures neither."]
     return rl, "\n".join(lines)
 
 

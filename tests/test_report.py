@@ -80,13 +80,14 @@ def grpo_run(run, steps, bad_step=None, bare_step=None, trained=True, name="arm-
              entropy=(1.0,), kl=(0.0,)):
     """A GRPO run folder from run/init/final; bad_step logs a NaN loss, bare_step no training metrics (with
     train/optimizer_steps 0 unless trained: a step that trained and logged nothing is malformed). Step s logs
-    entropy[s - 1] and kl[s - 1] (the last value on)."""
+    entropy[s - 1] and kl[s - 1] (the last value on) as k1, half of it as k3."""
     d = run / name
     checkpoint(d)
     (d / "config.json").write_text(json.dumps({"args": {"init": str(run / init / "final"), "echo_coef": echo_coef}}))
     (d / "curves.png").write_bytes(b"")
     rows = [{"step": s, "rollout/reward_mean": 0.5, "rollout/solve_rate": 0.5, "rollout/groups_with_signal": 1,
              "train/entropy": entropy[min(s, len(entropy)) - 1], "train/kl_init": kl[min(s, len(kl)) - 1],
+             "train/kl_init_k3": kl[min(s, len(kl)) - 1] / 2,
              "train/loss": float("nan") if s == bad_step else 0.1} for s in range(1, steps + 1)]
     if bare_step:
         rows[bare_step - 1] = {"step": bare_step, "rollout/reward_mean": 0.0, "rollout/solve_rate": 0.0,
@@ -99,7 +100,7 @@ def grpo_run(run, steps, bad_step=None, bare_step=None, trained=True, name="arm-
     (3, None, None, True, None), (2, None, None, True, "steps [1, 2], expected 1..3"),
     (3, 2, None, True, "step 2: not finite: train/loss"),
     (3, None, 2, False, None),  # no group with signal: no update, no training metrics
-    (3, None, 2, True, "step 2: not finite: train/entropy, train/kl_init, train/loss")])
+    (3, None, 2, True, "step 2: not finite: train/entropy, train/kl_init, train/kl_init_k3, train/loss")])
 def test_check_grpo(tmp_path, steps, bad_step, bare_step, trained, want):
     grpo_run(tmp_path, steps, bad_step, bare_step, trained)
     problems = []
@@ -119,7 +120,7 @@ def test_check_grpo_names_the_recipe_it_ran(tmp_path, init, echo_coef):
 def test_rl_time_over_the_steps_that_trained(tmp_path):
     rows = grpo_run(tmp_path, 4, bare_step=4, trained=False, entropy=(0.9, 0.6, 0.3), kl=(0.0, 0.02, 0.05))
     assert report.rl_time(rows) == {"trained_steps": 3, "entropy_first": 0.9, "entropy_mean": pytest.approx(0.6),
-                                    "entropy_last": 0.3, "kl_end": 0.05}
+                                    "entropy_last": 0.3, "kl_end": 0.05, "kl_k3_end": 0.025}
     assert report.rl_time(rows[3:]) == {"trained_steps": 0}
 
 
@@ -166,7 +167,8 @@ REWARDS = {"actionsft-grpo": ((1, 0), (0, 0), (0, 0)), "actobs-grpo": ((1, 1), (
            report.TSTAR: ((1, 1), (0, 0), (0, 0)), "actobs": ((0, 0), (1, 0), (0, 0))}
 T_STAR, T_EVAL = 0.7, 1.0
 ENTROPY = {"actionsft-grpo": (0.8, 0.5), "actobs-grpo": (0.9, 0.8), "lam0.5-grpo": (0.85, 0.7), "echo-grpo": (0.8, 0.6)}
-KL = {"actionsft-grpo": (0.01, 0.04), "actobs-grpo": (0.01, 0.02), "lam0.5-grpo": (0.01, 0.03), "echo-grpo": (0.01, 0.05)}
+KL = {"actionsft-grpo": (0.01, 0.04), "actobs-grpo": (0.01, 0.02), "lam0.5-grpo": (0.01, 0.03),
+      "echo-grpo": (0.01, 0.05)}
 
 
 def synthetic_run(run, sweep=True):
@@ -252,10 +254,10 @@ def test_build_reports_every_comparison(tmp_path):
     assert f"| 0.5 | λ=0.5 + GRPO | 33.3 | +16.7 [{100 * lo:+.1f}, {100 * hi:+.1f}] |" in md
     assert (tmp_path / "lambda_sweep.png").stat().st_size > 0 and "![λ sweep](lambda_sweep.png)" in md
     # RL time: entropy first / mean / last and the final KL of every GRPO run; the most entropy and least KL: ActObs
-    assert "| ActObs (λ=1) + GRPO | 2 (2) | 0.500 → 0.500 | 0.500 | 2 | 0.900 / 0.850 / 0.800 | 2.00e-02 |" in md
+    assert "| ActObs (λ=1) + GRPO | 2 (2) | 0.500 → 0.500 | 0.500 | 2 | 0.900 / 0.850 / 0.800 | 2.00e-02 / 1.00e-02 |" in md
     assert "| ActionSFT (λ=0) + GRPO + ECHO | 2 (2) |" in md and "| λ=0.5 + GRPO | 2 (2) |" in md
     assert "Most entropy kept during GRPO (mean over the trained steps): ActObs (λ=1) + GRPO; closest to its SFT " \
-           "checkpoint at the end: ActObs (λ=1) + GRPO" in md
+           "checkpoint at the end (k3): ActObs (λ=1) + GRPO" in md
     assert out["rl_time"]["echo-grpo"]["kl_end"] == 0.05 and "![GRPO curves](grpo_curves.png)" in md
 
 
