@@ -339,10 +339,10 @@ def plot_runs(path, panels, series):
     import matplotlib.pyplot as plt
     fig, axes = plt.subplots(1, len(panels), figsize=(4.5 * len(panels), 3.5))
     for ax, (key, title) in zip(axes, panels):
-        for label, rows in series.items():
+        for i, (label, rows) in enumerate(series.items()):
             pts = sorted((r["step"], r[key]) for r in rows if r.get("step") is not None and finite(r.get(key)))
-            if pts:
-                ax.plot(*zip(*pts), marker=".", label=label)
+            if pts:  # a series keeps its colour in every panel, also where the ones before it have no points
+                ax.plot(*zip(*pts), marker=".", label=label, color=f"C{i}")
         ax.set(title=title, xlabel="step")
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=8)
