@@ -27,6 +27,9 @@ for a in "$@"; do
         *) echo "usage: bash ablation.sh [--quick] [--sweep[=λ,λ,...]]" >&2; exit 2 ;;
     esac
 done
+for L in ${LAMBDAS//,/ }; do  # before anything is installed: a mistyped λ stops the run at once
+    [[ $L = default || $L =~ ^(0?\.[0-9]+|[01](\.0*)?)$ ]] || { echo "--sweep: $L is not a λ in [0, 1]" >&2; exit 2; }
+done
 . .ci/setup.sh  # installs, starts Docker (and stops it on exit if it was not up), builds the base image
 
 # ---- settings: full, then what --quick shrinks ------------------------------------------------------------
@@ -66,10 +69,7 @@ SWEEP=(0.25 0.5)
 if [ $MODE = quick ]; then SWEEP=(0.5); fi
 [ "$LAMBDAS" = default ] && LAMBDAS="${SWEEP[*]}"
 SWEEP_ARMS=()  # an SFT arm per λ, through the same GRPO and evaluation as the others
-for L in ${LAMBDAS//,/ }; do
-    [[ $L =~ ^(0?\.[0-9]+|[01](\.0*)?)$ ]] || { echo "--sweep: $L is not a λ in [0, 1]" >&2; exit 2; }
-    SWEEP_ARMS+=(lam$L); LOSS[lam$L]="--lam $L"
-done
+for L in ${LAMBDAS//,/ }; do SWEEP_ARMS+=(lam$L); LOSS[lam$L]="--lam $L"; done
 R=${RUN_DIR:-runs/ablation$([ $MODE = quick ] && echo -quick)}
 PT=scripts/toy_prompt.txt  # the corpus's short system prompt; RL and evaluation use the same
 mkdir -p "$R/eval" "$R/probes"
