@@ -14,8 +14,8 @@
 #                                 # against λ. Quick sweeps λ = 0.5 only; CI runs `--quick --sweep`.
 #
 # Re-running resumes: every stage skips or continues when its output exists. settings.json in the run folder
-# records every size and the seed; a run folder is only continued with the same ones (or more λ-sweep arms:
-# `--sweep` on a finished run adds its arms and runs only their stages).
+# records every size and the seed; a run folder is only continued with the same ones, or with more: the settings
+# of a stage it did not have (ECHO's, in a folder from before it) or more λ-sweep arms; only their stages then run.
 set -euo pipefail
 cd "$(dirname "$0")"
 MODE=full LAMBDAS=

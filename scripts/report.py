@@ -6,8 +6,9 @@ The ablation's run folder (ablation.sh): its settings, a check of every stage's 
     python scripts/report.py build RUN                                              # ablation.sh, at the end
 
 `settings` writes RUN/settings.json (each stage's flags, the seed, the mode, the git commit) and refuses a
-folder that holds a run with other settings, so a resumed run never mixes two; the one change it takes is more
-λ-sweep arms (`bash ablation.sh --sweep` on a finished run). `limits` stops a run whose GRPO or
+folder that holds a run with other settings, so a resumed run never mixes two; what it takes is more: the settings
+of a stage the run did not have (ECHO's, in a folder from before it) and more λ-sweep arms (`bash ablation.sh
+--sweep` on a finished run), whose stages then run alone. `limits` stops a run whose GRPO or
 evaluation limits would cut the expert's own replies or episodes (in the base model's tokens). `build` checks
 that every stage left well-formed output (files exist and parse, one GRPO log row per step, every task attempted
 n times and every attempt's transcript kept, pass@k in [0, 1] and non-decreasing in k, finite probe numbers,
@@ -94,12 +95,12 @@ def write_settings(run, pairs):
     if path.exists():
         old = json.loads(path.read_text())
         changed = sorted(k for k in set(old["stages"]) | set(settings) if old["stages"].get(k) != settings.get(k)
-                         and not added_sweep(old["stages"], settings, k))
+                         and not added(old["stages"], settings, k))
         if changed:
             raise SystemExit(f"{run} holds a run with other settings ({', '.join(changed)} differ): remove it, or "
                              "set RUN_DIR to another folder" + (f" (it has the λ-sweep arms {old['stages'][SWEEP_KEY]}: "
                              "pass ablation.sh --sweep=... with them)" if SWEEP_KEY in changed else ""))
-        if old["stages"] != settings:  # more λ-sweep arms: the run now has them
+        if old["stages"] != settings:  # more stages or λ-sweep arms: the run now has them
             path.write_text(json.dumps({**old, "stages": settings}, indent=2))
         return
     import common  # torch: only here
@@ -108,12 +109,12 @@ def write_settings(run, pairs):
     path.write_text(json.dumps({"stages": settings, "git": cfg["git"], "started": cfg["started"]}, indent=2))
 
 
-def added_sweep(old, new, key):
-    """Whether key differs only by λ-sweep arms added to the run: the list grew, or an added arm's loss."""
-    was, now = set(old.get(SWEEP_KEY, "").split()), set(new.get(SWEEP_KEY, "").split())
+def added(old, new, key):
+    """Whether a setting differs only by what a resumed run may add: a key the run lacks (the settings of a stage
+    it did not have: ECHO's in a folder from before ECHO, an added λ-sweep arm's loss) or more λ-sweep arms."""
     if key == SWEEP_KEY:
-        return was <= now
-    return key not in old and key.startswith("loss_") and key[5:] in now - was
+        return set(old.get(key, "").split()) <= set(new.get(key, "").split())
+    return key not in old
 
 
 # ----------------------------------------------------------------------------------------------------------

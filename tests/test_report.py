@@ -144,8 +144,10 @@ def test_build_names_missing_settings(tmp_path):
                                       "of an older ablation.sh?)"]
 
 
-def test_settings_take_more_sweep_arms_only(tmp_path):
+def test_settings_take_new_stages_and_more_sweep_arms_only(tmp_path):
     base = ["arms=actionsft actobs", "loss_actobs=--lam 1", "grpo=--steps 2"]
+    report.write_settings(tmp_path, base[:2])  # a folder from before ECHO and the sweep: their settings are added
+    base += ["echo=--echo-coef 0.05"]
     report.write_settings(tmp_path, base + ["sweep_arms="])
     more = base + ["sweep_arms=lam0.5", "loss_lam0.5=--lam 0.5"]
     report.write_settings(tmp_path, more)  # `--sweep` on a finished run: its arms are added
@@ -154,10 +156,12 @@ def test_settings_take_more_sweep_arms_only(tmp_path):
     with pytest.raises(SystemExit, match="sweep_arms differ.*λ-sweep arms lam0.5"):
         report.write_settings(tmp_path, base + ["sweep_arms="])
     with pytest.raises(SystemExit, match=r"\(loss_actobs differ\)"):  # an arm's loss is not a sweep arm's
-        report.write_settings(tmp_path, base[:1] + ["loss_actobs=--lam 0.9", "grpo=--steps 2", "sweep_arms=lam0.5",
+        report.write_settings(tmp_path, base[:1] + ["loss_actobs=--lam 0.9", *base[2:], "sweep_arms=lam0.5",
                                                     "loss_lam0.5=--lam 0.5"])
     with pytest.raises(SystemExit, match=r"\(loss_lam0.5 differ\)"):
         report.write_settings(tmp_path, base + ["sweep_arms=lam0.5", "loss_lam0.5=--lam 0.6"])
+    with pytest.raises(SystemExit, match=r"\(echo differ\)"):  # a stage's settings are never dropped
+        report.write_settings(tmp_path, base[:3] + ["sweep_arms=lam0.5", "loss_lam0.5=--lam 0.5"])
 
 
 # A complete synthetic run folder, what ablation.sh leaves: ActionSFT and ActObs, the λ = 0.5 sweep arm, ECHO, T*.
