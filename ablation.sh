@@ -2,17 +2,34 @@
 # The whole ablation on a CPU machine (root; no GPU, no internet but the Debian and PyPI mirrors): install, build
 # the sandbox base image, pre-train a small base model on terminal sessions, generate the toy corpus and disjoint
 # RL / evaluation tasks (the held-out kind only in evaluation), SFT three arms from that base (ActionSFT λ=0,
-# ActObs λ=1, Obs→Act), the same GRPO recipe from each, pass@k of all seven checkpoints on the held-out tasks,
-# the probes, and one run folder with REPORT.md (tables with paired bootstrap intervals) and the plots.
+# ActObs λ=1, Obs→Act), the same GRPO recipe from each and from ActionSFT with ECHO (an observation loss on its
+# own rollouts), pass@k of every checkpoint on the held-out tasks, ActionSFT + GRPO again at the temperature T*
+# where its self-entropy matches ActObs + GRPO's, the probes, and one run folder with REPORT.md (tables with
+# paired bootstrap intervals) and the plots.
 #
 #   bash ablation.sh              # the full run -> runs/ablation/     (RUN_DIR=... to write elsewhere)
-#   bash ablation.sh --quick      # smaller everything, same code path -> runs/ablation-quick/ (CI runs it)
+#   bash ablation.sh --quick      # smaller everything, same code path -> runs/ablation-quick/
+#   bash ablation.sh --sweep      # also SFT arms at λ = 0.25 and 0.5 (--sweep=0.1,0.75: those), each through the
+#                                 # same GRPO and evaluation; the report plots their advantage over ActionSFT
+#                                 # against λ. Quick sweeps λ = 0.5 only; CI runs `--quick --sweep`.
 #
 # Re-running resumes: every stage skips or continues when its output exists. settings.json in the run folder
-# records every size and the seed; a run folder is only continued with the same ones.
+# records every size and the seed; a run folder is only continued with the same ones, or with more: the settings
+# of a stage it did not have (ECHO's, in a folder from before it) or more λ-sweep arms; only their stages then run.
 set -euo pipefail
 cd "$(dirname "$0")"
-case "${1:-}" in "") MODE=full ;; --quick) MODE=quick ;; *) echo "usage: bash ablation.sh [--quick]" >&2; exit 2 ;; esac
+MODE=full LAMBDAS=
+for a in "$@"; do
+    case $a in
+        --quick) MODE=quick ;;
+        --sweep) LAMBDAS=default ;;
+        --sweep=*) LAMBDAS=${a#--sweep=} ;;
+        *) echo "usage: bash ablation.sh [--quick] [--sweep[=λ,λ,...]]" >&2; exit 2 ;;
+    esac
+done
+for L in ${LAMBDAS//,/ }; do  # before anything is installed: a mistyped λ stops the run at once
+    [[ $L = default || $L =~ ^(0?\.[0-9]+|[01](\.0*)?)$ ]] || { echo "--sweep: $L is not a λ in [0, 1]" >&2; exit 2; }
+done
 . .ci/setup.sh  # installs, starts Docker (and stops it on exit if it was not up), builds the base image
 
 # ---- settings: full, then what --quick shrinks ------------------------------------------------------------
@@ -45,13 +62,21 @@ if [ $MODE = quick ]; then
     PROBE=(--n 4 --max-len 1024)
     SAMPLE=(--max-new-tokens 32)
 fi
+# The comparisons beyond the SFT arms: ECHO (grpo.py's observation loss on the policy's own rollouts, at the weight
+# of its reference setting) and the λ sweep's values (--sweep without a list)
+ECHO=(--echo-coef 0.05)
+SWEEP=(0.25 0.5)
+if [ $MODE = quick ]; then SWEEP=(0.5); fi
+[ "$LAMBDAS" = default ] && LAMBDAS="${SWEEP[*]}"
+SWEEP_ARMS=()  # an SFT arm per λ, through the same GRPO and evaluation as the others
+for L in ${LAMBDAS//,/ }; do SWEEP_ARMS+=(lam$L); LOSS[lam$L]="--lam $L"; done
 R=${RUN_DIR:-runs/ablation$([ $MODE = quick ] && echo -quick)}
 PT=scripts/toy_prompt.txt  # the corpus's short system prompt; RL and evaluation use the same
 mkdir -p "$R/eval" "$R/probes"
-ARM_LOSS=(); for A in "${ARMS[@]}"; do ARM_LOSS+=("loss_$A=${LOSS[$A]}"); done
+ARM_LOSS=(); for A in "${ARMS[@]}" "${SWEEP_ARMS[@]}"; do ARM_LOSS+=("loss_$A=${LOSS[$A]}"); done
 python scripts/report.py settings "$R" mode=$MODE seed=$SEED prompt_template=$PT base="${BASE[*]}" corpus="${CORPUS[*]}" \
-    heldout_n=$HELDOUT_N arms="${ARMS[*]}" "${ARM_LOSS[@]}" sft="${SFT[*]}" grpo="${GRPO[*]}" eval="${EVAL[*]}" \
-    probe="${PROBE[*]}" sample="${SAMPLE[*]}"
+    heldout_n=$HELDOUT_N arms="${ARMS[*]}" sweep_arms="${SWEEP_ARMS[*]}" "${ARM_LOSS[@]}" sft="${SFT[*]}" \
+    grpo="${GRPO[*]}" echo="${ECHO[*]}" eval="${EVAL[*]}" probe="${PROBE[*]}" sample="${SAMPLE[*]}"
 # stage NAME CMD...: run CMD, append its wall time to $R/times.jsonl
 stage() { local t=$SECONDS; "${@:2}"; echo "{\"stage\": \"$1\", \"seconds\": $((SECONDS - t))}" >> "$R/times.jsonl"; }
 
@@ -66,35 +91,46 @@ tail -n $HELDOUT_N "$R/corpus/sft.jsonl" > "$R/heldout.jsonl"
 python scripts/report.py limits "$R" $([ $MODE = quick ] && echo --warn)  # RL / evaluation limits fit the expert
 
 # ---- 3. SFT from the same base: same data, order and schedule; only the loss (LOSS above) differs
-for A in "${ARMS[@]}"; do
+for A in "${ARMS[@]}" "${SWEEP_ARMS[@]}"; do
     stage sft-$A python sft.py --model "$B" --data "$R/train.jsonl" --out "$R/$A" ${LOSS[$A]} --seed $SEED --resume "${SFT[@]}"
 done
 
-# ---- 4. pass@k of the base and each SFT checkpoint on the evaluation split (resumes per attempt)
-# evaluate M CHECKPOINT: n attempts per evaluation task, and every episode's conversation to read
+# ---- 4. pass@k of the base and each SFT checkpoint on the evaluation split (resumes per attempt); the λ-sweep
+# arms are compared after GRPO only
+# evaluate M CHECKPOINT [FLAG...]: n attempts per evaluation task, and every episode's conversation to read
 evaluate() { stage eval-$1 python evaluate.py --model "$2" --tasks "$R/corpus/eval" --out "$R/eval/$1.json" \
-    --transcripts "$R/eval/$1.episodes.jsonl" --prompt-template $PT --seed $SEED "${EVAL[@]}"; }
+    --transcripts "$R/eval/$1.episodes.jsonl" --prompt-template $PT --seed $SEED "${EVAL[@]}" "${@:3}"; }
 evaluate base "$B"
 for A in "${ARMS[@]}"; do evaluate $A "$R/$A/final"; done
 
-# ---- 5. probes on held-out trajectories: observation prediction, command entropy, KL from the base, and the
-# temperature T* at which ActionSFT's self-entropy matches ActObs's
+# ---- 5. probes of the SFT checkpoints on held-out trajectories: observation prediction, command entropy, KL from
+# the base
 S=("${ARMS[@]/#/$R/}"); S=("${S[@]/%//final}")
 P=(--data "$R/heldout.jsonl" "${PROBE[@]}")
 [ -f "$R/probes/obs_nll.json" ] || stage probe-obs-nll python probes.py obs-nll --models "$B" "${S[@]}" "${P[@]}" --out "$R/probes/obs_nll.json"
 [ -f "$R/probes/cmd_entropy.json" ] || stage probe-cmd-entropy python probes.py cmd-entropy --models "${S[@]}" "${P[@]}" --out "$R/probes/cmd_entropy.json"
 [ -f "$R/probes/kl.json" ] || stage probe-kl python probes.py kl --models "${S[@]}" --init "$B" "${P[@]}" "${SAMPLE[@]}" --out "$R/probes/kl.json"
-[ -f "$R/probes/entropy_actobs.json" ] || stage probe-entropy python probes.py entropy --model "$R/actobs/final" "${P[@]}" \
-    "${SAMPLE[@]}" --out "$R/probes/entropy_actobs.json"
-[ -f "$R/probes/tstar_actionsft.json" ] || stage probe-tstar python probes.py entropy --model "$R/actionsft/final" \
-    --match-entropy "$R/probes/entropy_actobs.json" "${P[@]}" "${SAMPLE[@]}" --out "$R/probes/tstar_actionsft.json"
 
-# ---- 6. the same GRPO recipe from each SFT arm, on the RL split, then pass@k of each GRPO checkpoint
-for A in "${ARMS[@]}"; do
-    stage grpo-$A python grpo.py --init "$R/$A/final" --tasks "$R/corpus/rl" --out "$R/$A-grpo" --prompt-template $PT \
-        --seed $SEED --resume "${GRPO[@]}"
-done
-for A in "${ARMS[@]}"; do evaluate $A-grpo "$R/$A-grpo/final"; done
+# ---- 6. the same GRPO recipe from each SFT arm and, with ECHO, from ActionSFT (echo-grpo/), on the RL split; then
+# pass@k of each GRPO checkpoint
+# grpo NAME INIT [FLAG...]: GRPO from INIT into $R/NAME-grpo
+grpo() { stage grpo-$1 python grpo.py --init "$2" --tasks "$R/corpus/rl" --out "$R/$1-grpo" --prompt-template $PT \
+    --seed $SEED --resume "${GRPO[@]}" "${@:3}"; }
+for A in "${ARMS[@]}" "${SWEEP_ARMS[@]}"; do grpo $A "$R/$A/final"; done
+grpo echo "$R/actionsft/final" "${ECHO[@]}"
+for M in "${ARMS[@]}" "${SWEEP_ARMS[@]}" echo; do evaluate $M-grpo "$R/$M-grpo/final"; done
 
-# ---- 7. the run folder's REPORT.md, comparison tables and plots; fails if any stage's output is malformed
+# ---- 7. temperature matching on the GRPO'd policies: ActObs + GRPO's self-entropy at the evaluation temperature
+# (the one its evaluation ran at), the T* at which ActionSFT + GRPO's matches it, and ActionSFT + GRPO evaluated at T*
+# json_field FILE KEY...: one value of a JSON file
+json_field() { python -c 'import functools, json, sys
+print(functools.reduce(lambda v, k: v[k], sys.argv[2:], json.load(open(sys.argv[1]))))' "$@"; }
+[ -f "$R/probes/entropy_actobs-grpo.json" ] || stage probe-entropy python probes.py entropy --model "$R/actobs-grpo/final" \
+    --temperature "$(json_field "$R/eval/actobs-grpo.json" settings temperature)" "${P[@]}" "${SAMPLE[@]}" \
+    --out "$R/probes/entropy_actobs-grpo.json"
+[ -f "$R/probes/tstar_actionsft-grpo.json" ] || stage probe-tstar python probes.py entropy --model "$R/actionsft-grpo/final" \
+    --match-entropy "$R/probes/entropy_actobs-grpo.json" "${P[@]}" "${SAMPLE[@]}" --out "$R/probes/tstar_actionsft-grpo.json"
+evaluate actionsft-grpo-tstar "$R/actionsft-grpo/final" --temperature "$(json_field "$R/probes/tstar_actionsft-grpo.json" t_star)"
+
+# ---- 8. the run folder's REPORT.md, comparison tables and plots; fails if any stage's output is malformed
 python scripts/report.py build "$R"

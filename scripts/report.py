@@ -6,13 +6,16 @@ The ablation's run folder (ablation.sh): its settings, a check of every stage's 
     python scripts/report.py build RUN                                              # ablation.sh, at the end
 
 `settings` writes RUN/settings.json (each stage's flags, the seed, the mode, the git commit) and refuses a
-folder that holds a run with other settings, so a resumed run never mixes two. `limits` stops a run whose GRPO or
+folder that holds a run with other settings, so a resumed run never mixes two; what it takes is more: the settings
+of a stage the run did not have (ECHO's, in a folder from before it) and more λ-sweep arms (`bash ablation.sh
+--sweep` on a finished run), whose stages then run alone. `limits` stops a run whose GRPO or
 evaluation limits would cut the expert's own replies or episodes (in the base model's tokens). `build` checks
 that every stage left well-formed output (files exist and parse, one GRPO log row per step, every task attempted
-n times and every attempt's transcript kept, pass@k in [0, 1] and non-decreasing in k, finite probe numbers),
-then writes REPORT.md, report.json and the plots: pass_at_k.png (all checkpoints), grpo_curves.png (reward,
-entropy, KL from init per arm) and geometry.png (cos(g_act, g_obs) and r during SFT per arm). Any problem: one
-line each, exit status 1.
+n times and every attempt's transcript kept, pass@k in [0, 1] and non-decreasing in k, finite probe numbers,
+the ECHO run trained with its --echo-coef, the T* evaluation ran at the probe's T*), then writes REPORT.md,
+report.json and the plots: pass_at_k.png (all checkpoints), grpo_curves.png (reward, entropy, KL from init per
+GRPO run), lambda_sweep.png (pass@1 and pass@n advantage over ActionSFT against λ, with a λ sweep) and
+geometry.png (cos(g_act, g_obs) and r during SFT per arm). Any problem: one line each, exit status 1.
 """
 import argparse
 import itertools
@@ -31,13 +34,41 @@ import taskgen  # noqa: E402
 
 LABELS = {"actionsft": "ActionSFT (λ=0)", "actobs": "ActObs (λ=1)", "obs-then-act": "Obs→Act"}  # else the arm's name
 WEIGHTS = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
-PROBES = ("obs_nll", "cmd_entropy", "kl", "entropy_actobs", "tstar_actionsft")
+# ablation.sh's names: ECHO's GRPO run (from ActionSFT), ActionSFT + GRPO's evaluation at T*, and the probes
+ECHO, TSTAR = "echo", "actionsft-grpo-tstar"
+PROBES = ("obs_nll", "cmd_entropy", "kl", "entropy_actobs-grpo", "tstar_actionsft-grpo")
+SWEEP_KEY = "sweep_arms"  # the one setting a resumed run may change: it may add λ-sweep arms
 
 
-def model_names(arms):
-    """{run folder: label} of every evaluated checkpoint: the base, each SFT arm, each arm after GRPO."""
-    labels = {a: LABELS.get(a, a) for a in arms}
-    return {"base": "base", **labels, **{f"{a}-grpo": f"{label} + GRPO" for a, label in labels.items()}}
+def lam_of(st, arm):
+    """The arm's λ when its SFT loss is `--lam X` alone (not a schedule), else None."""
+    f = flags(st.get(f"loss_{arm}", ""))
+    return float(f["--lam"]) if set(f) == {"--lam"} else None
+
+
+def arm_labels(st):
+    """{SFT arm: label}: the arms, then the λ-sweep arms."""
+    return {**{a: LABELS.get(a, a) for a in st["arms"].split()},
+            **{a: f"λ={lam_of(st, a):g}" for a in st[SWEEP_KEY].split()}}
+
+
+def model_names(st):
+    """{run folder: label} of every evaluated checkpoint: the base, each SFT arm, each arm and λ-sweep arm after
+    GRPO (a λ-sweep arm's SFT checkpoint is not evaluated), ActionSFT after GRPO with ECHO and at T*."""
+    arm_label = arm_labels(st)
+    return {"base": "base", **{a: arm_label[a] for a in st["arms"].split()},
+            **{f"{a}-grpo": f"{label} + GRPO" for a, label in arm_label.items()},
+            f"{ECHO}-grpo": f"{LABELS['actionsft']} + GRPO + ECHO", TSTAR: f"{LABELS['actionsft']} + GRPO at T*"}
+
+
+def grpo_runs(st):
+    """{GRPO run folder: its SFT checkpoint's folder}: each arm's, each λ-sweep arm's, ECHO's (from ActionSFT)."""
+    return {**{f"{a}-grpo": a for a in st["arms"].split() + st[SWEEP_KEY].split()}, f"{ECHO}-grpo": "actionsft"}
+
+
+def checkpoint(run, model):
+    """The checkpoint an evaluated model's results must name."""
+    return run / "base" / "model" if model == "base" else run / ("actionsft-grpo" if model == TSTAR else model) / "final"
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -63,15 +94,27 @@ def write_settings(run, pairs):
     path = run / "settings.json"
     if path.exists():
         old = json.loads(path.read_text())
-        changed = sorted(k for k in set(old["stages"]) | set(settings) if old["stages"].get(k) != settings.get(k))
+        changed = sorted(k for k in set(old["stages"]) | set(settings) if old["stages"].get(k) != settings.get(k)
+                         and not added(old["stages"], settings, k))
         if changed:
             raise SystemExit(f"{run} holds a run with other settings ({', '.join(changed)} differ): remove it, or "
-                             "set RUN_DIR to another folder")
+                             "set RUN_DIR to another folder" + (f" (it has the λ-sweep arms {old['stages'][SWEEP_KEY]}: "
+                             "pass ablation.sh --sweep=... with them)" if SWEEP_KEY in changed else ""))
+        if old["stages"] != settings:  # more stages or λ-sweep arms: the run now has them
+            path.write_text(json.dumps({**old, "stages": settings}, indent=2))
         return
     import common  # torch: only here
     cfg = common.run_config(settings)
     run.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"stages": settings, "git": cfg["git"], "started": cfg["started"]}, indent=2))
+
+
+def added(old, new, key):
+    """Whether a setting differs only by what a resumed run may add: a key the run lacks (the settings of a stage
+    it did not have: ECHO's in a folder from before ECHO, an added λ-sweep arm's loss) or more λ-sweep arms."""
+    if key == SWEEP_KEY:
+        return set(old.get(key, "").split()) <= set(new.get(key, "").split())
+    return key not in old
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -158,9 +201,15 @@ def check_sft(run, arm, problems):
     return geo
 
 
-def check_grpo(run, arm, steps, problems):
-    d = run / f"{arm}-grpo"
+def check_grpo(run, name, init, steps, echo_coef, problems):
+    """The GRPO run folder `name`: from run/init/final, with that --echo-coef, one log row per step."""
+    d = run / name
     check_model(d / "final", problems)
+    args = (read_json(d / "config.json", problems) or {}).get("args", {})
+    if not args or Path(args.get("init", "")).resolve() != (run / init / "final").resolve() \
+            or args.get("echo_coef") != echo_coef:
+        problems.append(f"{d / 'config.json'}: GRPO from {args.get('init')} with --echo-coef {args.get('echo_coef')}; "
+                        f"expected {run / init / 'final'} with {echo_coef}")
     log = read_jsonl(d / "log.jsonl", problems)
     if [r.get("step") for r in log] != list(range(1, steps + 1)):
         problems.append(f"{d / 'log.jsonl'}: steps {[r.get('step') for r in log]}, expected 1..{steps}")
@@ -169,7 +218,8 @@ def check_grpo(run, arm, steps, problems):
             problems.append(f"{d / 'log.jsonl'} step {r.get('step')}: rollout/reward_mean {r.get('rollout/reward_mean')!r}")
         # a step that trained nothing (train/optimizer_steps 0: no group with signal) logs no training metrics
         trained = r.get("train/optimizer_steps", 1) > 0
-        bad = [k for k in ("train/entropy", "train/kl_init", "train/loss") if (trained or k in r) and not finite(r.get(k))]
+        bad = [k for k in ("train/entropy", "train/kl_init", "train/kl_init_k3", "train/loss")
+               if (trained or k in r) and not finite(r.get(k))]
         if bad:
             problems.append(f"{d / 'log.jsonl'} step {r.get('step')}: not finite: {', '.join(bad)}")
     if not (d / "curves.png").is_file():
@@ -219,6 +269,25 @@ def check_probes(run, problems):
             problems.append(f"{run / 'probes' / name}.json: no numbers, or non-finite ones")
         out[name] = res
     return out
+
+
+def check_tstar(run, probes, results, problems):
+    """The temperature match: ActObs + GRPO's self-entropy at the temperature its evaluation ran at, T* found on
+    ActionSFT + GRPO, and ActionSFT + GRPO's evaluation at that T*."""
+    e, t = probes.get("entropy_actobs-grpo"), probes.get("tstar_actionsft-grpo")
+    ev, ts = results.get("actobs-grpo"), results.get(TSTAR)
+    where = run / "probes"
+    if e and ev and (Path(e.get("model", "")).resolve() != checkpoint(run, "actobs-grpo").resolve()
+                     or e.get("temperature") != ev["settings"]["temperature"]):
+        problems.append(f"{where / 'entropy_actobs-grpo.json'}: self-entropy of {e.get('model')} at T = "
+                        f"{e.get('temperature')}; expected {checkpoint(run, 'actobs-grpo')} at its evaluation's T = "
+                        f"{ev['settings']['temperature']}")
+    if t and (Path(t.get("model", "")).resolve() != checkpoint(run, TSTAR).resolve() or not finite(t.get("t_star"))):
+        problems.append(f"{where / 'tstar_actionsft-grpo.json'}: T* {t.get('t_star')!r} of {t.get('model')}; expected "
+                        f"a number, of {checkpoint(run, TSTAR)}")
+    elif t and ts and not math.isclose(ts["settings"]["temperature"], t["t_star"], rel_tol=1e-9):
+        problems.append(f"{run / 'eval' / TSTAR}.json: evaluated at T = {ts['settings']['temperature']}, the probe's "
+                        f"T* is {t['t_star']}")
 
 
 def _numbers(x):
@@ -271,10 +340,10 @@ def plot_runs(path, panels, series):
     import matplotlib.pyplot as plt
     fig, axes = plt.subplots(1, len(panels), figsize=(4.5 * len(panels), 3.5))
     for ax, (key, title) in zip(axes, panels):
-        for label, rows in series.items():
+        for i, (label, rows) in enumerate(series.items()):
             pts = sorted((r["step"], r[key]) for r in rows if r.get("step") is not None and finite(r.get(key)))
-            if pts:
-                ax.plot(*zip(*pts), marker=".", label=label)
+            if pts:  # a series keeps its colour in every panel, also where the ones before it have no points
+                ax.plot(*zip(*pts), marker=".", label=label, color=f"C{i}")
         ax.set(title=title, xlabel="step")
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=8)
@@ -294,11 +363,110 @@ def probe_table(probes, run, names):
         ents = " / ".join("-" if x is None else f"{x:.3f}" for x in ent.values()) or "-"
         lines.append(f"| {name(p)} | {v['obs_nll']:.3f} | {v['wrapper_nll']:.3f} | {v['payload_nll']:.3f} | "
                      + ("-" if kl is None else f"{kl:.4f}") + f" | {ents} |")
-    e, t = probes.get("entropy_actobs"), probes.get("tstar_actionsft")
-    if e and t:
-        lines.append(f"\nSelf-entropy of ActObs at T = {e['temperature']}: {e['entropy']:.3f} nats/token; ActionSFT matches "
-                     f"it at T* = {t['t_star']:.3f} (the paper: T* = 0.64).")
     return "\n".join(lines)
+
+
+def halfwidth(cmp, i=1, k=1):
+    """(lo, hi, half-width) of the paired bootstrap 95% interval of run [i] - [0] in pass@k, from a compare()."""
+    row = next(r for r in cmp["rows"] if r["k"] == k)
+    lo, hi = row["ci"][i]
+    return lo, hi, (hi - lo) / 2
+
+
+def tstar_section(results, probes, names):
+    """ActionSFT + GRPO at the evaluation temperature and at T*, next to ActObs + GRPO: (compare(), markdown)."""
+    e, t = probes["entropy_actobs-grpo"], probes["tstar_actionsft-grpo"]
+    cmp = evaluate.compare([(names[m], results[m]) for m in ("actionsft-grpo", TSTAR, "actobs-grpo")])
+    moved = max(abs(r["diff"][1]) for r in cmp["rows"])
+    text = (f"Self-entropy of {names['actobs-grpo']} at the evaluation temperature T = {e['temperature']:g}: "
+            f"{e['entropy']:.3f} nats/token; {names['actionsft-grpo']} matches it at T* = {t['t_star']:.3f} "
+            f"(probes/tstar_actionsft-grpo.json, .png). At T* its pass@k moves by at most {100 * moved:.1f} points "
+            f"and it solves {cmp['solved'][1] - cmp['solved'][0]:+d} distinct tasks (the paper: T* = 0.64, at most "
+            "0.7 points, no extra task: ActObs's gain is not the randomness of a higher temperature).")
+    return cmp, "\n".join([text, "", "```", evaluate.compare_table(cmp), "```"])
+
+
+def sweep_points(st):
+    """[(λ, GRPO run)] of the arms whose SFT loss is `--lam X` alone: the baseline arm first, then by λ; none when
+    the baseline is not such an arm."""
+    base, *rest = st["arms"].split() + st[SWEEP_KEY].split()
+    if lam_of(st, base) is None:
+        return []
+    rest = sorted((a for a in rest if lam_of(st, a) is not None), key=lambda a: lam_of(st, a))
+    return [(lam_of(st, a), f"{a}-grpo") for a in [base] + rest]
+
+
+def sweep_table(cmp, lams):
+    """pass@1 and pass@n of each λ's GRPO'd arm minus the baseline's, with the 95% intervals of compare()."""
+    ks = [cmp["ks"][0], cmp["ks"][-1]]
+    rows = {r["k"]: r for r in cmp["rows"]}
+    lines = ["| λ | run | " + " | ".join(f"pass@{k} | vs [0] (95% CI)" for k in ks) + " |",
+             "|---|---|" + "---|---|" * len(ks)]
+    for i, (lam, label) in enumerate(zip(lams, cmp["runs"])):
+        cells = []
+        for k in ks:
+            r = rows[k]
+            cells += [evaluate.pct(r["pass"][i]), "baseline [0]" if i == 0 else
+                      f"{100 * r['diff'][i]:+.1f} [{100 * r['ci'][i][0]:+.1f}, {100 * r['ci'][i][1]:+.1f}]"]
+        lines.append(f"| {lam:g} | {label} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def plot_sweep(path, cmp, lams):
+    """pass@1 and pass@n advantage over the baseline (points) against λ, with the 95% intervals as error bars."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    rows = {r["k"]: r for r in cmp["rows"]}
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.5))
+    for ax, k in zip(axes, [cmp["ks"][0], cmp["ks"][-1]]):
+        r = rows[k]
+        d = [0.0] + [100 * x for x in r["diff"][1:]]
+        err = [[0.0] + [100 * (x - lo) for x, (lo, _) in zip(r["diff"][1:], r["ci"][1:])],
+               [0.0] + [100 * (hi - x) for x, (_, hi) in zip(r["diff"][1:], r["ci"][1:])]]
+        ax.errorbar(lams, d, yerr=err, marker="o", capsize=3)
+        ax.axhline(0, color="grey", lw=0.8)
+        ax.set(title=f"pass@{k} advantage over {cmp['runs'][0]}", xlabel="λ (SFT observation-loss weight)",
+               ylabel="points")
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def rl_time(log):
+    """What a GRPO run did to its policy over the steps that trained (the others log none of these): action-token
+    entropy at the first, on average, at the last, and the KL from the SFT checkpoint at the last, as grpo.py
+    estimates it on the sampled tokens: k1 (the mean log-ratio, grpo_curves.png's; noise can make it < 0) and k3
+    (exp(-d) + d - 1 with d the log-ratio: never < 0, so it ranks the runs)."""
+    ent, kl, k3 = ([r[k] for r in log if k in r] for k in ("train/entropy", "train/kl_init", "train/kl_init_k3"))
+    if not ent:
+        return {"trained_steps": 0}
+    return {"trained_steps": len(ent), "entropy_first": ent[0], "entropy_mean": sum(ent) / len(ent),
+            "entropy_last": ent[-1], "kl_end": kl[-1], "kl_k3_end": k3[-1]}
+
+
+def rl_table(grpo, names):
+    """One row per GRPO run: reward, solve rate, signal, and its rl_time; then which kept the most entropy and
+    which ended closest to its SFT checkpoint."""
+    lines = ["| GRPO run | steps (trained) | reward first → last | solve rate last | groups with signal (sum) | "
+             "entropy first / mean / last | KL from the SFT checkpoint at the end, k1 / k3 |", "|---|---|---|---|---|---|---|"]
+    rl = {m: rl_time(g) for m, g in grpo.items()}
+    for m, g in grpo.items():
+        t = rl[m]
+        lines.append(f"| {names[m]} | {len(g)} ({t['trained_steps']}) | {g[0]['rollout/reward_mean']:.3f} → "
+                     f"{g[-1]['rollout/reward_mean']:.3f} | {g[-1]['rollout/solve_rate']:.3f} | "
+                     f"{sum(r['rollout/groups_with_signal'] for r in g):.0f} | "
+                     + (f"{t['entropy_first']:.3f} / {t['entropy_mean']:.3f} / {t['entropy_last']:.3f} | "
+                        f"{t['kl_end']:.2e} / {t['kl_k3_end']:.2e} |" if t["trained_steps"] else "no step trained | — |"))
+    trained = {m: t for m, t in rl.items() if t["trained_steps"]}
+    if trained:
+        most = max(trained, key=lambda m: trained[m]["entropy_mean"])
+        closest = min(trained, key=lambda m: trained[m]["kl_k3_end"])
+        lines += ["", f"Most entropy kept during GRPO (mean over the trained steps): {names[most]}; closest to its SFT "
+                  f"checkpoint at the end (k3): {names[closest]} (the paper: ActObs, on both). A step that trained "
+                  "nothing (no group with signal) measures neither."]
+    return rl, "\n".join(lines)
 
 
 def expert_lengths(tokenizer, rows):
@@ -335,33 +503,49 @@ def build(run):
     if settings is None:
         return problems
     st = settings["stages"]
+    missing = [k for k in ("arms", SWEEP_KEY, "corpus", "heldout_n", "grpo", "echo", "eval") if k not in st]
+    if missing:
+        return [f"{run / 'settings.json'}: no {', '.join(missing)} (a run folder of an older ablation.sh?)"]
     check_model(run / "base" / "model", problems)
     ev = check_corpus(run, st, problems)
-    arms = st["arms"].split()
-    names = model_names(arms)
-    geo = {a: check_sft(run, a, problems) for a in arms}
+    arms, sweep_arms = st["arms"].split(), st[SWEEP_KEY].split()
+    names = model_names(st)
+    geo = {a: check_sft(run, a, problems) for a in arms + sweep_arms}
     steps, attempts = int(flags(st["grpo"])["--steps"]), int(flags(st["eval"])["--attempts"])
-    grpo = {a: check_grpo(run, a, steps, problems) for a in arms}
+    echo_coef = float(flags(st["echo"])["--echo-coef"])
+    grpo = {m: check_grpo(run, m, init, steps, echo_coef if m == f"{ECHO}-grpo" else 0.0, problems)
+            for m, init in grpo_runs(st).items()}
     results = {}
     for m in names:
-        ck = run / "base" / "model" if m == "base" else run / m / "final"
-        res = check_eval(run / "eval" / f"{m}.json", ev, attempts, ck, problems)
+        res = check_eval(run / "eval" / f"{m}.json", ev, attempts, checkpoint(run, m), problems)
         if res is not None:
             results[m] = res
     probes = check_probes(run, problems)
+    check_tstar(run, probes, results, problems)
     times = read_jsonl(run / "times.jsonl", problems)
     if problems:
         return problems
 
-    after, after_txt = comparison(results, [f"{a}-grpo" for a in arms], names)
+    grpod = [f"{a}-grpo" for a in arms] + [f"{ECHO}-grpo"]  # the paper's comparison: every arm, and ECHO
+    after, after_txt = comparison(results, grpod, names)
     before, before_txt = comparison(results, arms + ["base"], names)
-    # what GRPO did to each arm: all tasks only (the per-kind blocks are in the tables above)
-    effect = {a: evaluate.compare([(names[m], results[m]) for m in (a, f"{a}-grpo")]) for a in arms}
+    # what GRPO did to each SFT checkpoint: all tasks only (the per-kind blocks are in the tables above)
+    effect = {m: evaluate.compare([(names[r], results[r]) for r in (init, m)]) for m, init in grpo_runs(st).items()
+              if init in results}
+    tstar, tstar_txt = tstar_section(results, probes, names)
+    lo, hi, half = halfwidth(after)
+    points = sweep_points(st) if sweep_arms else []
+    swept = evaluate.compare([(names[m], results[m]) for _, m in points]) if points else None
     evaluate.plot_compare(evaluate.compare([(names[m], r) for m, r in results.items()]), run / "pass_at_k.png")
     plot_runs(run / "grpo_curves.png", [("rollout/reward_mean", "mean reward"), ("train/entropy", "action-token entropy"),
-                                        ("train/kl_init", "KL from the SFT checkpoint")], {names[a]: grpo[a] for a in arms})
+                                        ("train/kl_init", "KL from the SFT checkpoint")],
+              {names[m]: g for m, g in grpo.items()})
+    arm_label = arm_labels(st)
     plot_runs(run / "geometry.png", [("probe/cos", "cos(g_act, g_obs) during SFT"), ("probe/r", "r = |g_obs| / |g_act|")],
-              {names[a]: geo[a] for a in arms})
+              {arm_label[a]: g for a, g in geo.items()})
+    if swept:
+        plot_sweep(run / "lambda_sweep.png", swept, [lam for lam, _ in points])
+    rl, rl_txt = rl_table(grpo, names)
     total = {}
     for t in times:
         total[t["stage"]] = total.get(t["stage"], 0) + t["seconds"]
@@ -369,36 +553,43 @@ def build(run):
     md = [f"# ActObs CPU ablation: {settings['stages'].get('mode', '?')} run", "",
           f"Commit {settings['git'][:10]}, started {settings['started']}, seed {st.get('seed')}. Settings of every stage: "
           "settings.json; each run dir has its own config.json.", "",
+          f"Resolution: on these {after['rows'][0]['tasks']} tasks × {attempts} attempts, the paired bootstrap 95% "
+          f"interval of the pass@1 difference {names[grpod[1]]} − {names[grpod[0]]} is [{100 * lo:+.1f}, {100 * hi:+.1f}] "
+          f"points: **half-width {100 * half:.1f} points** (the paper's effects: 1–4 points).", "",
           f"## pass@k on the evaluation split ({len(ev)} tasks × {attempts} attempts; held-out kind: "
           f"{', '.join(taskgen.HELDOUT_KINDS)})", "", overview(results, attempts, names), "",
           "pass@k in %, unbiased estimator over tasks; excluded = attempts lost to infrastructure failures (not counted). "
           "Plot: pass_at_k.png.", "",
-          f"## After the same GRPO ({names[arms[0] + '-grpo']} is the baseline [0])", "", "```", after_txt, "```", "",
+          f"## After the same GRPO ({names[grpod[0]]} is the baseline [0]; ECHO: GRPO from {names['actionsft']} with "
+          f"`{st['echo']}`)", "", "```", after_txt, "```", "",
+          f"## Temperature-matched {names['actionsft-grpo']}", "", tstar_txt, "",
           f"## Before GRPO: the SFT arms and the base model ({names[arms[0]]} is the baseline [0])", "", "```",
           before_txt, "```", ""]
-    for a in arms:
-        md += [f"## What GRPO did to {names[a]}", "", "```", evaluate.compare_table(effect[a]), "```", ""]
-    md += ["A difference whose 95% interval contains 0 is no evidence of a difference: report it as a null result.", "",
-           "## GRPO runs (grpo_curves.png; each run's own curves.png and log.jsonl)", "",
-           "| arm | steps | reward first → last | solve rate last | groups with signal (sum) | entropy first → last | KL from init last |",
-           "|---|---|---|---|---|---|---|"]
-    for a in arms:
-        g = grpo[a]
-        ent, kl = ([r[k] for r in g if k in r] for k in ("train/entropy", "train/kl_init"))  # steps that trained
-        md.append(f"| {names[a]} | {len(g)} | {g[0]['rollout/reward_mean']:.3f} → {g[-1]['rollout/reward_mean']:.3f} | "
-                  f"{g[-1]['rollout/solve_rate']:.3f} | {sum(r['rollout/groups_with_signal'] for r in g):.0f} | "
-                  + (f"{ent[0]:.3f} → {ent[-1]:.3f} | {kl[-1]:.2e} |" if ent else "no step trained | — |"))
-    md += ["", "## Gradient geometry during SFT (geometry.png; each arm's probe_geometry.png)", "",
+    for m, cmp in effect.items():
+        md += [f"## What GRPO did: {names[grpo_runs(st)[m]]} → {names[m]}", "", "```", evaluate.compare_table(cmp),
+               "```", ""]
+    md += ["A difference whose 95% interval contains 0 is no evidence of a difference: report it as a null result.", ""]
+    if swept:
+        md += [f"## The λ trade-off: SFT with λ × the observation loss, then the same GRPO ({names[points[0][1]]} is "
+               "the baseline [0])", "", sweep_table(swept, [lam for lam, _ in points]), "",
+               "Points and paired bootstrap 95% intervals over tasks. The paper: a larger λ "
+               "raises the pass@8 advantage and lowers pass@1's.", "", "![λ sweep](lambda_sweep.png)", ""]
+    md += ["## GRPO runs: entropy and KL from the SFT checkpoint during RL (each run's curves.png and log.jsonl)", "",
+           rl_txt, "", "![GRPO curves](grpo_curves.png)", "",
+           "## Gradient geometry during SFT (geometry.png; each arm's probe_geometry.png)", "",
            "| arm | cos(g_act, g_obs) first → last | r = ‖g_obs‖/‖g_act‖ first → last |", "|---|---|---|"]
-    for a in arms:
-        g = sorted(geo[a], key=lambda r: r["step"])
-        md.append(f"| {names[a]} | {g[0]['probe/cos']:.3f} → {g[-1]['probe/cos']:.3f} | {g[0]['probe/r']:.3f} → {g[-1]['probe/r']:.3f} |")
-    md += ["", "## Probes on held-out trajectories (probes/*.json and *.png)", "", probe_table(probes, run, names), "",
+    for a, g in geo.items():
+        g = sorted(g, key=lambda r: r["step"])
+        md.append(f"| {arm_label[a]} | {g[0]['probe/cos']:.3f} → {g[-1]['probe/cos']:.3f} | "
+                  f"{g[0]['probe/r']:.3f} → {g[-1]['probe/r']:.3f} |")
+    md += ["", "## Probes of the SFT checkpoints on held-out trajectories (probes/*.json and *.png)", "",
+           probe_table(probes, run, names), "",
            "## Wall time per stage (seconds, summed over the sessions of a resumed run)", "", "| stage | seconds |", "|---|---|"]
     md += [f"| {k} | {v} |" for k, v in total.items()] + [f"| **total** | {sum(total.values())} |", ""]
     (run / "REPORT.md").write_text("\n".join(md))
-    (run / "report.json").write_text(json.dumps({"after_grpo": after, "before_grpo": before,
-                                                 "grpo_effect": effect,
+    (run / "report.json").write_text(json.dumps({"after_grpo": after, "before_grpo": before, "grpo_effect": effect,
+                                                 "pass1_halfwidth": half, "tstar": tstar, "rl_time": rl,
+                                                 "lambda_sweep": swept and {"lambdas": [lam for lam, _ in points], **swept},
                                                  "summary": {m: r["summary"] for m, r in results.items()},
                                                  "stage_seconds": total}, indent=1))
     return []

@@ -5,7 +5,10 @@ from pathlib import Path
 
 import pytest
 
+import envs
+import evaluate
 import labels
+import taskgen
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 import report  # noqa: E402
@@ -67,41 +70,235 @@ def test_check_eval(tmp_path, case):
     assert len(problems) == (want is not None) and all(want in p for p in problems), problems
 
 
-def grpo_run(run, steps, bad_step=None, bare_step=None, trained=True):
-    """A GRPO run folder; bad_step logs a NaN loss, bare_step no training metrics (with train/optimizer_steps 0
-    unless trained: a step that trained and logged nothing is malformed)."""
-    d = run / "arm-grpo"
+def checkpoint(d):
     (d / "final").mkdir(parents=True)
     for f in report.WEIGHTS:
         (d / "final" / f).write_text("{}")
+
+
+def grpo_run(run, steps, bad_step=None, bare_step=None, trained=True, name="arm-grpo", init="arm", echo_coef=0.0,
+             entropy=(1.0,), kl=(0.0,)):
+    """A GRPO run folder from run/init/final; bad_step logs a NaN loss, bare_step no training metrics (with
+    train/optimizer_steps 0 unless trained: a step that trained and logged nothing is malformed). Step s logs
+    entropy[s - 1] and kl[s - 1] (the last value on) as k1, half of it as k3."""
+    d = run / name
+    checkpoint(d)
+    (d / "config.json").write_text(json.dumps({"args": {"init": str(run / init / "final"), "echo_coef": echo_coef}}))
     (d / "curves.png").write_bytes(b"")
-    rows = [{"step": s, "rollout/reward_mean": 0.5, "train/entropy": 1.0, "train/kl_init": 0.0,
+    rows = [{"step": s, "rollout/reward_mean": 0.5, "rollout/solve_rate": 0.5, "rollout/groups_with_signal": 1,
+             "train/entropy": entropy[min(s, len(entropy)) - 1], "train/kl_init": kl[min(s, len(kl)) - 1],
+             "train/kl_init_k3": kl[min(s, len(kl)) - 1] / 2,
              "train/loss": float("nan") if s == bad_step else 0.1} for s in range(1, steps + 1)]
     if bare_step:
-        rows[bare_step - 1] = {"step": bare_step, "rollout/reward_mean": 0.0, **({} if trained else {"train/optimizer_steps": 0})}
+        rows[bare_step - 1] = {"step": bare_step, "rollout/reward_mean": 0.0, "rollout/solve_rate": 0.0,
+                               "rollout/groups_with_signal": 0, **({} if trained else {"train/optimizer_steps": 0})}
     (d / "log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return rows
 
 
 @pytest.mark.parametrize("steps,bad_step,bare_step,trained,want", [
     (3, None, None, True, None), (2, None, None, True, "steps [1, 2], expected 1..3"),
     (3, 2, None, True, "step 2: not finite: train/loss"),
     (3, None, 2, False, None),  # no group with signal: no update, no training metrics
-    (3, None, 2, True, "step 2: not finite: train/entropy, train/kl_init, train/loss")])
+    (3, None, 2, True, "step 2: not finite: train/entropy, train/kl_init, train/kl_init_k3, train/loss")])
 def test_check_grpo(tmp_path, steps, bad_step, bare_step, trained, want):
     grpo_run(tmp_path, steps, bad_step, bare_step, trained)
     problems = []
-    report.check_grpo(tmp_path, "arm", 3, problems)
+    report.check_grpo(tmp_path, "arm-grpo", "arm", 3, 0.0, problems)
     assert len(problems) == (want is not None) and all(want in p for p in problems), problems
 
 
+@pytest.mark.parametrize("init,echo_coef", [("other", 0.05), ("arm", 0.0)])
+def test_check_grpo_names_the_recipe_it_ran(tmp_path, init, echo_coef):
+    """An ECHO run that trained without ECHO, or from another checkpoint, is not the ECHO arm."""
+    grpo_run(tmp_path, 2, init=init, echo_coef=echo_coef)
+    problems = []
+    report.check_grpo(tmp_path, "arm-grpo", "arm", 2, 0.05, problems)
+    assert len(problems) == 1 and f"with --echo-coef {echo_coef}; expected {tmp_path}/arm/final with 0.05" in problems[0]
+
+
+def test_rl_time_over_the_steps_that_trained(tmp_path):
+    rows = grpo_run(tmp_path, 4, bare_step=4, trained=False, entropy=(0.9, 0.6, 0.3), kl=(0.0, 0.02, 0.05))
+    assert report.rl_time(rows) == {"trained_steps": 3, "entropy_first": 0.9, "entropy_mean": pytest.approx(0.6),
+                                    "entropy_last": 0.3, "kl_end": 0.05, "kl_k3_end": 0.025}
+    assert report.rl_time(rows[3:]) == {"trained_steps": 0}
+
+
 def test_build_names_what_is_missing(tmp_path):
-    report.write_settings(tmp_path, ["arms=actionsft actobs", "corpus=--n-rl 2 --n-eval 2", "heldout_n=1",
-                                     "grpo=--steps 2", "eval=--attempts 2"])
+    report.write_settings(tmp_path, ["arms=actionsft actobs", "sweep_arms=lam0.5", "loss_lam0.5=--lam 0.5",
+                                     "corpus=--n-rl 2 --n-eval 2", "heldout_n=1", "grpo=--steps 2",
+                                     "echo=--echo-coef 0.05", "eval=--attempts 2"])
     problems = report.build(tmp_path)
     text = "\n".join(problems)
-    for piece in ("base/model", "corpus/sft.jsonl", "actobs/log.jsonl", "actionsft-grpo", "eval/actobs-grpo.json",
-                  "probes/kl.json", "times.jsonl"):
+    for piece in ("base/model", "corpus/sft.jsonl", "actobs/log.jsonl", "lam0.5/log.jsonl", "actionsft-grpo",
+                  "echo-grpo/config.json", "lam0.5-grpo", "eval/actobs-grpo.json", "eval/echo-grpo.json",
+                  "eval/lam0.5-grpo.json", "eval/actionsft-grpo-tstar.json", "probes/kl.json",
+                  "probes/tstar_actionsft-grpo.json", "times.jsonl"):
         assert piece in text, piece
+    assert "eval/lam0.5.json" not in text  # a λ-sweep arm is evaluated after GRPO only
+
+
+def test_build_names_missing_settings(tmp_path):
+    report.write_settings(tmp_path, ["arms=actionsft actobs", "grpo=--steps 2", "eval=--attempts 2"])  # no ECHO, no sweep
+    assert report.build(tmp_path) == [f"{tmp_path}/settings.json: no sweep_arms, corpus, heldout_n, echo (a run folder "
+                                      "of an older ablation.sh?)"]
+
+
+def test_settings_take_new_stages_and_more_sweep_arms_only(tmp_path):
+    base = ["arms=actionsft actobs", "loss_actobs=--lam 1", "grpo=--steps 2"]
+    report.write_settings(tmp_path, base[:2])  # a folder from before ECHO and the sweep: their settings are added
+    base += ["echo=--echo-coef 0.05"]
+    report.write_settings(tmp_path, base + ["sweep_arms="])
+    more = base + ["sweep_arms=lam0.5", "loss_lam0.5=--lam 0.5"]
+    report.write_settings(tmp_path, more)  # `--sweep` on a finished run: its arms are added
+    assert json.loads((tmp_path / "settings.json").read_text())["stages"]["sweep_arms"] == "lam0.5"
+    report.write_settings(tmp_path, more)
+    with pytest.raises(SystemExit, match="sweep_arms differ.*λ-sweep arms lam0.5"):
+        report.write_settings(tmp_path, base + ["sweep_arms="])
+    with pytest.raises(SystemExit, match=r"\(loss_actobs differ\)"):  # an arm's loss is not a sweep arm's
+        report.write_settings(tmp_path, base[:1] + ["loss_actobs=--lam 0.9", *base[2:], "sweep_arms=lam0.5",
+                                                    "loss_lam0.5=--lam 0.5"])
+    with pytest.raises(SystemExit, match=r"\(loss_lam0.5 differ\)"):
+        report.write_settings(tmp_path, base + ["sweep_arms=lam0.5", "loss_lam0.5=--lam 0.6"])
+    with pytest.raises(SystemExit, match=r"\(echo differ\)"):  # a stage's settings are never dropped
+        report.write_settings(tmp_path, base[:3] + ["sweep_arms=lam0.5", "loss_lam0.5=--lam 0.5"])
+
+
+# A complete synthetic run folder, what ablation.sh leaves: ActionSFT and ActObs, the λ = 0.5 sweep arm, ECHO, T*.
+# Per model, each evaluation task's two attempts' rewards (3 tasks; the first is the held-out kind's).
+REWARDS = {"actionsft-grpo": ((1, 0), (0, 0), (0, 0)), "actobs-grpo": ((1, 1), (1, 0), (0, 0)),
+           "lam0.5-grpo": ((1, 0), (1, 0), (0, 0)), "echo-grpo": ((0, 0), (1, 0), (0, 0)),
+           report.TSTAR: ((1, 1), (0, 0), (0, 0)), "actobs": ((0, 0), (1, 0), (0, 0))}
+T_STAR, T_EVAL = 0.7, 1.0
+ENTROPY = {"actionsft-grpo": (0.8, 0.5), "actobs-grpo": (0.9, 0.8), "lam0.5-grpo": (0.85, 0.7), "echo-grpo": (0.8, 0.6)}
+KL = {"actionsft-grpo": (0.01, 0.04), "actobs-grpo": (0.01, 0.02), "lam0.5-grpo": (0.01, 0.03),
+      "echo-grpo": (0.01, 0.05)}
+
+
+def synthetic_run(run, sweep=True):
+    sweep_arms = ["lam0.5"] if sweep else []
+    report.write_settings(run, ["mode=quick", "seed=0", "arms=actionsft actobs", f"sweep_arms={' '.join(sweep_arms)}",
+                                "loss_actionsft=--lam 0", "loss_actobs=--lam 1", *(["loss_lam0.5=--lam 0.5"] if sweep else []),
+                                "corpus=--n-sft 4 --n-rl 2 --n-eval 3", "heldout_n=1", "grpo=--steps 2",
+                                "echo=--echo-coef 0.05", "eval=--attempts 2"])
+    (run / "base" / "model").mkdir(parents=True)
+    for f in report.WEIGHTS:
+        (run / "base" / "model" / f).write_text("{}")
+    splits = taskgen.make_splits(4, 2, 3)
+    for split in ("rl", "eval"):
+        for spec in splits[split]:
+            taskgen.write_harbor(spec, run / "corpus" / split / spec.name, envs.BASE_IMAGE)
+    rows = [json.dumps({"task": spec.name, "conversations": [{"role": "user", "content": "hi"}]}) + "\n"
+            for spec in splits["sft"]]
+    (run / "corpus" / "sft.jsonl").write_text("".join(rows))
+    (run / "train.jsonl").write_text("".join(rows[:-1]))
+    (run / "heldout.jsonl").write_text(rows[-1])
+    for arm in ["actionsft", "actobs"] + sweep_arms:
+        checkpoint(run / arm)
+        geo = [{"step": s, "train/loss": 1.0, "probe/cos": 0.1 * s, "probe/r": 1.0} for s in (1, 2)]
+        (run / arm / "log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in geo))
+        (run / arm / "probe_geometry.png").write_bytes(b"")
+    for arm in ["actionsft", "actobs"] + sweep_arms:
+        grpo_run(run, 2, name=f"{arm}-grpo", init=arm, entropy=ENTROPY[f"{arm}-grpo"], kl=KL[f"{arm}-grpo"])
+    grpo_run(run, 2, name="echo-grpo", init="actionsft", echo_coef=0.05, entropy=ENTROPY["echo-grpo"], kl=KL["echo-grpo"])
+    tasks = report.task_names(run / "corpus" / "eval", [])
+    (run / "eval").mkdir()
+    for m in report.model_names(json.loads((run / "settings.json").read_text())["stages"]):
+        rewards = dict(zip(tasks, REWARDS.get(m, ((0, 0),) * 3)))
+        res = {"settings": {"attempts": 2, "model": str(report.checkpoint(run, m)),
+                            "temperature": T_STAR if m == report.TSTAR else T_EVAL},
+               "tasks": {t: {"kind": kind, "heldout": kind in taskgen.HELDOUT_KINDS,
+                             "attempts": [{"attempt": j, "reward": float(r), "failure": None, "turns": 3}
+                                          for j, r in enumerate(rewards[t])]} for t, kind in tasks.items()}}
+        res["summary"] = evaluate.summarize(res["tasks"], [1, 2])
+        (run / "eval" / f"{m}.json").write_text(json.dumps(res))
+        (run / "eval" / f"{m}.episodes.jsonl").write_text("".join(json.dumps({"task": t, "attempt": j}) + "\n"
+                                                                   for t in tasks for j in (0, 1)))
+    (run / "probes").mkdir()
+    sft = [str(run / a / "final") for a in ("actionsft", "actobs")]
+    probes = {"obs_nll": {p: {"obs_nll": 1.0, "wrapper_nll": 0.5, "payload_nll": 1.5} for p in sft},
+              "cmd_entropy": {p: {"entropy": {"1": 0.5, "2": None}} for p in sft}, "kl": {p: {"kl": 0.1} for p in sft},
+              "entropy_actobs-grpo": {"model": str(run / "actobs-grpo" / "final"), "temperature": T_EVAL, "entropy": 0.8},
+              "tstar_actionsft-grpo": {"model": str(run / "actionsft-grpo" / "final"), "target": 0.8, "t_star": T_STAR,
+                                       "trace": [[0.05, 0.1], [3.0, 2.0]]}}
+    for name, res in probes.items():
+        (run / "probes" / f"{name}.json").write_text(json.dumps(res))
+    (run / "times.jsonl").write_text(json.dumps({"stage": "base", "seconds": 3}) + "\n")
+    return tasks
+
+
+def pass1(model, tasks):
+    return [sum(REWARDS[model][i]) / 2 for i in range(len(tasks))]
+
+
+def test_build_reports_every_comparison(tmp_path):
+    tasks = synthetic_run(tmp_path)
+    assert report.build(tmp_path) == []
+    md = (tmp_path / "REPORT.md").read_text()
+    out = json.loads((tmp_path / "report.json").read_text())
+    # the header's half-width: the paired bootstrap of ActObs + GRPO - ActionSFT + GRPO in pass@1, computed here
+    lo, hi = evaluate.bootstrap_diff(pass1("actionsft-grpo", tasks), pass1("actobs-grpo", tasks))
+    assert out["pass1_halfwidth"] == pytest.approx((hi - lo) / 2)
+    assert f"**half-width {100 * (hi - lo) / 2:.1f} points**" in md and f"[{100 * lo:+.1f}, {100 * hi:+.1f}]" in md
+    # ECHO is a run of the after-GRPO comparison, and has its own what-GRPO-did block
+    assert out["after_grpo"]["runs"][-1] == "ActionSFT (λ=0) + GRPO + ECHO"
+    assert out["after_grpo"]["rows"][0]["pass"][-1] == pytest.approx(1 / 6)
+    assert "## What GRPO did: ActionSFT (λ=0) → ActionSFT (λ=0) + GRPO + ECHO" in md
+    assert set(out["grpo_effect"]) == {"actionsft-grpo", "actobs-grpo", "echo-grpo"}  # not λ=0.5: no SFT evaluation
+    # T*: ActionSFT + GRPO at T_EVAL, at T*, and ActObs + GRPO; at T* it solves the same one task, pass@1 +1/6
+    t = out["tstar"]
+    assert t["runs"] == ["ActionSFT (λ=0) + GRPO", "ActionSFT (λ=0) + GRPO at T*", "ActObs (λ=1) + GRPO"]
+    assert t["rows"][0]["diff"][1] == pytest.approx(1 / 6) and t["solved"] == [1, 1, 2]
+    assert "matches it at T* = 0.700" in md and "moves by at most 16.7 points and it solves +0 distinct tasks" in md
+    # the λ sweep: 0 (the baseline), 0.5, 1 in that order; pass@1 and pass@2 advantages with their intervals
+    sw = out["lambda_sweep"]
+    assert sw["lambdas"] == [0.0, 0.5, 1.0] and sw["runs"][1] == "λ=0.5 + GRPO"
+    assert sw["rows"][0]["diff"][1:] == pytest.approx([1 / 6, 1 / 3]) and sw["ks"] == [1, 2]
+    lo, hi = evaluate.bootstrap_diff(pass1("actionsft-grpo", tasks), pass1("lam0.5-grpo", tasks))
+    assert f"| 0.5 | λ=0.5 + GRPO | 33.3 | +16.7 [{100 * lo:+.1f}, {100 * hi:+.1f}] |" in md
+    assert (tmp_path / "lambda_sweep.png").stat().st_size > 0 and "![λ sweep](lambda_sweep.png)" in md
+    # RL time: entropy first / mean / last and the final KL of every GRPO run; the most entropy and least KL: ActObs
+    assert "| ActObs (λ=1) + GRPO | 2 (2) | 0.500 → 0.500 | 0.500 | 2 | 0.900 / 0.850 / 0.800 | 2.00e-02 / 1.00e-02 |" in md
+    assert "| ActionSFT (λ=0) + GRPO + ECHO | 2 (2) |" in md and "| λ=0.5 + GRPO | 2 (2) |" in md
+    assert "Most entropy kept during GRPO (mean over the trained steps): ActObs (λ=1) + GRPO; closest to its SFT " \
+           "checkpoint at the end (k3): ActObs (λ=1) + GRPO" in md
+    assert out["rl_time"]["echo-grpo"]["kl_end"] == 0.05 and "![GRPO curves](grpo_curves.png)" in md
+
+
+def test_build_without_a_sweep(tmp_path):
+    synthetic_run(tmp_path, sweep=False)
+    assert report.build(tmp_path) == []
+    assert "λ trade-off" not in (tmp_path / "REPORT.md").read_text() and not (tmp_path / "lambda_sweep.png").exists()
+    assert json.loads((tmp_path / "report.json").read_text())["lambda_sweep"] is None
+
+
+def _set(path, keys, value):
+    res = json.loads(path.read_text())
+    d = res
+    for k in keys[:-1]:
+        d = d[k]
+    d[keys[-1]] = value
+    path.write_text(json.dumps(res))
+
+
+# each broken output of the new stages, and the one problem it must be reported for
+NEW_STAGE_PROBLEMS = {
+    "echo without ECHO": (("echo-grpo/config.json", ("args", "echo_coef"), 0.0), "with --echo-coef 0.0; expected"),
+    "T* evaluated elsewhere": (("eval/actionsft-grpo-tstar.json", ("settings", "temperature"), 1.0),
+                               "evaluated at T = 1.0, the probe's T* is 0.7"),
+    "entropy at another T": (("probes/entropy_actobs-grpo.json", ("temperature",), 0.5),
+                             "at T = 0.5; expected {run}/actobs-grpo/final at its evaluation's T = 1.0"),
+    "T* of the SFT checkpoint": (("probes/tstar_actionsft-grpo.json", ("model",), "{run}/actionsft/final"),
+                                 "expected a number, of {run}/actionsft-grpo/final")}
+
+
+@pytest.mark.parametrize("case", NEW_STAGE_PROBLEMS)
+def test_build_flags_new_stages(tmp_path, case):
+    synthetic_run(tmp_path)
+    (path, keys, value), want = NEW_STAGE_PROBLEMS[case]
+    _set(tmp_path / path, keys, value.format(run=tmp_path) if isinstance(value, str) else value)
+    problems = report.build(tmp_path)
+    assert len(problems) == 1 and want.format(run=tmp_path) in problems[0], problems
 
 
 def test_limits_measure_the_expert_in_rollout_tokens(tmp_path, tiny_dir, synthetic):
