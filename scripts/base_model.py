@@ -96,9 +96,9 @@ def _hex(rng, n):
 
 
 def session_facts(seed, i):
-    """[(key, value)] the session's instruction names: 2-5 of FACTS, short and long."""
+    """[(key, value)] the session's instruction names: 3-6 of FACTS, short and long."""
     rng = random.Random(f"{seed}/facts/{i}")
-    return [(k, FACTS[k][0](rng)) for k in rng.sample(sorted(FACTS), rng.randint(2, 5))]
+    return [(k, FACTS[k][0](rng)) for k in rng.sample(sorted(FACTS), rng.randint(3, 6))]
 
 
 def session_instruction(seed, i):
@@ -142,10 +142,28 @@ def _file(rng, ext):
                        f"{rng.choice(['INFO', 'INFO', 'WARN', 'ERROR', 'DEBUG'])} {rng.choice(WORDS)}: "
                        f"id={_hex(rng, rng.randint(5, 10))} {_text(rng, 1)}"
                        for _ in range(rng.randint(3, 20)))
+    if ext in ("keys", "sha256", "env"):  # generated values: nothing but copying an earlier sight of them predicts them
+        return "".join({"keys": lambda: f"{_hex(rng, rng.choice([16, 24, 32]))}\n",
+                        "sha256": lambda: f"{_hex(rng, 64)}  {_stem(rng)}.{rng.choice(['tar.gz', 'bin', 'txt'])}\n",
+                        "env": lambda: f"{rng.choice(WORDS).upper()}_{rng.choice(['KEY', 'TOKEN', 'ID'])}={_hex(rng, rng.randint(8, 20))}\n"}[ext]()
+                       for _ in range(rng.randint(2, 6)))
     if ext == "py":
         w = rng.choice(WORDS)
         return f"import sys\n\n\ndef {w}(n):\n    return n * {rng.randint(2, 9)}\n\n\nprint({w}({rng.randint(1, 20)}))\n"
     return f"#!/bin/sh\necho {rng.choice(WORDS)} {rng.randint(1, 99)}\n"  # sh
+
+
+def _stem(rng):
+    """A file or folder name. Half are words (with a number), half carry random letters and digits that only
+    copying them from an earlier output can predict: what a real tree's hashed, dated and generated names ask."""
+    r = rng.random()
+    if r < 0.3:
+        return rng.choice(WORDS)
+    if r < 0.5:
+        return f"{rng.choice(WORDS)}_{rng.randint(1, 99)}"
+    if r < 0.75:
+        return f"{rng.choice(WORDS)}-{_hex(rng, rng.randint(3, 6))}"
+    return "".join(rng.choice("bcdfghjklmnprstvwz" if k % 2 == 0 else "aeiou0123456789") for k in range(rng.randint(4, 8)))
 
 
 def random_tree(rng, facts=()):
@@ -153,11 +171,14 @@ def random_tree(rng, facts=()):
     key is set to another value in one config file (the user's commands may set it to the instruction's), and a
     note or two mention the ticket, so that greps for the facts find something."""
     roots = rng.sample(ROOTS, rng.randint(1, 2))
-    dirs = [r for r in roots] + [f"{rng.choice(roots)}/{rng.choice(WORDS)}" for _ in range(rng.randint(1, 3))]
+    dirs = [r for r in roots] + [f"{rng.choice(roots)}/{_stem(rng)}" for _ in range(rng.randint(1, 3))]
     files = {}
     for _ in range(rng.randint(5, 16)):
         ext = rng.choice(["txt", "txt", "md", "csv", "json", "ini", "conf", "yaml", "log", "log", "py", "sh"])
-        files[f"{rng.choice(dirs)}/{rng.choice(WORDS)}{rng.choice(['', '_' + str(rng.randint(1, 9))])}.{ext}"] = ext
+        files[f"{rng.choice(dirs)}/{_stem(rng)}.{ext}"] = ext
+    for _ in range(rng.randint(1, 3)):  # a file of generated values: keys, checksums, an env file
+        ext = rng.choice(["keys", "sha256", "env"])
+        files[f"{rng.choice(dirs)}/{_stem(rng)}.{ext}"] = ext
     texts = {p: _file(rng, ext) for p, ext in sorted(files.items())}
     configs = [p for p, ext in sorted(files.items()) if ext in ("ini", "conf", "yaml")]
     for key, value in facts:
@@ -176,8 +197,10 @@ def session_tree(seed, i):
 
 
 def tree_ids(tree):
-    """The random ids the tree's files hold (log lines' id=...): values an output shows and a command may quote."""
-    return sorted({m for _, t, _ in tree for m in re.findall(r"\bid=([0-9a-f]+)", t)})
+    """The random ids the tree's files hold (log lines' id=..., keys, checksums, env values): values an output shows
+    and a command may quote."""
+    return sorted({m for _, t, _ in tree for m in re.findall(r"\bid=([0-9a-f]+)|^([0-9a-f]{16,64})\b|^[A-Z_]+=([0-9a-f]+)$",
+                                                              t, re.M) for m in m if m})
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -196,8 +219,16 @@ def _command(rng, tree, seen):
         return rng.choice([f"ls {d}", f"ls -l {d}", f"ls -R {rng.choice(dirs).rsplit('/', 1)[0] or '/'}",
                            f"find {d} -type f", f"find / -name '*.{ext}' -not -path '/proc/*' 2>/dev/null | head",
                            f"ls -la {d}"])
+    generated = [p for p in seen if p.rsplit(".", 1)[1] in ("keys", "sha256", "env")]
+    if generated and rng.random() < 0.3:  # show generated values, again and again: repeats that only copying predicts
+        g = rng.choice(generated)
+        return rng.choice([f"cat {g}", f"cat {g}", f"sort {g}", f"head -n 3 {g}", f"tail -n 2 {g}", f"cat -n {g}",
+                           f"cp {g} /tmp/ && cat /tmp/{os.path.basename(g)}", f"grep -v '^#' {g}"])
+    if rng.random() < 0.2:  # look again at a file already on screen: an output much of which repeats an earlier one
+        return rng.choice([f"cat {f}", f"head -n {n} {f}", f"grep -n {word} {f}", f"ls -l {d}", f"md5sum {f}"])
     choices = [
         f"cat {f}", f"head -n {n} {f}", f"tail -n {n} {f}", f"wc -l {f}", f"wc -w {f}", f"wc -c {d}/*",
+        f"md5sum {f}", f"sha1sum {d}/* | head -n {n}", f"cksum {f}", f"ls -i {d}",
         f"ls {d}", f"ls -l {d}", f"ls -lh {f}", f"stat -c '%a %s %n' {f}", f"file {f}" if rng.random() < 0.2 else f"du -sh {d}",
         f"grep -n {word} {f}", f"grep -c {word} {f}", f"grep -rl {word} {d}", f"grep -rn {word} {rng.choice(dirs)}",
         f"grep -i {word.upper()} {f}", f"grep -v {word} {f} | head -n {n}", f"grep -oiw {word} {f} | wc -l",
@@ -287,10 +318,11 @@ def user_policy(n_commands):
             return json.dumps({"analysis": "", "plan": "", "commands": [], "task_complete": True})
         shown = "\n".join(m["content"] for m in messages[1:] if m["role"] == "user")
         seen = [p for p, _, _ in tree if os.path.basename(p) in shown]
-        ids = [v for v in tree_ids(tree) if v in shown]
+        # Ids on screen: the logs' ids and the checksums md5sum / sha1sum printed.
+        ids = sorted({v for v in tree_ids(tree) if v in shown} | set(re.findall(r"^([0-9a-f]{32,40})  ", shown, re.M)))
         rng = random.Random(f"{seed}/cmd/{i}/{turn}")
-        # About half the commands quote a value: one of the instruction's facts or an id on screen.
-        cmds = [_quoting_command(rng, tree, seen, facts, ids) if turn and rng.random() < 0.5 else _command(rng, tree, seen)
+        # Most commands after the first look quote a value: one of the instruction's facts or an id on screen.
+        cmds = [_quoting_command(rng, tree, seen, facts, ids) if turn and rng.random() < 0.6 else _command(rng, tree, seen)
                 for _ in range(rng.choice([1, 1, 1, 2, 3]))]
         return json.dumps({"analysis": "", "plan": "", "task_complete": False,
                            "commands": [{"keystrokes": c + "\n", "duration": 2.0} for c in cmds]})
@@ -342,8 +374,10 @@ def value_events(conv):
 def copy_accuracy(model_dir, convs, max_len, events=value_events):
     """Exact copies of the values `events(conv)` finds (value_events' form) under greedy decoding, teacher-forced
     on the conversation's own text: a value counts as copied when every token of it is the model's argmax given
-    what precedes it (what greedy decoding of that reply would type). Values within the first max_len tokens;
-    by source and length (short: up to 6 characters)."""
+    what precedes it (what greedy decoding of that reply would type). "rest" counts the values whose tokens after
+    the first are all the argmax: a session's user often quotes one of several values, so its first token is a
+    choice and the rest is the copy. Values within the first max_len tokens; by source and length (short: up to
+    6 characters) -> {source: {"all" | "short" | "long": {"n", "exact", "rest"}}}."""
     from transformers import AutoModelForCausalLM
     tok = labels.load_tokenizer(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
@@ -362,18 +396,14 @@ def copy_accuracy(model_dir, convs, max_len, events=value_events):
             span = [t for t, (s0, s1) in enumerate(offsets) if s0 < b and s1 > a]
             if not span or span[-1] >= len(ids) - 1 or span[0] == 0:
                 continue
-            ok = all(pred[t - 1] == ids[t] for t in span)
-            key = f"{source}_{'short' if b - a <= 6 else 'long'}"
-            n, k = tally.get(key, (0, 0))
-            tally[key] = (n + 1, k + ok)
+            ok = [pred[t - 1] == ids[t] for t in span]
+            n, k, rest = tally.get((source, "short" if b - a <= 6 else "long"), (0, 0, 0))
+            tally[source, "short" if b - a <= 6 else "long"] = (n + 1, k + all(ok), rest + all(ok[1:]))
     out = {}
     for source in ("instruction", "output"):
-        n = sum(tally.get(f"{source}_{x}", (0, 0))[0] for x in ("short", "long"))
-        k = sum(tally.get(f"{source}_{x}", (0, 0))[1] for x in ("short", "long"))
-        out[source] = {"n": n, "exact": k / max(n, 1)}
-        for x in ("short", "long"):
-            n, k = tally.get(f"{source}_{x}", (0, 0))
-            out[source][x] = {"n": n, "exact": k / max(n, 1)}
+        rows = {x: tally.get((source, x), (0, 0, 0)) for x in ("short", "long")}
+        rows["all"] = tuple(map(sum, zip(rows["short"], rows["long"])))
+        out[source] = {x: {"n": n, "exact": k / max(n, 1), "rest": r / max(n, 1)} for x, (n, k, r) in rows.items()}
     return out
 
 
@@ -412,8 +442,8 @@ def main(argv=None):
     copy = copy_accuracy(out / "model", labels.read_trajectories(heldout)[0], args.max_len)
     (out / "metrics.json").write_text(json.dumps({"copy_accuracy": copy}, indent=2))
     print("copy accuracy (greedy, held-out sessions): " + " | ".join(
-        f"{s} {copy[s]['exact']:.1%} of {copy[s]['n']} (short {copy[s]['short']['exact']:.1%}, long "
-        f"{copy[s]['long']['exact']:.1%})" for s in copy) + f" -> {out / 'metrics.json'}")
+        f"{s} {c['all']['exact']:.1%} of {c['all']['n']} (after the first token {c['all']['rest']:.1%}; short "
+        f"{c['short']['exact']:.1%}, long {c['long']['exact']:.1%})" for s, c in copy.items()) + f" -> {out / 'metrics.json'}")
     return str(out / "model")
 
 

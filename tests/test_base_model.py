@@ -83,8 +83,8 @@ def test_build_records_pretrains_and_reuses(tmp_path, no_leftovers):
     held = [json.loads(line)["conversations"] for line in (out / "heldout.jsonl").read_text().splitlines()]
     assert len(held) == 2 and all("(session 0-4)" in c[0]["content"] or "(session 0-5)" in c[0]["content"] for c in held)
     copy = json.loads((out / "metrics.json").read_text())["copy_accuracy"]
-    assert copy["instruction"]["n"] > 0 and 0 <= copy["instruction"]["exact"] <= 1
-    assert copy["instruction"]["n"] == copy["instruction"]["short"]["n"] + copy["instruction"]["long"]["n"]
+    assert copy["instruction"]["all"]["n"] > 0 and 0 <= copy["instruction"]["all"]["exact"] <= copy["instruction"]["all"]["rest"] <= 1
+    assert copy["instruction"]["all"]["n"] == copy["instruction"]["short"]["n"] + copy["instruction"]["long"]["n"]
     # cached: the same settings reuse the model, others are refused
     assert base_model.main(["--out", str(out)] + TINY) == str(model_dir)
     with pytest.raises(ValueError, match="--lr"):
