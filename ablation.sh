@@ -36,7 +36,7 @@ done
 SEED=0
 ARMS=(actionsft actobs obs-then-act)  # SFT arms; the first is the baseline of every comparison in the report
 declare -A LOSS=([actionsft]="--lam 0" [actobs]="--lam 1" [obs-then-act]="--schedule obs-then-act")
-BASE=(--sessions 256 --heldout 16 --commands 16 --epochs 2 --batch-size 2 --lr 2e-3)      # scripts/base_model.py
+BASE=(--sessions 256 --heldout 16 --commands 20 --epochs 4 --batch-size 2 --lr 3e-3)      # scripts/base_model.py
 CORPUS=(--n-sft 576 --n-rl 32 --n-eval 18)                                                # envs.py corpus
 HELDOUT_N=32                                                                              # trajectories for the probes
 SFT=(--lr 2e-3 --warmup-ratio 0.05 --min-lr-ratio 0.1 --batch-size 4 --epochs 2 --max-len 3072 --micro-tokens 8192

@@ -70,6 +70,8 @@ def get_parser():
     p.add_argument("--init", required=True, help="HF checkpoint to start from (an sft.py final/ dir carries its chat template)")
     p.add_argument("--chat-template", default="native", help="'native' (the checkpoint's own), 'prefix', or a .jinja path")
     p.add_argument("--tasks", required=True, help="folder of Harbor task folders (e.g. the toy world's rl/ split)")
+    p.add_argument("--kinds", type=lambda v: v.split(","), metavar="KIND,...", help="train only on the tasks of "
+                   "these kinds (task.toml's [metadata] kind), e.g. the ones the policy solves sometimes")
     p.add_argument("--prompt-template", help="file with {instruction} and {terminal_state} (default: terminus.DEFAULT_PROMPT)")
     # rollouts
     p.add_argument("--tasks-per-step", type=int, default=32, help="groups per step (global, across ranks)")
@@ -424,17 +426,24 @@ def score(model, examples, args, pad_id, device, ctx):
 # The run
 
 # flags that fix the task set, the objective and the schedule: a resumed run must keep them
-RESUME_KEYS = ("init", "chat_template", "tasks", "prompt_template", "tasks_per_step", "group_size", "temperature",
+RESUME_KEYS = ("init", "chat_template", "tasks", "kinds", "prompt_template", "tasks_per_step", "group_size", "temperature",
                "max_turns", "max_new_tokens", "max_len", "clip", "clip_low", "clip_high", "ppo_epochs", "loss_norm",
                "scale_std", "dynamic_sampling", "overlong", "overlong_penalty", "tis_cap", "kl_coef", "echo_coef",
                "echo_payload_only", "steps", "lr", "weight_decay", "adam_betas", "adam_eps", "grad_clip", "seed", "network")
 
 
-def load_tasks(path):
-    """Every Harbor task folder (with a task.toml) under `path`, images built (cached), sorted by folder name."""
+def load_tasks(path, kinds=None):
+    """Every Harbor task folder (with a task.toml) under `path`, images built (cached), sorted by folder name;
+    with kinds, only the tasks whose [metadata] kind is one of them."""
     dirs = sorted(p.parent for p in Path(path).glob("*/task.toml"))
     if not dirs:
         raise ValueError(f"{path}: no task folders (*/task.toml); write the toy world's with `python envs.py corpus --out DIR` (DIR/rl)")
+    if kinds:
+        found = {d: envs.load_task(d, build=False).kind for d in dirs}
+        dirs = [d for d in dirs if found[d] in kinds]
+        if not dirs:
+            raise ValueError(f"{path}: no task of the kinds {', '.join(kinds)} (--kinds); its kinds are "
+                             f"{', '.join(sorted({str(k) for k in found.values()}))}")
     return [envs.load_task(d) for d in dirs]
 
 
@@ -606,7 +615,7 @@ def main(argv=None):
 
     tok = load_tokenizer(ckpt or args.init, "native" if ckpt else args.chat_template)
     template = terminus.load_template(args.prompt_template)
-    tasks = load_tasks(args.tasks)
+    tasks = load_tasks(args.tasks, args.kinds)
     use_bf16 = args.dtype == "bf16" or (args.dtype == "auto" and device.type == "cuda")
     ctx = torch.autocast(device.type, dtype=torch.bfloat16) if use_bf16 else nullcontext()
     raw = common.load_model(ckpt or args.init, device)

@@ -624,3 +624,16 @@ def test_end_to_end_killed_and_resumed(tmp_path, toy_tasks, vllm_dir, no_leftove
     assert weights(out / "step-000001").keys() == before.keys()
     assert all(torch.equal(before[k], v) for k, v in weights(out / "step-000001").items())
     assert (out / "curves.png").exists() and (out / "final" / "model.safetensors").exists()
+
+
+def test_load_tasks_keeps_the_kinds_asked_for(tmp_path, base_image):
+    # --kinds: the RL split's tasks of those kinds only (read from task.toml's [metadata]); a kind the folder does
+    # not have is an error that names the kinds it does have.
+    for spec in taskgen.make_splits(0, 0, 6, seed=3)["eval"]:
+        taskgen.write_harbor(spec, tmp_path / spec.name, base_image)
+    kinds = {t.name: t.kind for t in grpo.load_tasks(tmp_path)}
+    assert len(kinds) == 6 and len(set(kinds.values())) == 6
+    want = sorted(set(kinds.values()))[:2]
+    assert sorted(t.kind for t in grpo.load_tasks(tmp_path, want)) == want
+    with pytest.raises(ValueError, match="no task of the kinds nosuch .*" + want[0]):
+        grpo.load_tasks(tmp_path, ["nosuch"])
