@@ -117,6 +117,9 @@ def _text(rng, lines):
     return "\n".join(" ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 10))) for _ in range(lines)) + "\n"
 
 
+GENERATED = ("keys", "sha256", "env")  # file types that hold only generated values (keys, checksums, env secrets)
+
+
 def _file(rng, ext):
     """Content of a random file of one type."""
     if ext in ("txt", "md"):
@@ -142,7 +145,7 @@ def _file(rng, ext):
                        f"{rng.choice(['INFO', 'INFO', 'WARN', 'ERROR', 'DEBUG'])} {rng.choice(WORDS)}: "
                        f"id={_hex(rng, rng.randint(5, 10))} {_text(rng, 1)}"
                        for _ in range(rng.randint(3, 20)))
-    if ext in ("keys", "sha256", "env"):  # generated values: nothing but copying an earlier sight of them predicts them
+    if ext in GENERATED:  # generated values: nothing but copying an earlier sight of them predicts them
         return "".join({"keys": lambda: f"{_hex(rng, rng.choice([16, 24, 32]))}\n",
                         "sha256": lambda: f"{_hex(rng, 64)}  {_stem(rng)}.{rng.choice(['tar.gz', 'bin', 'txt'])}\n",
                         "env": lambda: f"{rng.choice(WORDS).upper()}_{rng.choice(['KEY', 'TOKEN', 'ID'])}={_hex(rng, rng.randint(8, 20))}\n"}[ext]()
@@ -167,7 +170,8 @@ def _stem(rng):
 
 
 def random_tree(rng, facts=()):
-    """[(absolute path, text, mode)]: 2-4 folders under one or two roots, 5-16 files of mixed types. Each fact's
+    """[(absolute path, text, mode)]: 2-4 folders under one or two roots, 5-16 files of mixed types and 1-3 of
+    generated values (GENERATED). Each fact's
     key is set to another value in one config file (the user's commands may set it to the instruction's), and a
     note or two mention the ticket, so that greps for the facts find something."""
     roots = rng.sample(ROOTS, rng.randint(1, 2))
@@ -177,7 +181,7 @@ def random_tree(rng, facts=()):
         ext = rng.choice(["txt", "txt", "md", "csv", "json", "ini", "conf", "yaml", "log", "log", "py", "sh"])
         files[f"{rng.choice(dirs)}/{_stem(rng)}.{ext}"] = ext
     for _ in range(rng.randint(1, 3)):  # a file of generated values: keys, checksums, an env file
-        ext = rng.choice(["keys", "sha256", "env"])
+        ext = rng.choice(GENERATED)
         files[f"{rng.choice(dirs)}/{_stem(rng)}.{ext}"] = ext
     texts = {p: _file(rng, ext) for p, ext in sorted(files.items())}
     configs = [p for p, ext in sorted(files.items()) if ext in ("ini", "conf", "yaml")]
@@ -219,7 +223,7 @@ def _command(rng, tree, seen):
         return rng.choice([f"ls {d}", f"ls -l {d}", f"ls -R {rng.choice(dirs).rsplit('/', 1)[0] or '/'}",
                            f"find {d} -type f", f"find / -name '*.{ext}' -not -path '/proc/*' 2>/dev/null | head",
                            f"ls -la {d}"])
-    generated = [p for p in seen if p.rsplit(".", 1)[1] in ("keys", "sha256", "env")]
+    generated = [p for p in seen if p.rsplit(".", 1)[1] in GENERATED]
     if generated and rng.random() < 0.3:  # show generated values, again and again: repeats that only copying predicts
         g = rng.choice(generated)
         return rng.choice([f"cat {g}", f"cat {g}", f"sort {g}", f"head -n 3 {g}", f"tail -n 2 {g}", f"cat -n {g}",
@@ -397,8 +401,9 @@ def copy_accuracy(model_dir, convs, max_len, events=value_events):
             if not span or span[-1] >= len(ids) - 1 or span[0] == 0:
                 continue
             ok = [pred[t - 1] == ids[t] for t in span]
-            n, k, rest = tally.get((source, "short" if b - a <= 6 else "long"), (0, 0, 0))
-            tally[source, "short" if b - a <= 6 else "long"] = (n + 1, k + all(ok), rest + all(ok[1:]))
+            key = (source, "short" if b - a <= 6 else "long")
+            n, k, rest = tally.get(key, (0, 0, 0))
+            tally[key] = (n + 1, k + all(ok), rest + all(ok[1:]))
     out = {}
     for source in ("instruction", "output"):
         rows = {x: tally.get((source, x), (0, 0, 0)) for x in ("short", "long")}
