@@ -412,6 +412,39 @@ def copy_accuracy(model_dir, convs, max_len, events=value_events):
     return out
 
 
+def repeats(gen, n, length, vocab):
+    """n rows of `length` random token ids from `vocab` (a 1-D tensor of ids) in which one segment of 8-32 ids
+    of the first half comes back at a random place of the second, so the offset between the two differs from row
+    to row -> (ids (n, length), labels (n, length): the repeat's ids after its first, -100 elsewhere). Only a copy
+    by content (find the earlier occurrence of the current token, type what followed it) predicts the labels;
+    a fixed look-back does not."""
+    ids = vocab[torch.randint(len(vocab), (n, length), generator=gen)]  # (n, length)
+    lab = torch.full_like(ids, -100)
+    half = length // 2
+    for row in range(n):
+        k = int(torch.randint(8, min(33, half), (), generator=gen))
+        src = int(torch.randint(0, half - k + 1, (), generator=gen))
+        dst = int(torch.randint(half, length - k + 1, (), generator=gen))
+        ids[row, dst:dst + k] = ids[row, src:src + k]
+        lab[row, dst + 1:dst + k] = ids[row, dst + 1:dst + k]
+    return ids, lab
+
+
+@torch.no_grad()
+def repeat_accuracy(model, vocab, n=64, length=128, seed=0):
+    """The share of `repeats` labels that are the model's argmax: 0 for a model without a copy by content."""
+    ids, lab = repeats(torch.Generator().manual_seed(seed), n, length, vocab)
+    pred = model(ids).logits[:, :-1].argmax(-1)  # (n, length - 1): the prediction of each next token
+    keep = lab[:, 1:] != -100
+    return (pred[keep] == lab[:, 1:][keep]).float().mean().item()
+
+
+def plain_ids(tok):
+    """The tokenizer's ids other than its special and added tokens (what `repeats` draws from)."""
+    special = set(tok.all_special_ids) | set(tok.get_added_vocab().values())
+    return torch.tensor([i for i in range(len(tok)) if i not in special])
+
+
 # ----------------------------------------------------------------------------------------------------------
 
 def main(argv=None):
@@ -445,10 +478,14 @@ def main(argv=None):
     if not (out / "model" / "config.json").exists():
         pretrain(args, data)
     copy = copy_accuracy(out / "model", labels.read_trajectories(heldout)[0], args.max_len)
-    (out / "metrics.json").write_text(json.dumps({"copy_accuracy": copy}, indent=2))
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(out / "model", dtype=torch.float32).eval()
+    repeat = repeat_accuracy(model, plain_ids(labels.load_tokenizer(out / "model")))
+    (out / "metrics.json").write_text(json.dumps({"copy_accuracy": copy, "repeat_accuracy": repeat}, indent=2))
     print("copy accuracy (greedy, held-out sessions): " + " | ".join(
         f"{s} {c['all']['exact']:.1%} of {c['all']['n']} (after the first token {c['all']['rest']:.1%}; short "
-        f"{c['short']['exact']:.1%}, long {c['long']['exact']:.1%})" for s, c in copy.items()) + f" -> {out / 'metrics.json'}")
+        f"{c['short']['exact']:.1%}, long {c['long']['exact']:.1%})" for s, c in copy.items())
+          + f" | a repeated segment of random tokens {repeat:.1%} -> {out / 'metrics.json'}")
     return str(out / "model")
 
 

@@ -61,6 +61,26 @@ def test_commands_quote_the_instructions_values_and_earlier_outputs():
     assert base_model.value_events(conv) == [(1, 5, 5 + len(v), "instruction")]
 
 
+def test_repeats_reward_a_copy_by_content_and_not_a_fixed_look_back():
+    ids, lab = base_model.repeats(torch.Generator().manual_seed(0), 64, 128, torch.arange(300, 4000))
+    rows, cols = torch.nonzero(lab != -100, as_tuple=True)
+    assert len(rows) > 64 * 6 and (lab[lab != -100] == ids[lab != -100]).all()
+
+    def by_content(r, t):  # what followed the latest earlier occurrence of the previous token
+        seen = (ids[r, :t - 2] == ids[r, t - 1]).nonzero()
+        return ids[r, seen[-1] + 1].item() if len(seen) else -1
+    assert sum(by_content(r, t) == ids[r, t] for r, t in zip(rows.tolist(), cols.tolist())) / len(rows) > 0.95
+    offsets = {o: sum(ids[r, t - o] == ids[r, t] for r, t in zip(rows.tolist(), cols.tolist())) / len(rows)
+               for o in range(8, 128)}
+    assert max(offsets.values()) < 0.2, max(offsets.items(), key=lambda kv: kv[1])  # no look-back does it
+    # a random model does not copy: the probe reads ~0 until a copy circuit is learnt
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(Qwen3Config(vocab_size=4096, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=1, head_dim=16)).eval()
+    assert base_model.repeat_accuracy(model, torch.arange(300, 4000), n=8) < 0.05
+
+
 @pytest.mark.slow
 def test_build_records_pretrains_and_reuses(tmp_path, no_leftovers):
     out = tmp_path / "base"
@@ -85,6 +105,7 @@ def test_build_records_pretrains_and_reuses(tmp_path, no_leftovers):
     copy = json.loads((out / "metrics.json").read_text())["copy_accuracy"]
     assert copy["instruction"]["all"]["n"] > 0 and 0 <= copy["instruction"]["all"]["exact"] <= copy["instruction"]["all"]["rest"] <= 1
     assert copy["instruction"]["all"]["n"] == copy["instruction"]["short"]["n"] + copy["instruction"]["long"]["n"]
+    assert 0 <= json.loads((out / "metrics.json").read_text())["repeat_accuracy"] <= 1
     # cached: the same settings reuse the model, others are refused
     assert base_model.main(["--out", str(out)] + TINY) == str(model_dir)
     with pytest.raises(ValueError, match="--lr"):
