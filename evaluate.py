@@ -425,6 +425,11 @@ def vllm_rollout(args, session):
     """grpo's engine and rollout (imported here: the tables and compare need neither torch nor vLLM)."""
     import grpo
     import torch
+    if not torch.cuda.is_available():
+        # vLLM serves with one intra-op thread (vllm.utils.torch_utils: a multi-threaded op leaves its threads
+        # spin-waiting, taking the cores the sandboxes and the step's serial code need), but in this process its
+        # CPU worker has replaced torch.set_num_threads by the time it asks: ask first. No trainer shares it here.
+        torch.set_num_threads(1)
     engine = grpo.make_engine(args.model, max_model_len=args.max_len, seed=args.seed, dtype=args.dtype,
                               gpu_memory=args.gpu_memory)
     tokenizer = labels.load_tokenizer(args.model, "native")  # the template the checkpoint was trained with

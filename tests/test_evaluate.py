@@ -374,5 +374,6 @@ def test_end_to_end_tiny_checkpoint_with_vllm(vllm_dir, tmp_path, base_image, no
     assert took["attempts"] == 8 and took["generated"] == sum(a["generated"] for e in saved["tasks"].values()
                                                                for a in e["attempts"])
     assert took["bound"]["dtype"] == "float32" and took["bound"]["matmul_flop_s"] > 1e8
+    assert took["bound"]["threads"] == 1  # the CPU engine serves with one intra-op thread, as vLLM means to
     assert 0 < took["engine_busy_frac"] <= 1 and took["bound"]["flops"] > 0
     assert evaluate.main(argv)["tasks"] == res["tasks"]  # complete: a second run has nothing left to do
