@@ -425,26 +425,32 @@ def vllm_rollout(args, session):
     """grpo's engine and rollout (imported here: the tables and compare need neither torch nor vLLM)."""
     import grpo
     import torch
-    if not torch.cuda.is_available():
-        # vLLM serves with one intra-op thread (vllm.utils.torch_utils: a multi-threaded op leaves its threads
-        # spin-waiting, taking the cores the sandboxes and the step's serial code need), but in this process its
-        # CPU worker has replaced torch.set_num_threads by the time it asks: ask first. No trainer shares it here.
-        torch.set_num_threads(1)
     engine = grpo.make_engine(args.model, max_model_len=args.max_len, seed=args.seed, dtype=args.dtype,
                               gpu_memory=args.gpu_memory)
     tokenizer = labels.load_tokenizer(args.model, "native")  # the template the checkpoint was trained with
     template = terminus.load_template(args.prompt_template)
 
     def rollout(tasks, on_episode, stats):
-        # Each episode samples with a seed from (seed, its index in `tasks`): a resumed session gets another seed,
-        # so its first attempts do not replay the random streams of the first session's.
-        episodes = grpo.rollout(engine, tokenizer, tasks, temperature=args.temperature, max_turns=args.max_turns,
-                                max_new_tokens=args.max_new_tokens, max_len=args.max_len, concurrency=args.concurrency,
-                                template=template, seed=args.seed + session, on_episode=on_episode, stats=stats,
-                                network=args.network, keep_agent=args.keep_agent_processes, second_try=args.second_try)
-        mc = engine.llm_engine.model_config  # what time_breakdown's FLOP bound needs, measured with the engine's threads
-        stats.update(config=mc.hf_text_config.to_dict(), dtype=str(mc.dtype).removeprefix("torch."),
-                     threads=torch.get_num_threads(), matmul_flop_s=matmul_flop_s(mc.dtype))
+        # The CPU engine serves with one intra-op thread, as vLLM means to (vllm.utils.torch_utils: a
+        # multi-threaded op leaves its threads spin-waiting, taking the cores the sandboxes and the step's serial
+        # code need); its call is lost in process, where its CPU worker has already made torch.set_num_threads a
+        # no-op. torch._C's is the same function, untouched; the caller's threads come back after.
+        threads = torch.get_num_threads()
+        if not torch.cuda.is_available():
+            torch._C.set_num_threads(1)
+        try:
+            # Each episode samples with a seed from (seed, its index in `tasks`): a resumed session gets another
+            # seed, so its first attempts do not replay the random streams of the first session's.
+            episodes = grpo.rollout(engine, tokenizer, tasks, temperature=args.temperature, max_turns=args.max_turns,
+                                    max_new_tokens=args.max_new_tokens, max_len=args.max_len,
+                                    concurrency=args.concurrency, template=template, seed=args.seed + session,
+                                    on_episode=on_episode, stats=stats, network=args.network,
+                                    keep_agent=args.keep_agent_processes, second_try=args.second_try)
+            mc = engine.llm_engine.model_config  # what time_breakdown's FLOP bound needs, at the engine's threads
+            stats.update(config=mc.hf_text_config.to_dict(), dtype=str(mc.dtype).removeprefix("torch."),
+                         threads=torch.get_num_threads(), matmul_flop_s=matmul_flop_s(mc.dtype))
+        finally:
+            torch._C.set_num_threads(threads)
         return episodes
     return rollout
 
