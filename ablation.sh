@@ -46,7 +46,7 @@ SFT=(--lr 2e-3 --warmup-ratio 0.05 --min-lr-ratio 0.1 --batch-size 4 --epochs 2 
 # live episode, so 32 sandboxes at once cost little more per step than 8.
 GRPO=(--steps 4 --tasks-per-step 4 --group-size 8 --lr 1e-5 --max-turns 10 --max-new-tokens 384 --max-len 4096
       --concurrency 32 --save-every 4 --keep 1 --kv-cache-gb 1)                            # grpo.py, all arms
-EVAL=(--attempts 16 --max-turns 10 --max-new-tokens 384 --max-len 4096 --concurrency 32) # evaluate.py, all models
+EVAL=(--attempts 16 --max-turns 10 --max-new-tokens 384 --max-len 4096 --concurrency 64) # evaluate.py, all models
 PROBE=(--n 32 --max-len 3072)                                                             # probes.py
 SAMPLE=(--max-new-tokens 128)                                                             # probes' own samples
 if [ $MODE = quick ]; then

@@ -185,6 +185,17 @@ def build_tiny(out_dir, texts, vocab_size=4096, hidden=256, layers=4, heads=4, k
     return str(out_dir)
 
 
+def forward_flops(cfg, context):
+    """FLOPs of one token's forward pass through a dense decoder (the Qwen3 / Llama form; cfg: its Hugging Face
+    config as a dict) attending to `context` earlier tokens: 2 per weight of the matmuls (attention projections,
+    MLP, the head; the embedding lookup costs none) and 4 per attention dimension and layer for each attended
+    token (the scores and the weighted values). A training step costs 3 times this (the backward pass: twice)."""
+    d, L, heads = cfg["hidden_size"], cfg["num_hidden_layers"], cfg["num_attention_heads"]
+    head_dim = cfg.get("head_dim") or d // heads
+    weights = L * (2 * d * head_dim * (heads + cfg["num_key_value_heads"]) + 3 * d * cfg["intermediate_size"])
+    return 2 * (weights + cfg["vocab_size"] * d) + 4 * L * heads * head_dim * context
+
+
 # ----------------------------------------------------------------------------------------------------------
 # Distributed set-up, the optimizer step
 

@@ -111,8 +111,8 @@ def ks_up_to(n):
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Results: {"settings", "configs": [common.run_config of each session], "tasks": {name: {"path", "kind", "heldout",
-# "attempts": [record]}}, "summary"}
+# Results: {"settings", "configs": [common.run_config of each session, with "time": its time_breakdown once it
+# ran attempts], "tasks": {name: {"path", "kind", "heldout", "attempts": [record]}}, "summary"}
 
 def reward_of(a, first=False):
     """An attempt's reward; first: before aider's second try (--second-try), when it had one."""
@@ -295,6 +295,74 @@ def plot_compare(cmp, png):
 
 
 # ----------------------------------------------------------------------------------------------------------
+# Where an evaluation's time goes
+
+# An attempt's seconds by phase (envs.Episode.timings; its record keeps them), and what the breakdown calls them.
+PHASES = {"start_s": "sandbox start", "env_s": "terminal steps", "policy_s": "policy wait", "verify_s": "verification"}
+
+
+def matmul_flop_s(dtype, n=1024, reps=5):
+    """FLOP/s of an (n, n) @ (n, n) matmul in this process, with its threads and the engine's dtype: the best of
+    reps after a warm-up, the most a model's matmuls can do here."""
+    import torch
+    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+    a @ b
+    best = math.inf
+    for _ in range(reps):
+        t = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - t)
+    return 2 * n ** 3 / best
+
+
+def time_breakdown(records, stats, setup_s):
+    """Where a session's time went. records: the attempt records it produced; stats: envs.run_episodes' wall_s
+    and policy_s (the engine inside its steps), and, from a model, its config, dtype, threads and matmul_flop_s;
+    setup_s: the time before the first attempt started (images, engine). Phase seconds are summed over attempts,
+    which overlap: a sum over the wall is how many attempts were in that phase at once, on average. The FLOP
+    bound counts every token of an episode once (its prompt and observations prefilled through the prefix
+    cache, its replies decoded) at the matmul rate: the time that work takes at best, and the generated tokens/s
+    that allows."""
+    import common
+    n, wall = max(len(records), 1), stats["wall_s"]
+    phases = {**{k: sum(a[k] for a in records) for k in PHASES}, "attempt_s": sum(a["wall_s"] for a in records)}
+    generated = sum(a["generated"] for a in records)
+    out = {"setup_s": setup_s, "wall_s": wall, "attempts": len(records),
+           "phases": {k: {"sum_s": v, "mean_s": v / n, "at_once": v / wall} for k, v in phases.items()},
+           "turns_mean": sum(a["turns"] for a in records) / n, "generated": generated,
+           "gen_tok_s": generated / wall, "engine_busy_frac": stats["policy_s"] / wall,
+           "engine_tok_s": generated / max(stats["policy_s"], 1e-9)}
+    if "config" in stats:
+        # an episode of T tokens: sum over positions p < T of forward_flops(p), linear in p: T * forward_flops((T-1)/2)
+        flops = sum(a["tokens"] * common.forward_flops(stats["config"], (a["tokens"] - 1) / 2) for a in records)
+        compute_s = flops / stats["matmul_flop_s"]
+        out["bound"] = {k: stats[k] for k in ("dtype", "threads", "matmul_flop_s")} | {
+            "tokens": sum(a["tokens"] for a in records), "flops": flops, "compute_s": compute_s,
+            "gen_tok_s": generated / max(compute_s, 1e-9), "of_wall": compute_s / wall,
+            "of_busy": compute_s / max(stats["policy_s"], 1e-9)}
+    return out
+
+
+def breakdown_text(b):
+    lines = [f"time: {b['attempts']} attempts in {b['wall_s']:.0f}s (after {b['setup_s']:.0f}s of setup: images, "
+             f"engine); the engine was busy {100 * b['engine_busy_frac']:.0f}% of the wall",
+             f"  {'seconds per phase':20} {'sum':>8} {'mean':>7} {'at once':>8}"]
+    for k, label in (*PHASES.items(), ("attempt_s", "attempt (all)")):
+        p = b["phases"][k]
+        lines.append(f"  {label:20} {p['sum_s']:8.1f} {p['mean_s']:7.2f} {p['at_once']:8.1f}")
+    lines.append(f"  {b['turns_mean']:.1f} turns per attempt | {b['generated']:,} tokens generated: "
+                 f"{b['gen_tok_s']:.0f} tok/s over the wall, {b['engine_tok_s']:.0f} over the engine's busy time")
+    if "bound" in b:
+        x = b["bound"]
+        lines.append(f"  FLOP bound: {x['flops'] / 1e9:,.1f} GFLOP for the {x['tokens']:,} tokens at the matmul's "
+                     f"{x['matmul_flop_s'] / 1e9:.1f} GFLOP/s ({x['dtype']}, threads {x['threads']}): "
+                     f"{x['compute_s']:.1f}s of compute,")
+        lines.append(f"  {x['gen_tok_s']:.0f} generated tok/s at best; the run reached {100 * x['of_wall']:.0f}% of "
+                     f"it over the wall, {100 * x['of_busy']:.0f}% while the engine was busy")
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------------------------------------
 # Running an evaluation
 
 def task_dirs(paths):
@@ -318,10 +386,11 @@ def save_results(path, results):
 
 
 def attempt_record(attempt, ep):
-    """tokens: the episode's token sequence (prompt, replies, observations); generated: the sampled ones."""
+    """tokens: the episode's token sequence (prompt, replies, observations); generated: the sampled ones; wall_s
+    and the PHASES: its seconds (an image that did not build: none)."""
     rec = {"attempt": attempt, "reward": ep.reward, "turns": ep.turns, "tokens": len(ep.token_ids),
            "generated": sum(r == labels.ACTION for r in ep.roles), "wall_s": round(ep.timings.get("total_s", 0.0), 3),
-           "failure": ep.failure, "error": ep.error[-1000:]}
+           **{k: round(ep.timings.get(k, 0.0), 3) for k in PHASES}, "failure": ep.failure, "error": ep.error[-1000:]}
     if ep.needs_network:
         rec["needs_network"] = ep.needs_network
     if ep.first_reward is not None:
@@ -355,24 +424,42 @@ def open_results(path, settings):
 def vllm_rollout(args, session):
     """grpo's engine and rollout (imported here: the tables and compare need neither torch nor vLLM)."""
     import grpo
+    import torch
     engine = grpo.make_engine(args.model, max_model_len=args.max_len, seed=args.seed, dtype=args.dtype,
                               gpu_memory=args.gpu_memory)
     tokenizer = labels.load_tokenizer(args.model, "native")  # the template the checkpoint was trained with
     template = terminus.load_template(args.prompt_template)
 
-    def rollout(tasks, on_episode):
-        # Each episode samples with a seed from (seed, its index in `tasks`): a resumed session gets another seed,
-        # so its first attempts do not replay the random streams of the first session's.
-        return grpo.rollout(engine, tokenizer, tasks, temperature=args.temperature, max_turns=args.max_turns,
-                            max_new_tokens=args.max_new_tokens, max_len=args.max_len, concurrency=args.concurrency,
-                            template=template, seed=args.seed + session, on_episode=on_episode, network=args.network,
-                            keep_agent=args.keep_agent_processes, second_try=args.second_try)
+    def rollout(tasks, on_episode, stats):
+        # The CPU engine serves with one intra-op thread, as vLLM means to (vllm.utils.torch_utils: a
+        # multi-threaded op leaves its threads spin-waiting, taking the cores the sandboxes and the step's serial
+        # code need); its call is lost in process, where its CPU worker has already made torch.set_num_threads a
+        # no-op. torch._C's is the same function, untouched; the caller's threads come back after.
+        threads = torch.get_num_threads()
+        if not torch.cuda.is_available():
+            torch._C.set_num_threads(1)
+        try:
+            # Each episode samples with a seed from (seed, its index in `tasks`): a resumed session gets another
+            # seed, so its first attempts do not replay the random streams of the first session's.
+            episodes = grpo.rollout(engine, tokenizer, tasks, temperature=args.temperature, max_turns=args.max_turns,
+                                    max_new_tokens=args.max_new_tokens, max_len=args.max_len,
+                                    concurrency=args.concurrency, template=template, seed=args.seed + session,
+                                    on_episode=on_episode, stats=stats, network=args.network,
+                                    keep_agent=args.keep_agent_processes, second_try=args.second_try)
+            mc = engine.llm_engine.model_config  # what time_breakdown's FLOP bound needs, at the engine's threads
+            stats.update(config=mc.hf_text_config.to_dict(), dtype=str(mc.dtype).removeprefix("torch."),
+                         threads=torch.get_num_threads(), matmul_flop_s=matmul_flop_s(mc.dtype))
+        finally:
+            torch._C.set_num_threads(threads)
+        return episodes
     return rollout
 
 
 def evaluate(args, rollout=None):
-    """Run the attempts the results file does not have yet. rollout(tasks, on_episode) -> episodes, calling
-    on_episode(i, episode) as each finishes; default: grpo's vLLM rollout on args.model."""
+    """Run the attempts the results file does not have yet. rollout(tasks, on_episode, stats) -> episodes, calling
+    on_episode(i, episode) as each finishes and filling stats as envs.run_episodes does (time_breakdown reads
+    them); default: grpo's vLLM rollout on args.model. The session's time breakdown goes in its configs entry."""
+    t_begin = time.time()
     args.out.parent.mkdir(parents=True, exist_ok=True)
     results = open_results(args.out, settings_of(args))
     paths = task_dirs(args.tasks)
@@ -407,6 +494,7 @@ def evaluate(args, rollout=None):
         from tqdm import tqdm
         rollout = rollout or vllm_rollout(args, len(results["configs"]) - 1)
         lock, t0, bar, outcomes = threading.Lock(), time.time(), tqdm(total=len(jobs), desc="attempts"), Counter()
+        ran, stats = [], {}  # this session's attempt records, the rollout's stats
         transcripts = open(args.transcripts, "a") if args.transcripts else None
 
         def on_episode(i, ep):
@@ -418,18 +506,20 @@ def evaluate(args, rollout=None):
                                                   "conversations": ep.messages}) + "\n")
                     transcripts.flush()
                 results["tasks"][name]["attempts"].append(rec)
+                ran.append(rec)
                 results["tasks"][name]["attempts"].sort(key=lambda a: a["attempt"])
                 save_results(args.out, results)
                 outcomes[ep.failure or ("solved" if ep.reward >= 1.0 else "failed")] += 1
                 bar.set_postfix(outcomes)
                 bar.update()
         try:
-            rollout([task for _, _, task in jobs], on_episode)
+            rollout([task for _, _, task in jobs], on_episode, stats)
         finally:
             bar.close()
             if transcripts:
                 transcripts.close()
-        print(f"{len(jobs)} attempts in {time.time() - t0:.0f}s")
+        results["configs"][-1]["time"] = time_breakdown(ran, stats, t0 - t_begin)
+        print(breakdown_text(results["configs"][-1]["time"]))
     results["summary"] = summarize(results["tasks"], ks_up_to(args.attempts))
     if args.second_try:  # the summary's pass@k is the final one; the first try's apart
         results["summary"]["first_try"] = summarize(results["tasks"], ks_up_to(args.attempts), first=True)["pass@k"]

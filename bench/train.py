@@ -6,8 +6,9 @@ log.jsonl. Nothing is downloaded: the tokenizer is trained here, the weights are
     python -m bench.train                                  # one GPU: Qwen3-4B config, 16k-token trajectories
     python -m bench.train --config tiny --seq-len 2048     # CPU smoke run of the same path
 
-MFU = (6 N + 12 L d T) tokens/s / peak FLOP/s, N = non-embedding params, L layers, d hidden size, T sequence
-length (the attention term); peak defaults to an H100/H200's dense bf16 989 TFLOP/s.
+MFU = (6 N + 12 L a T) tokens/s / peak FLOP/s (common.forward_flops, times 3), N = the matmul weights (the head
+included, the embedding lookup not), L layers, a attention heads x head dim, T sequence length (the attention
+term); peak defaults to an H100/H200's dense bf16 989 TFLOP/s.
 """
 import argparse
 import json
@@ -72,10 +73,7 @@ def main(argv=None):
     rows = [json.loads(x) for x in (out / "run" / "log.jsonl").read_text().splitlines()]
     rows = [r for r in rows if "train/tok_per_s" in r][2:]  # the first steps include compilation and allocator warm-up
     tok_s = sum(r["train/tokens"] for r in rows) / sum(r["train/step_s"] for r in rows)
-    d, L, V = cfg["hidden_size"], cfg["num_hidden_layers"], cfg["vocab_size"]
-    n_body = L * (d * cfg["head_dim"] * (cfg["num_attention_heads"] * 2 + cfg["num_key_value_heads"] * 2)
-                  + 3 * d * cfg["intermediate_size"])
-    flops_per_tok = 6 * (n_body + V * d) + 12 * L * d * args.seq_len
+    flops_per_tok = 3 * common.forward_flops(cfg, args.seq_len)  # forward and backward at full context
     mfu = flops_per_tok * tok_s / (args.peak_tflops * 1e12)
     peak = max((r.get("train/peak_mem_gb", 0.0) for r in rows), default=0.0)
     print(f"{args.config} | seq {args.seq_len} | {len(rows)} timed steps | {tok_s:,.0f} tok/s | MFU {mfu:.1%} "

@@ -1,6 +1,6 @@
 """evaluate.py: the pass@k estimator against exact rationals, the tables and the comparison on synthetic results
-with known answers, the bootstrap interval, infrastructure failures, resume (real sandboxes, the scripted expert
-as the policy) and an end-to-end evaluation with real vLLM."""
+with known answers, the bootstrap interval, infrastructure failures, the time breakdown and its FLOP count,
+resume (real sandboxes, the scripted expert as the policy) and an end-to-end evaluation with real vLLM."""
 import json
 import math
 from fractions import Fraction
@@ -8,6 +8,7 @@ from fractions import Fraction
 import numpy as np
 import pytest
 
+import common
 import envs
 import evaluate
 import taskgen
@@ -58,7 +59,7 @@ def test_mean_pass_at_k_skips_tasks_with_too_few_attempts():
 
 def attempt(i, reward, failure=None):
     return {"attempt": i, "reward": float(reward), "turns": 3, "tokens": 900, "generated": 300, "wall_s": 1.0,
-            "failure": failure, "error": ""}
+            "start_s": 0.2, "env_s": 0.1, "policy_s": 0.6, "verify_s": 0.05, "failure": failure, "error": ""}
 
 
 def results(tasks, attempts=4):
@@ -181,6 +182,54 @@ def test_compare_by_kind_and_changed_settings(tmp_path, capsys):
     assert "differ in more than the model: temperature" in blocks[0]
 
 
+# ----------------------------------------------------------------------------------------------------------
+# Where the time goes
+
+TINY = dict(hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            head_dim=24, vocab_size=300, tie_word_embeddings=True)  # heads x head_dim (96) != hidden: both count
+
+
+def test_forward_flops_match_torchs_flop_counter():
+    # A forward pass of T tokens computes the full (T, T) attention matrices (the causal mask zeroes, it does not
+    # skip), so torch counts T * forward_flops(T): every matmul weight twice per token, attention at context T.
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+    model = Qwen3ForCausalLM(Qwen3Config(**TINY, attn_implementation="eager")).eval()
+    T = 37
+    with torch.no_grad(), FlopCounterMode(display=False) as counter:
+        model(input_ids=torch.randint(0, TINY["vocab_size"], (1, T)))
+    assert counter.get_total_flops() == T * common.forward_flops(TINY, T)
+    linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))  # the head included
+    assert common.forward_flops(TINY, 0) == 2 * linear
+
+
+def test_time_breakdown_known_answers():
+    recs = [attempt(0, 1), attempt(1, 0), {**attempt(2, 0), "turns": 6, "tokens": 1, "generated": 0, "wall_s": 4.0}]
+    stats = {"wall_s": 2.0, "policy_s": 1.5, "config": TINY, "dtype": "float32", "threads": 1, "matmul_flop_s": 1e9}
+    b = evaluate.time_breakdown(recs, stats, setup_s=7.0)
+    assert (b["attempts"], b["wall_s"], b["setup_s"], b["generated"]) == (3, 2.0, 7.0, 600)
+    assert b["phases"]["policy_s"] == {"sum_s": pytest.approx(1.8), "mean_s": pytest.approx(0.6),
+                                       "at_once": pytest.approx(0.9)}
+    assert b["phases"]["attempt_s"]["sum_s"] == 6.0 and b["phases"]["attempt_s"]["at_once"] == 3.0
+    assert b["turns_mean"] == 4.0 and b["gen_tok_s"] == 300.0 and b["engine_busy_frac"] == 0.75
+    assert b["engine_tok_s"] == 400.0
+    # every token of each episode once, at the context of its position
+    flops = sum(common.forward_flops(TINY, p) for a in recs for p in range(a["tokens"]))
+    x = b["bound"]
+    assert x["flops"] == pytest.approx(flops, rel=1e-12) and x["tokens"] == 1801
+    assert x["compute_s"] == pytest.approx(flops / 1e9) and x["of_wall"] == pytest.approx(flops / 1e9 / 2.0)
+    assert x["gen_tok_s"] == pytest.approx(600 / (flops / 1e9)) and x["of_busy"] == pytest.approx(flops / 1e9 / 1.5)
+    text = evaluate.breakdown_text(b)
+    print(text)
+    lines = text.splitlines()
+    assert lines[0].startswith("time: 3 attempts in 2s (after 7s of setup") and "busy 75% of the wall" in lines[0]
+    assert lines[4].split() == ["policy", "wait", "1.8", "0.60", "0.9"] and lines[6].split()[-1] == "3.0"
+    assert "600 tokens generated: 300 tok/s over the wall, 400 over" in lines[7] and "FLOP bound" in lines[8]
+    assert lines[9].split()[0] == f"{x['gen_tok_s']:.0f}" and f"reached {100 * x['of_wall']:.0f}% of it" in lines[9]
+    assert "FLOP bound" not in evaluate.breakdown_text(evaluate.time_breakdown(recs, {"wall_s": 2.0, "policy_s": 1.5}, 0.0))
+
+
 def test_bootstrap_is_seeded_and_covers_the_true_difference():
     # Tasks drawn from a population where run B solves each task 10 points more often than A; the interval
     # over tasks must cover 0.10 about 95% of the time, and the same seed must give the same interval.
@@ -217,7 +266,7 @@ def toy_tasks(tmp_path, base_image):
 def expert_rollout(calls, stop_after=None):
     """The rollout boundary with the scripted expert as the policy (envs.run_episodes, as grpo.rollout uses it);
     with stop_after the run is killed once that many episodes have been reported, others still live."""
-    def rollout(tasks, on_episode):
+    def rollout(tasks, on_episode, stats):
         calls.append([t.name for t in tasks])
         reported = []
 
@@ -226,7 +275,8 @@ def expert_rollout(calls, stop_after=None):
             reported.append(i)
             if len(reported) == stop_after:
                 raise KeyboardInterrupt
-        return envs.run_episodes(tasks, taskgen.expert_policy, max_turns=12, concurrency=4, on_episode=report)
+        return envs.run_episodes(tasks, taskgen.expert_policy, max_turns=12, concurrency=4, on_episode=report,
+                                 stats=stats)
     return rollout
 
 
@@ -262,6 +312,13 @@ def test_resume_runs_only_missing_attempts(toy_tasks, tmp_path, no_leftovers):
     assert res["summary"]["excluded"] == 2 and res["summary"]["tasks@k"] == {1: 2, 2: 2}
     assert res["summary"]["pass@k"] == {1: 1.0, 2: 1.0}
     assert len(res["configs"]) == 2 and res["configs"][0] == first["configs"][0]  # what ran, one per session
+    # the second session's time: its attempts only; 4 sandboxes at most at once; the broken image's take none
+    took = res["configs"][1]["time"]
+    assert took["attempts"] == len(calls[0]) and "bound" not in took  # the expert has no FLOPs
+    assert 0 < took["phases"]["attempt_s"]["at_once"] <= 4 and took["phases"]["start_s"]["sum_s"] > 0
+    for (name, _), a in final.items():
+        phases = [a[k] for k in evaluate.PHASES]
+        assert (sum(phases) == 0) if name == broken else (0 < sum(phases) <= a["wall_s"] + 0.01 and a["env_s"] > 0), a
     # every recorded attempt has its transcript: its record and the conversation
     episodes = {(r["task"], r["attempt"]): r for r in map(json.loads, transcripts.read_text().splitlines())}
     assert episodes.keys() >= final.keys()
@@ -313,4 +370,10 @@ def test_end_to_end_tiny_checkpoint_with_vllm(vllm_dir, tmp_path, base_image, no
             assert 1 <= a["turns"] <= 2 and a["tokens"] > a["generated"] > 0 and a["wall_s"] > 0
     assert res["summary"]["attempts"] == 8 and res["summary"]["excluded"] == 0
     assert res["summary"]["pass@k"] == {1: 0.0, 2: 0.0, 4: 0.0}
+    took = saved["configs"][0]["time"]  # the FLOP bound from the engine's own config, dtype and threads
+    assert took["attempts"] == 8 and took["generated"] == sum(a["generated"] for e in saved["tasks"].values()
+                                                               for a in e["attempts"])
+    assert took["bound"]["dtype"] == "float32" and took["bound"]["matmul_flop_s"] > 1e8
+    assert took["bound"]["threads"] == 1  # the CPU engine serves with one intra-op thread, as vLLM means to
+    assert 0 < took["engine_busy_frac"] <= 1 and took["bound"]["flops"] > 0
     assert evaluate.main(argv)["tasks"] == res["tasks"]  # complete: a second run has nothing left to do

@@ -52,7 +52,8 @@ def test_aider_layout_scores_each_language_through_evaluate(tmp_path, base_image
     assert [t.build_error for t in tasks] == [""] * 3
 
     def rollout_with(policy):
-        return lambda todo, on_episode: envs.run_episodes(todo, policy, max_turns=4, concurrency=3, on_episode=on_episode)
+        return lambda todo, on_episode, stats: envs.run_episodes(todo, policy, max_turns=4, concurrency=3,
+                                                                 on_episode=on_episode, stats=stats)
     argv = ["--model", "unused", "--tasks", str(AIDER), "--attempts", "1", "--kind-by", "language"]
     solved = evaluate.evaluate(evaluate.parse_args(argv + ["--out", str(tmp_path / "solved.json")]),
                                rollout=rollout_with(oracle_policy(tasks)))
@@ -70,8 +71,8 @@ def test_aider_second_try_sees_the_test_output(tmp_path, base_image, capsys):
     argv = ["--model", "unused", "--tasks", str(AIDER / "polyglot_python_run-length"), "--attempts", "1",
             "--second-try", "--out", str(tmp_path / "r.json"), "--transcripts", str(tmp_path / "t.jsonl")]
     policy = oracle_policy([task], second_try_only=True)
-    res = evaluate.evaluate(evaluate.parse_args(argv), rollout=lambda todo, on_episode: envs.run_episodes(
-        todo, policy, max_turns=4, on_episode=on_episode, second_try=True))
+    res = evaluate.evaluate(evaluate.parse_args(argv), rollout=lambda todo, on_episode, stats: envs.run_episodes(
+        todo, policy, max_turns=4, on_episode=on_episode, stats=stats, second_try=True))
     a, = res["tasks"][task.name]["attempts"]
     assert (a["first_reward"], a["reward"], a["failure"]) == (0.0, 1.0, None)
     assert res["summary"]["first_try"][1] == 0.0 and res["summary"]["pass@k"][1] == 1.0
