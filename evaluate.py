@@ -431,26 +431,16 @@ def vllm_rollout(args, session):
     template = terminus.load_template(args.prompt_template)
 
     def rollout(tasks, on_episode, stats):
-        # The CPU engine serves with one intra-op thread, as vLLM means to (vllm.utils.torch_utils: a
-        # multi-threaded op leaves its threads spin-waiting, taking the cores the sandboxes and the step's serial
-        # code need); its call is lost in process, where its CPU worker has already made torch.set_num_threads a
-        # no-op. torch._C's is the same function, untouched; the caller's threads come back after.
-        threads = torch.get_num_threads()
-        if not torch.cuda.is_available():
-            torch._C.set_num_threads(1)
-        try:
-            # Each episode samples with a seed from (seed, its index in `tasks`): a resumed session gets another
-            # seed, so its first attempts do not replay the random streams of the first session's.
-            episodes = grpo.rollout(engine, tokenizer, tasks, temperature=args.temperature, max_turns=args.max_turns,
-                                    max_new_tokens=args.max_new_tokens, max_len=args.max_len,
-                                    concurrency=args.concurrency, template=template, seed=args.seed + session,
-                                    on_episode=on_episode, stats=stats, network=args.network,
-                                    keep_agent=args.keep_agent_processes, second_try=args.second_try)
-            mc = engine.llm_engine.model_config  # what time_breakdown's FLOP bound needs, at the engine's threads
+        # Each episode samples with a seed from (seed, its index in `tasks`): a resumed session gets another seed,
+        # so its first attempts do not replay the random streams of the first session's.
+        episodes = grpo.rollout(engine, tokenizer, tasks, temperature=args.temperature, max_turns=args.max_turns,
+                                max_new_tokens=args.max_new_tokens, max_len=args.max_len, concurrency=args.concurrency,
+                                template=template, seed=args.seed + session, on_episode=on_episode, stats=stats,
+                                network=args.network, keep_agent=args.keep_agent_processes, second_try=args.second_try)
+        mc = engine.llm_engine.model_config  # what time_breakdown's FLOP bound needs, at the engine's threads
+        with grpo.engine_threads():
             stats.update(config=mc.hf_text_config.to_dict(), dtype=str(mc.dtype).removeprefix("torch."),
                          threads=torch.get_num_threads(), matmul_flop_s=matmul_flop_s(mc.dtype))
-        finally:
-            torch._C.set_num_threads(threads)
         return episodes
     return rollout
 

@@ -50,7 +50,7 @@ import signal
 import sys
 import time
 from collections import Counter
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import numpy as np
@@ -282,9 +282,26 @@ def rollout(engine, tokenizer, tasks, *, temperature, max_turns, max_new_tokens,
     envs.run_episodes (evaluate.py's options; training uses only network)."""
     policy = VLLMPolicy(engine, tokenizer, temperature=temperature, max_new_tokens=max_new_tokens, max_len=max_len,
                         seed=seed, lockstep=lockstep)
-    return envs.run_episodes(tasks, policy, max_turns=max_turns, concurrency=concurrency, template=template,
-                             on_episode=on_episode, stats=stats, network=network, keep_agent=keep_agent,
-                             second_try=second_try)
+    with engine_threads():
+        return envs.run_episodes(tasks, policy, max_turns=max_turns, concurrency=concurrency, template=template,
+                                 on_episode=on_episode, stats=stats, network=network, keep_agent=keep_agent,
+                                 second_try=second_try)
+
+
+@contextmanager
+def engine_threads():
+    """The CPU engine serves with one intra-op thread, as vLLM means to (vllm.utils.torch_utils: a multi-threaded
+    op leaves its threads spin-waiting, taking the cores the sandboxes and the step's serial code need; measured
+    0.33-0.47x the wall of an evaluation at two threads). vLLM's own call is lost in process, where its CPU worker
+    has already made torch.set_num_threads a no-op: torch._C's is the same function, untouched. The caller's
+    threads (the trainer's) come back after. On CUDA nothing changes."""
+    threads = torch.get_num_threads()
+    if not torch.cuda.is_available():
+        torch._C.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch._C.set_num_threads(threads)
 
 
 # ----------------------------------------------------------------------------------------------------------
