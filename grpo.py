@@ -134,7 +134,12 @@ def make_engine(model_dir, *, max_model_len, seed=0, dtype="auto", gpu_memory=0.
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gb))
     from vllm import LLM
     dtype = {"auto": "bfloat16" if cuda else "float32", "bf16": "bfloat16", "fp32": "float32"}.get(dtype, dtype)
-    kw = dict(enable_sleep_mode=True, gpu_memory_utilization=gpu_memory) if cuda else {}
+    # On CPU a prefill is scheduled whole: one split across steps makes the engine rewind the request's seeded
+    # generator, which a CPU generator cannot do (RuntimeError: CPU Generator does not use offset), and
+    # VLLMPolicy seeds every turn. A step then takes whole prompts up to the budget (4096, vLLM's CPU default, or
+    # a whole context when that is longer).
+    kw = (dict(enable_sleep_mode=True, gpu_memory_utilization=gpu_memory) if cuda else
+          dict(enable_chunked_prefill=False, max_num_batched_tokens=max(max_model_len, 4096)))
     return LLM(model=str(model_dir), dtype=dtype, max_model_len=max_model_len, seed=seed, enforce_eager=not cuda,
                logprobs_mode="processed_logprobs", **kw)
 

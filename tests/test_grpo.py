@@ -498,6 +498,20 @@ def test_weight_sync_matches_hf(engine, vllm_dir):
     assert torch.allclose(got, want, atol=1e-4)
 
 
+def test_seeded_requests_beyond_one_steps_token_budget(engine):
+    """More prompt tokens at once than the engine schedules in a step (its budget: 4096), every request seeded
+    as VLLMPolicy seeds each turn. A prefill split across steps makes the CPU engine rewind the request's
+    generator, which a CPU generator cannot do (RuntimeError: CPU Generator does not use offset): an evaluation
+    at concurrency 64 died so at its first turn. make_engine schedules whole prefills on CPU."""
+    from vllm import SamplingParams
+    budget = engine.llm_engine.vllm_config.scheduler_config.max_num_batched_tokens
+    n = budget // 900 + 2  # (n, 900) prompt tokens: more than one step's budget
+    prompts = [{"prompt_token_ids": [5 + (i * 7 + j) % 1000 for j in range(900)]} for i in range(n)]
+    params = [SamplingParams(temperature=1.0, top_k=0, max_tokens=8, seed=i) for i in range(n)]
+    outs = engine.generate(prompts, params, use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in outs] == [8] * n
+
+
 def bandit_step(engine, model, opt, args, prompts, target, sign, n):
     """One GRPO step on a one-token bandit: reward 1 when the sampled token is in `target` (times sign)."""
     from vllm import SamplingParams
