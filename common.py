@@ -157,11 +157,21 @@ QWEN_SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 QWEN_ADDED = ["<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
 
 
+def tiny_config(vocab_size, hidden, layers, heads, kv_heads, **overrides):
+    """The small random Qwen3 the project builds (build_tiny, the benchmarks): MLP 3x hidden, head size hidden /
+    heads, tied embeddings, 32k positions; overrides are further Qwen3Config fields."""
+    from transformers import Qwen3Config
+    return Qwen3Config(**{"vocab_size": vocab_size, "hidden_size": hidden, "intermediate_size": 3 * hidden,
+                          "num_hidden_layers": layers, "num_attention_heads": heads, "num_key_value_heads": kv_heads,
+                          "head_dim": hidden // heads, "tie_word_embeddings": True, "max_position_embeddings": 32768,
+                          **overrides})
+
+
 def build_tiny(out_dir, texts, vocab_size=4096, hidden=256, layers=4, heads=4, kv_heads=2, seed=0):
     """Train a byte-level BPE with Qwen's special tokens on `texts`, build a random Qwen3 around it, and
     save both (with the prefix-preserving chat template) to out_dir. Returns out_dir."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+    from transformers import PreTrainedTokenizerFast, Qwen3ForCausalLM
     bpe = Tokenizer(models.BPE())
     bpe.pre_tokenizer = pre_tokenizers.Sequence([
         pre_tokenizers.Split(Regex(QWEN_SPLIT), behavior="isolated"),
@@ -176,10 +186,8 @@ def build_tiny(out_dir, texts, vocab_size=4096, hidden=256, layers=4, heads=4, k
                                   additional_special_tokens=["<|im_start|>"])
     tok.chat_template = PREFIX_TEMPLATE
     torch.manual_seed(seed)
-    cfg = Qwen3Config(vocab_size=len(tok), hidden_size=hidden, intermediate_size=3 * hidden, num_hidden_layers=layers,
-                      num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=hidden // heads,
-                      tie_word_embeddings=True, max_position_embeddings=32768,
-                      eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, bos_token_id=None)
+    cfg = tiny_config(len(tok), hidden, layers, heads, kv_heads, eos_token_id=tok.eos_token_id,
+                      pad_token_id=tok.pad_token_id, bos_token_id=None)
     Qwen3ForCausalLM(cfg).save_pretrained(out_dir)
     tok.save_pretrained(out_dir)
     return str(out_dir)

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import torch
 
+import common
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 import base_model  # noqa: E402
 
@@ -46,12 +48,9 @@ def fixed_offset_accuracy(model, vocab, gen, n=16, half=48):
 
 def main(argv=None):
     args = get_parser().parse_args(argv)
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+    from transformers import Qwen3ForCausalLM
     torch.manual_seed(args.seed)
-    cfg = Qwen3Config(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=3 * args.hidden,
-                      num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
-                      head_dim=args.hidden // args.heads, tie_word_embeddings=True)  # build_tiny's architecture
-    model = Qwen3ForCausalLM(cfg)
+    model = Qwen3ForCausalLM(common.tiny_config(args.vocab, args.hidden, args.layers, args.heads, args.kv_heads))
     opt = torch.optim.AdamW(model.parameters(), args.lr)
     vocab = torch.arange(256, args.vocab)  # past the byte alphabet, as base_model.plain_ids would give
     gen = torch.Generator().manual_seed(args.seed)

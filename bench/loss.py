@@ -101,12 +101,10 @@ def measure(fn, model, batch, device):
 
 def main(argv=None):
     args = get_parser().parse_args(argv)
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+    from transformers import Qwen3ForCausalLM
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch.manual_seed(0)
-    cfg = Qwen3Config(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=3 * args.hidden,
-                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=args.hidden // 4,
-                      tie_word_embeddings=True, max_position_embeddings=max(args.tokens))
+    cfg = common.tiny_config(args.vocab, args.hidden, 2, 4, 2, max_position_embeddings=max(args.tokens))
     model = Qwen3ForCausalLM(cfg).to(device)
     pg_args = grpo.get_parser().parse_args(["--init", "-", "--tasks", "-", "--out", "-", "--temperature", "0.7"])
     print(f"device {device} | vocab {args.vocab} | hidden {args.hidden} | {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M params"
