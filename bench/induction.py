@@ -7,6 +7,7 @@ content. Use it to choose a base model's size and budget before pre-training one
 
     python -m bench.induction                                  # ablation.sh's base size, 1,000 steps
     python -m bench.induction --hidden 512 --layers 6 --steps 3000
+    python -m bench.induction --layers 2 --vocab 512 --data rotations --batch-size 32 --lr 1e-3
 """
 import argparse
 import sys
@@ -32,9 +33,27 @@ def get_parser():
     p.add_argument("--batch-size", type=int, default=16, help="rows per step")
     p.add_argument("--length", type=int, default=128, help="tokens per row")
     p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--data", default="repeats", choices=["repeats", "rotations"], help="repeats: base_model.repeats "
+                   "(one segment a row comes back); rotations: every row's second half repeats its first, rotated")
+    p.add_argument("--qk-norm-init", type=float, default=1.0, help="start Qwen3's per-head q/k norm weights here (a "
+                   "larger value allows sharper attention from the first step)")
     p.add_argument("--every", type=int, default=100, help="probe every N steps")
     p.add_argument("--seed", type=int, default=0)
     return p
+
+
+def rotations(gen, n, length, vocab):
+    """n rows: `length // 2` random ids, then the same ids rotated by a random shift (1..half-1, per row) ->
+    (ids (n, length), labels: the second half after its first token, -100 elsewhere). Every label is a copy by
+    content, at an offset that differs from row to row, so the copy is ~8x denser than `repeats`'."""
+    half = length // 2
+    a = vocab[torch.randint(len(vocab), (n, half), generator=gen)]  # (n, half)
+    shift = torch.randint(1, half, (n, 1), generator=gen)
+    b = torch.gather(a, 1, (torch.arange(half) + shift) % half)  # (n, half): a rotated
+    ids = torch.cat([a, b], 1)  # (n, 2 * half)
+    lab = ids.clone()
+    lab[:, :half + 1] = -100
+    return ids, lab
 
 
 @torch.no_grad()
@@ -51,6 +70,9 @@ def main(argv=None):
     from transformers import Qwen3ForCausalLM
     torch.manual_seed(args.seed)
     model = Qwen3ForCausalLM(common.tiny_config(args.vocab, args.hidden, args.layers, args.heads, args.kv_heads))
+    for name, w in model.named_parameters():
+        if name.endswith(("q_norm.weight", "k_norm.weight")):
+            w.data.fill_(args.qk_norm_init)
     opt = torch.optim.AdamW(model.parameters(), args.lr)
     vocab = torch.arange(256, args.vocab)  # past the byte alphabet, as base_model.plain_ids would give
     gen = torch.Generator().manual_seed(args.seed)
@@ -65,7 +87,7 @@ def main(argv=None):
             print(f"step {step:5d} | copy by content {acc:.3f} | fixed offset {ctrl:.3f} | {time.time() - t0:.0f}s", flush=True)
         if step == args.steps:
             break
-        ids, lab = base_model.repeats(gen, args.batch_size, args.length, vocab)
+        ids, lab = (base_model.repeats if args.data == "repeats" else rotations)(gen, args.batch_size, args.length, vocab)
         with torch.autocast("cpu", dtype=torch.bfloat16):
             loss = model(input_ids=ids, labels=lab).loss
         loss.backward()
