@@ -45,7 +45,8 @@ def get_parser():
 def rotations(gen, n, length, vocab):
     """n rows: `length // 2` random ids, then the same ids rotated by a random shift (1..half-1, per row) ->
     (ids (n, length), labels: the second half after its first token, -100 elsewhere). Every label is a copy by
-    content, at an offset that differs from row to row, so a row holds ~3x the labels of `repeats`' (63 against 7-31)."""
+    content, at an offset that differs from row to row; a row holds ~3x the labels of `repeats`' (63 against 7-31
+    at length 128)."""
     half = length // 2
     a = vocab[torch.randint(len(vocab), (n, half), generator=gen)]  # (n, half)
     shift = torch.randint(1, half, (n, 1), generator=gen)
