@@ -77,6 +77,7 @@ def main(argv=None):
     opt = torch.optim.AdamW(model.parameters(), args.lr)
     vocab = torch.arange(256, args.vocab)  # past the byte alphabet, as base_model.plain_ids would give
     gen = torch.Generator().manual_seed(args.seed)
+    rows = base_model.repeats if args.data == "repeats" else rotations
     t0, first = time.time(), None
     for step in range(args.steps + 1):
         if step % args.every == 0:
@@ -88,7 +89,7 @@ def main(argv=None):
             print(f"step {step:5d} | copy by content {acc:.3f} | fixed offset {ctrl:.3f} | {time.time() - t0:.0f}s", flush=True)
         if step == args.steps:
             break
-        ids, lab = (base_model.repeats if args.data == "repeats" else rotations)(gen, args.batch_size, args.length, vocab)
+        ids, lab = rows(gen, args.batch_size, args.length, vocab)
         with torch.autocast("cpu", dtype=torch.bfloat16):
             loss = model(input_ids=ids, labels=lab).loss
         loss.backward()
