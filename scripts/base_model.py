@@ -375,16 +375,13 @@ def value_events(conv):
 
 
 @torch.no_grad()
-def copy_accuracy(model_dir, convs, max_len, events=value_events):
+def copy_accuracy(model, tok, convs, max_len, events=value_events):
     """Exact copies of the values `events(conv)` finds (value_events' form) under greedy decoding, teacher-forced
     on the conversation's own text: a value counts as copied when every token of it is the model's argmax given
     what precedes it (what greedy decoding of that reply would type). "rest" counts the values whose tokens after
     the first are all the argmax: a session's user often quotes one of several values, so its first token is a
     choice and the rest is the copy. Values within the first max_len tokens; by source and length (short: up to
     6 characters) -> {source: {"all" | "short" | "long": {"n", "exact", "rest"}}}."""
-    from transformers import AutoModelForCausalLM
-    tok = labels.load_tokenizer(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     tally = {}
     for conv in convs:
         text = tok.apply_chat_template(conv, tokenize=False)
@@ -477,10 +474,11 @@ def main(argv=None):
               f"{sum(len(m['content']) for c in convs for m in c) / 1e6:.2f} MB) -> {data} | {time.time() - t0:.0f}s")
     if not (out / "model" / "config.json").exists():
         pretrain(args, data)
-    copy = copy_accuracy(out / "model", labels.read_trajectories(heldout)[0], args.max_len)
     from transformers import AutoModelForCausalLM
+    tok = labels.load_tokenizer(out / "model")
     model = AutoModelForCausalLM.from_pretrained(out / "model", dtype=torch.float32).eval()
-    repeat = repeat_accuracy(model, plain_ids(labels.load_tokenizer(out / "model")))
+    copy = copy_accuracy(model, tok, labels.read_trajectories(heldout)[0], args.max_len)
+    repeat = repeat_accuracy(model, plain_ids(tok))
     (out / "metrics.json").write_text(json.dumps({"copy_accuracy": copy, "repeat_accuracy": repeat}, indent=2))
     print("copy accuracy (greedy, held-out sessions): " + " | ".join(
         f"{s} {c['all']['exact']:.1%} of {c['all']['n']} (after the first token {c['all']['rest']:.1%}; short "
