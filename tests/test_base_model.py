@@ -11,6 +11,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 import base_model  # noqa: E402
+import common  # noqa: E402
 import labels  # noqa: E402
 import taskgen  # noqa: E402
 
@@ -74,10 +75,9 @@ def test_repeats_reward_a_copy_by_content_and_not_a_fixed_look_back():
                for o in range(8, 128)}
     assert max(offsets.values()) < 0.2, max(offsets.items(), key=lambda kv: kv[1])  # no look-back does it
     # a random model does not copy: the probe reads ~0 until a copy circuit is learnt
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+    from transformers import Qwen3ForCausalLM
     torch.manual_seed(0)
-    model = Qwen3ForCausalLM(Qwen3Config(vocab_size=4096, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                         num_attention_heads=2, num_key_value_heads=1, head_dim=16)).eval()
+    model = Qwen3ForCausalLM(common.tiny_config(4096, 32, 1, 2, 1)).eval()
     assert base_model.repeat_accuracy(model, torch.arange(300, 4000), n=8) < 0.05
 
 
