@@ -257,12 +257,17 @@ def _under(path, folder):
 
 # Run as root by prepare_verifier: $0 is VERIFIER_DIR, the rest are agent-written hooks to remove. VERIFIER_DIR is
 # emptied, not removed (a tmpfs mount point), after any symlink in its place is gone; it is written from inside,
-# as the daemon's archive upload does not reach into a tmpfs.
+# as the daemon's archive upload does not reach into a tmpfs. /logs/verifier starts empty, writable by all.
 FRESH_INPUTS = """
 rm -rf /tests "$@" && mkdir -m 755 /tests || exit 1
 if [ -L "$0" ]; then rm -f "$0"; fi
-mkdir -p -m 700 "$0" && find "$0" -mindepth 1 -delete && echo "[pytest]" > "$0/pytest.ini"
+mkdir -p -m 700 "$0" && find "$0" -mindepth 1 -delete && echo "[pytest]" > "$0/pytest.ini" || exit 1
+rm -rf /logs/verifier && mkdir -p /logs/verifier && chmod 777 /logs/verifier
 """
+# The verifier, then /tests removed in the same exec (an agent's second try neither reads the tests nor shows as
+# tampering); $1: the test script. A verifier that times out leaves /tests to verify's own removal.
+RUN_TESTS = 'bash "$1"; code=$?; rm -rf /tests; exit $code'
+REWARD_FILES = ("reward.txt", "reward.json")  # in /logs/verifier, the first found is the reward
 
 
 def verifier_loaded(sb, changed):
@@ -330,13 +335,13 @@ def verify(sb, task, keep_agent=False, tampered=None):
     found = prepare_verifier(sb, task)
     if tampered is not None:
         tampered.extend(found)
-    sb.exec("rm -rf /logs/verifier && mkdir -p /logs/verifier && chmod 777 /logs/verifier", user="root")
-    code, out = sb.exec(["bash", "/tests/test.sh"], user="root", timeout=task.verifier_timeout, env=verifier_env(task))
-    sb.exec(["rm", "-rf", "/tests"], user="root")  # an agent's second try neither reads the tests nor shows as tampering
+    code, out = sb.exec(["bash", "-c", RUN_TESTS, "verify", "/tests/test.sh"], user="root",
+                        timeout=task.verifier_timeout, env=verifier_env(task))
     tail = decode(out)[-VERIFIER_TAIL:]
     if code in (124, 137):
+        sb.exec(["rm", "-rf", "/tests"], user="root")
         return 0.0, f"verifier timed out after {task.verifier_timeout:.0f}s", tail
-    txt, js = sb.get_file("/logs/verifier/reward.txt"), sb.get_file("/logs/verifier/reward.json")
+    txt, js = sb.get_files("/logs/verifier", REWARD_FILES)  # one archive of the folder, read by the daemon
     try:
         if txt is not None:
             reward = float(txt.decode().strip())
