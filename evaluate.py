@@ -210,19 +210,26 @@ def per_task(results, k):
     return out
 
 
-def bootstrap_diff(a, b, n_boot=10_000, seed=0):
+def bootstrap_diff(a, b, n_boot=10_000, seed=0, strata=None):
     """Paired bootstrap 95% interval of mean(b - a) over tasks: tasks are resampled with replacement, each
-    keeping its pair of values. a, b: (T,) per-task values of two runs on the same tasks."""
+    keeping its pair of values. a, b: (T,) per-task values of two runs on the same tasks. strata: (T,) labels of a
+    split drawn as fixed counts per label (the generated world's kinds): tasks are resampled within their
+    label, so each resample keeps the split's composition and the spread between labels is not counted as
+    the chance of the draw."""
     d = np.asarray(b, dtype=np.float64) - np.asarray(a, dtype=np.float64)  # (T,)
-    idx = np.random.default_rng(seed).integers(0, len(d), size=(n_boot, len(d)))  # (n_boot, T)
+    rng = np.random.default_rng(seed)
+    labels = np.zeros(len(d)) if strata is None else np.asarray(strata)
+    idx = np.concatenate([m[rng.integers(0, len(m), size=(n_boot, len(m)))]  # (n_boot, T_label) per label
+                          for m in (np.flatnonzero(labels == v) for v in np.unique(labels))], axis=1)  # (n_boot, T)
     lo, hi = np.percentile(d[idx].mean(axis=1), [2.5, 97.5])
     return float(lo), float(hi)
 
 
-def compare(runs, n_boot=10_000, seed=0):
+def compare(runs, n_boot=10_000, seed=0, by_kind=False):
     """runs: [(label, results)]; the first is the baseline. For every k up to the smallest n, on the tasks every
     run has with at least k valid attempts: each run's pass@k and, against the baseline, the difference, its
-    relative size and a paired bootstrap 95% interval. Distinct tasks solved are counted on the common tasks."""
+    relative size and a paired bootstrap 95% interval (by_kind: stratified by the baseline's task kinds,
+    bootstrap_diff's strata). Distinct tasks solved are counted on the common tasks."""
     ks = ks_up_to(min(r["settings"]["attempts"] for _, r in runs))
     rows = []
     for k in ks:
@@ -237,7 +244,8 @@ def compare(runs, n_boot=10_000, seed=0):
             d, base = float(p.mean() - per[0].mean()), float(per[0].mean())
             row["diff"].append(d)
             row["rel"].append(d / base if base > 0 else None)
-            row["ci"].append(bootstrap_diff(per[0], p, n_boot, seed))
+            strata = [str(runs[0][1]["tasks"][t].get("kind")) for t in common] if by_kind else None
+            row["ci"].append(bootstrap_diff(per[0], p, n_boot, seed, strata))
         rows.append(row)
     valid = [{n for n, e in res["tasks"].items() if task_counts(e)[0] > 0} for _, res in runs]
     common = set.intersection(*valid)
@@ -246,7 +254,7 @@ def compare(runs, n_boot=10_000, seed=0):
                                                               for _, r in runs)]
     return {"runs": [label for label, _ in runs], "tasks": [len(v) for v in valid], "common": len(common),
             "ks": [r["k"] for r in rows], "rows": rows, "solved": solved, "n_boot": n_boot, "seed": seed,
-            "settings_differ": differ}
+            "by_kind": by_kind, "settings_differ": differ}
 
 
 def compare_by_kind(runs, n_boot=10_000, seed=0):
@@ -269,9 +277,9 @@ def compare_table(cmp):
         lines.append(line.rstrip())
     lines.append(f"{'solved':8} {cmp['common']:>5} " + " ".join(f"{s:>6}" for s in cmp["solved"])
                  + "   (distinct tasks with at least one success)")
-    lines.append(f"pass@k and differences in points, on the tasks all runs have; paired bootstrap over tasks, "
-                 f"{cmp['n_boot']} resamples, seed {cmp['seed']}: an interval containing 0 is no evidence of a "
-                 "difference")
+    lines.append(f"pass@k and differences in points, on the tasks all runs have; paired bootstrap over tasks"
+                 f"{' (resampled within each kind)' if cmp.get('by_kind') else ''}, {cmp['n_boot']} resamples, "
+                 f"seed {cmp['seed']}: an interval containing 0 is no evidence of a difference")
     if cmp["settings_differ"]:
         lines.append(f"note: the runs differ in more than the model: {', '.join(cmp['settings_differ'])}")
     return "\n".join(lines)

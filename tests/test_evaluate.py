@@ -248,6 +248,28 @@ def test_bootstrap_is_seeded_and_covers_the_true_difference():
     assert 0.88 <= hits / reps <= 0.99, hits
 
 
+
+def test_bootstrap_within_kinds_covers_the_difference_of_a_split_drawn_per_kind():
+    # A split drawn as 6 tasks of each of 5 kinds (as taskgen.make_splits draws it), where B's gain depends on the
+    # kind (0 to +0.4; the split's true difference is their mean, 0.2). Resampling within kinds must still cover
+    # it about 95% of the time, and be narrower than the pooled bootstrap, which counts the spread between kinds.
+    rng, hits, width, pooled, reps = np.random.default_rng(2), 0, 0.0, 0.0, 200
+    kinds = np.repeat(np.arange(5), 6)
+    gain = np.array([0.0, 0.1, 0.2, 0.3, 0.4])[kinds]  # (30,)
+    for rep in range(reps):
+        p_a = rng.uniform(0.0, 0.5, size=30)
+        a = [evaluate.pass_at_k(8, int(c), 1) for c in rng.binomial(8, p_a)]
+        b = [evaluate.pass_at_k(8, int(c), 1) for c in rng.binomial(8, p_a + gain)]
+        lo, hi = evaluate.bootstrap_diff(a, b, n_boot=1000, seed=rep, strata=kinds)
+        hits += lo <= 0.2 <= hi
+        width += (hi - lo) / reps
+        plo, phi = evaluate.bootstrap_diff(a, b, n_boot=1000, seed=rep)
+        pooled += (phi - plo) / reps
+    assert 0.88 <= hits / reps <= 0.99, hits
+    assert width < 0.9 * pooled, (width, pooled)
+    # one kind: the same draws as the pooled bootstrap
+    assert evaluate.bootstrap_diff(a, b, 500, seed=3, strata=["k"] * 30) == evaluate.bootstrap_diff(a, b, 500, seed=3)
+
 # ----------------------------------------------------------------------------------------------------------
 # Real sandboxes: the scripted expert stands in for the model at the rollout boundary
 
