@@ -35,9 +35,11 @@ done
 # ---- settings: full, then what --quick shrinks ------------------------------------------------------------
 SEED=0
 ARMS=(actionsft actobs obs-then-act)  # SFT arms; the first is the baseline of every comparison in the report
-declare -A LOSS=([actionsft]="--lam 0" [actobs]="--lam 1" [obs-then-act]="--schedule obs-then-act")
+# Obs→Act: one observation-only epoch, then one action-only epoch: in the full run the same passes over the data and
+# steps as the other arms (sft.py counts --epochs per phase)
+declare -A LOSS=([actionsft]="--lam 0" [actobs]="--lam 1" [obs-then-act]="--schedule obs-then-act --epochs 1")
 BASE=(--sessions 256 --heldout 16 --commands 20 --epochs 4 --batch-size 2 --lr 3e-3)      # scripts/base_model.py
-CORPUS=(--n-sft 576 --n-rl 32 --n-eval 18)                                                # envs.py corpus
+CORPUS=(--n-sft 576 --n-rl 32 --n-eval 36)                                                # envs.py corpus
 HELDOUT_N=32                                                                              # trajectories for the probes
 SFT=(--lr 2e-3 --warmup-ratio 0.05 --min-lr-ratio 0.1 --batch-size 4 --epochs 2 --max-len 3072 --micro-tokens 8192
      --dtype bf16 --val-size 16 --eval-every 0 --save-every 40 --keep 1 --probe-every 20)  # sft.py, all arms
@@ -46,7 +48,9 @@ SFT=(--lr 2e-3 --warmup-ratio 0.05 --min-lr-ratio 0.1 --batch-size 4 --epochs 2 
 # live episode, so 32 sandboxes at once cost little more per step than 8.
 GRPO=(--steps 4 --tasks-per-step 4 --group-size 8 --lr 1e-5 --max-turns 10 --max-new-tokens 384 --max-len 4096
       --concurrency 32 --save-every 4 --keep 1 --kv-cache-gb 1)                            # grpo.py, all arms
-EVAL=(--attempts 16 --max-turns 10 --max-new-tokens 384 --max-len 4096 --concurrency 64) # evaluate.py, all models
+# 36 evaluation tasks (4 of each kind) x 8 attempts: the attempts of 18 x 16, with the pass@1 interval narrower (it is
+# bounded by how much tasks differ, more than by the attempts on each)
+EVAL=(--attempts 8 --max-turns 10 --max-new-tokens 384 --max-len 4096 --concurrency 64)  # evaluate.py, all models
 PROBE=(--n 32 --max-len 3072)                                                             # probes.py
 SAMPLE=(--max-new-tokens 128)                                                             # probes' own samples
 if [ $MODE = quick ]; then
@@ -92,7 +96,7 @@ python scripts/report.py limits "$R" $([ $MODE = quick ] && echo --warn)  # RL /
 
 # ---- 3. SFT from the same base: same data, order and schedule; only the loss (LOSS above) differs
 for A in "${ARMS[@]}" "${SWEEP_ARMS[@]}"; do
-    stage sft-$A python sft.py --model "$B" --data "$R/train.jsonl" --out "$R/$A" ${LOSS[$A]} --seed $SEED --resume "${SFT[@]}"
+    stage sft-$A python sft.py --model "$B" --data "$R/train.jsonl" --out "$R/$A" --seed $SEED --resume "${SFT[@]}" ${LOSS[$A]}
 done
 
 # ---- 4. pass@k of the base and each SFT checkpoint on the evaluation split (resumes per attempt); the λ-sweep
