@@ -215,13 +215,21 @@ def bootstrap_diff(a, b, n_boot=10_000, seed=0, strata=None):
     keeping its pair of values. a, b: (T,) per-task values of two runs on the same tasks. strata: (T,) labels of a
     split drawn as fixed counts per label (the generated world's kinds): tasks are resampled within their
     label, so each resample keeps the split's composition and the spread between labels is not counted as
-    the chance of the draw."""
+    the chance of the draw. A label's resampled mean is then moved from the label's mean by sqrt(n / (n - 1)) of
+    its deviation: with the few tasks of a label (n), the plain resample's variance is (n - 1) / n of the
+    unbiased one, and the interval would be too narrow."""
     d = np.asarray(b, dtype=np.float64) - np.asarray(a, dtype=np.float64)  # (T,)
     rng = np.random.default_rng(seed)
-    labels = np.zeros(len(d)) if strata is None else np.asarray(strata)
-    idx = np.concatenate([m[rng.integers(0, len(m), size=(n_boot, len(m)))]  # (n_boot, T_label) per label
-                          for m in (np.flatnonzero(labels == v) for v in np.unique(labels))], axis=1)  # (n_boot, T)
-    lo, hi = np.percentile(d[idx].mean(axis=1), [2.5, 97.5])
+    if strata is None:
+        means = d[rng.integers(0, len(d), size=(n_boot, len(d)))].mean(axis=1)  # (n_boot,)
+    else:
+        labels, means = np.asarray(strata), np.zeros(n_boot)
+        for v in np.unique(labels):
+            x = d[labels == v]  # (n,)
+            dev = x[rng.integers(0, len(x), size=(n_boot, len(x)))].mean(axis=1) - x.mean()  # (n_boot,)
+            scale = math.sqrt(len(x) / (len(x) - 1)) if len(x) > 1 else 0.0
+            means += len(x) / len(d) * (x.mean() + scale * dev)
+    lo, hi = np.percentile(means, [2.5, 97.5])
     return float(lo), float(hi)
 
 
@@ -257,10 +265,11 @@ def compare(runs, n_boot=10_000, seed=0, by_kind=False):
             "by_kind": by_kind, "settings_differ": differ}
 
 
-def compare_by_kind(runs, n_boot=10_000, seed=0):
-    """[(label, compare() on that group's tasks)] for each task-kind group of the first run (held-out kinds first)."""
+def compare_by_kind(runs, n_boot=10_000, seed=0, by_kind=False):
+    """[(label, compare() on that group's tasks)] for each task-kind group of the first run (held-out kinds first);
+    by_kind: as compare's (a group of several kinds, "seen kinds", resamples within each)."""
     return [(label, compare([(name, {**res, "tasks": {t: e for t, e in res["tasks"].items() if t in tasks}})
-                             for name, res in runs], n_boot, seed))
+                             for name, res in runs], n_boot, seed, by_kind))
             for label, tasks in groups(runs[0][1])[1:]]
 
 

@@ -324,12 +324,19 @@ def overview(results, attempts, names):
     return "\n".join(lines)
 
 
+def compare(runs):
+    """evaluate.compare as every table of the report makes it: the evaluation split is drawn as a fixed count of
+    tasks per kind (taskgen.make_splits), so its bootstrap resamples tasks within each kind."""
+    return evaluate.compare(runs, by_kind=True)
+
+
 def comparison(results, models, names):
     """evaluate.py compare on these models (the first is the baseline), on all tasks and then by kind."""
     runs = [(names[m], results[m]) for m in models]
-    cmp = evaluate.compare(runs)
+    cmp = compare(runs)
     text = [evaluate.compare_table(cmp)]
-    text += [f"\n== {label}\n" + evaluate.compare_table(sub) for label, sub in evaluate.compare_by_kind(runs)]
+    text += [f"\n== {label}\n" + evaluate.compare_table(sub)
+             for label, sub in evaluate.compare_by_kind(runs, by_kind=True)]
     return cmp, "\n".join(text)
 
 
@@ -376,7 +383,7 @@ def halfwidth(cmp, i=1, k=1):
 def tstar_section(results, probes, names):
     """ActionSFT + GRPO at the evaluation temperature and at T*, next to ActObs + GRPO: (compare(), markdown)."""
     e, t = probes["entropy_actobs-grpo"], probes["tstar_actionsft-grpo"]
-    cmp = evaluate.compare([(names[m], results[m]) for m in ("actionsft-grpo", TSTAR, "actobs-grpo")])
+    cmp = compare([(names[m], results[m]) for m in ("actionsft-grpo", TSTAR, "actobs-grpo")])
     moved = max(abs(r["diff"][1]) for r in cmp["rows"])
     text = (f"Self-entropy of {names['actobs-grpo']} at the evaluation temperature T = {e['temperature']:g}: "
             f"{e['entropy']:.3f} nats/token; {names['actionsft-grpo']} matches it at T* = {t['t_star']:.3f} "
@@ -422,8 +429,9 @@ def plot_sweep(path, cmp, lams):
     for ax, k in zip(axes, [cmp["ks"][0], cmp["ks"][-1]]):
         r = rows[k]
         d = [0.0] + [100 * x for x in r["diff"][1:]]
-        err = [[0.0] + [100 * (x - lo) for x, (lo, _) in zip(r["diff"][1:], r["ci"][1:])],
-               [0.0] + [100 * (hi - x) for x, (_, hi) in zip(r["diff"][1:], r["ci"][1:])]]
+        # clipped at 0: an interval of one value (kinds of one task each) can miss its point by a rounding
+        err = [[0.0] + [max(0.0, 100 * (x - lo)) for x, (lo, _) in zip(r["diff"][1:], r["ci"][1:])],
+               [0.0] + [max(0.0, 100 * (hi - x)) for x, (_, hi) in zip(r["diff"][1:], r["ci"][1:])]]
         ax.errorbar(lams, d, yerr=err, marker="o", capsize=3)
         ax.axhline(0, color="grey", lw=0.8)
         ax.set(title=f"pass@{k} advantage over {cmp['runs'][0]}", xlabel="λ (SFT observation-loss weight)",
@@ -530,12 +538,13 @@ def build(run):
     after, after_txt = comparison(results, grpod, names)
     before, before_txt = comparison(results, arms + ["base"], names)
     # what GRPO did to each SFT checkpoint: all tasks only (the per-kind blocks are in the tables above)
-    effect = {m: evaluate.compare([(names[r], results[r]) for r in (init, m)]) for m, init in grpo_runs(st).items()
+    effect = {m: compare([(names[r], results[r]) for r in (init, m)]) for m, init in grpo_runs(st).items()
               if init in results}
     tstar, tstar_txt = tstar_section(results, probes, names)
     lo, hi, half = halfwidth(after)
+    pooled = halfwidth(evaluate.compare([(names[m], results[m]) for m in grpod[:2]]))[2]  # tasks resampled across kinds
     points = sweep_points(st) if sweep_arms else []
-    swept = evaluate.compare([(names[m], results[m]) for _, m in points]) if points else None
+    swept = compare([(names[m], results[m]) for _, m in points]) if points else None
     evaluate.plot_compare(evaluate.compare([(names[m], r) for m, r in results.items()]), run / "pass_at_k.png")
     plot_runs(run / "grpo_curves.png", [("rollout/reward_mean", "mean reward"), ("train/entropy", "action-token entropy"),
                                         ("train/kl_init", "KL from the SFT checkpoint")],
@@ -554,8 +563,10 @@ def build(run):
           f"Commit {settings['git'][:10]}, started {settings['started']}, seed {st.get('seed')}. Settings of every stage: "
           "settings.json; each run dir has its own config.json.", "",
           f"Resolution: on these {after['rows'][0]['tasks']} tasks × {attempts} attempts, the paired bootstrap 95% "
-          f"interval of the pass@1 difference {names[grpod[1]]} − {names[grpod[0]]} is [{100 * lo:+.1f}, {100 * hi:+.1f}] "
-          f"points: **half-width {100 * half:.1f} points** (the paper's effects: 1–4 points).", "",
+          f"interval of the pass@1 difference {names[grpod[1]]} − {names[grpod[0]]}, tasks resampled within each kind "
+          f"(the split is drawn as a fixed count per kind), is [{100 * lo:+.1f}, {100 * hi:+.1f}] points: "
+          f"**half-width {100 * half:.1f} points** ({100 * pooled:.1f} resampling tasks across kinds; the paper's "
+          "effects: 1–4 points).", "",
           f"## pass@k on the evaluation split ({len(ev)} tasks × {attempts} attempts; held-out kind: "
           f"{', '.join(taskgen.HELDOUT_KINDS)})", "", overview(results, attempts, names), "",
           "pass@k in %, unbiased estimator over tasks; excluded = attempts lost to infrastructure failures (not counted). "
@@ -588,7 +599,7 @@ def build(run):
     md += [f"| {k} | {v} |" for k, v in total.items()] + [f"| **total** | {sum(total.values())} |", ""]
     (run / "REPORT.md").write_text("\n".join(md))
     (run / "report.json").write_text(json.dumps({"after_grpo": after, "before_grpo": before, "grpo_effect": effect,
-                                                 "pass1_halfwidth": half, "tstar": tstar, "rl_time": rl,
+                                                 "pass1_halfwidth": half, "pass1_halfwidth_pooled": pooled, "tstar": tstar, "rl_time": rl,
                                                  "lambda_sweep": swept and {"lambdas": [lam for lam, _ in points], **swept},
                                                  "summary": {m: r["summary"] for m, r in results.items()},
                                                  "stage_seconds": total}, indent=1))

@@ -236,10 +236,16 @@ def test_build_reports_every_comparison(tmp_path):
     assert report.build(tmp_path) == []
     md = (tmp_path / "REPORT.md").read_text()
     out = json.loads((tmp_path / "report.json").read_text())
-    # the header's half-width: the paired bootstrap of ActObs + GRPO - ActionSFT + GRPO in pass@1, computed here
-    lo, hi = evaluate.bootstrap_diff(pass1("actionsft-grpo", tasks), pass1("actobs-grpo", tasks))
+    # the header's half-width: the paired bootstrap of ActObs + GRPO - ActionSFT + GRPO in pass@1, computed here,
+    # tasks resampled within their kinds (the split's design), and across kinds for comparison
+    a, b = pass1("actionsft-grpo", tasks), pass1("actobs-grpo", tasks)
+    lo, hi = evaluate.bootstrap_diff(a, b, strata=list(tasks.values()))
+    plo, phi = evaluate.bootstrap_diff(a, b)
+    assert len(set(tasks.values())) > 1 and (lo, hi) != (plo, phi)
     assert out["pass1_halfwidth"] == pytest.approx((hi - lo) / 2)
-    assert f"**half-width {100 * (hi - lo) / 2:.1f} points**" in md and f"[{100 * lo:+.1f}, {100 * hi:+.1f}]" in md
+    assert out["pass1_halfwidth_pooled"] == pytest.approx((phi - plo) / 2)
+    assert f"**half-width {100 * (hi - lo) / 2:.1f} points** ({100 * (phi - plo) / 2:.1f} resampling" in md
+    assert f"[{100 * lo:+.1f}, {100 * hi:+.1f}]" in md
     # ECHO is a run of the after-GRPO comparison, and has its own what-GRPO-did block
     assert out["after_grpo"]["runs"][-1] == "ActionSFT (λ=0) + GRPO + ECHO"
     assert out["after_grpo"]["rows"][0]["pass"][-1] == pytest.approx(1 / 6)
@@ -254,7 +260,8 @@ def test_build_reports_every_comparison(tmp_path):
     sw = out["lambda_sweep"]
     assert sw["lambdas"] == [0.0, 0.5, 1.0] and sw["runs"][1] == "λ=0.5 + GRPO"
     assert sw["rows"][0]["diff"][1:] == pytest.approx([1 / 6, 1 / 3]) and sw["ks"] == [1, 2]
-    lo, hi = evaluate.bootstrap_diff(pass1("actionsft-grpo", tasks), pass1("lam0.5-grpo", tasks))
+    lo, hi = evaluate.bootstrap_diff(pass1("actionsft-grpo", tasks), pass1("lam0.5-grpo", tasks),
+                                     strata=list(tasks.values()))
     assert f"| 0.5 | λ=0.5 + GRPO | 33.3 | +16.7 [{100 * lo:+.1f}, {100 * hi:+.1f}] |" in md
     assert (tmp_path / "lambda_sweep.png").stat().st_size > 0 and "![λ sweep](lambda_sweep.png)" in md
     # RL time: entropy first / mean / last and the final KL of every GRPO run; the most entropy and least KL: ActObs
