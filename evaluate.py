@@ -223,12 +223,13 @@ def bootstrap_diff(a, b, n_boot=10_000, seed=0, strata=None):
     if strata is None:
         means = d[rng.integers(0, len(d), size=(n_boot, len(d)))].mean(axis=1)  # (n_boot,)
     else:
-        labels, means = np.asarray(strata), np.zeros(n_boot)
+        # the labels' weighted means sum to d's mean: each resample is that mean plus the labels' weighted deviations
+        labels, means = np.asarray(strata), np.full(n_boot, d.mean())
         for v in np.unique(labels):
             x = d[labels == v]  # (n,)
             dev = x[rng.integers(0, len(x), size=(n_boot, len(x)))].mean(axis=1) - x.mean()  # (n_boot,)
             scale = math.sqrt(len(x) / (len(x) - 1)) if len(x) > 1 else 0.0
-            means += len(x) / len(d) * (x.mean() + scale * dev)
+            means += len(x) / len(d) * scale * dev
     lo, hi = np.percentile(means, [2.5, 97.5])
     return float(lo), float(hi)
 
@@ -248,11 +249,11 @@ def compare(runs, n_boot=10_000, seed=0, by_kind=False):
         per = [np.array([v[t] for t in common]) for v in vals]  # per run: (T,) pass@k of the common tasks
         row = {"k": k, "tasks": len(common), "pass": [float(p.mean()) for p in per], "diff": [None], "rel": [None],
                "ci": [None]}
+        strata = [str(runs[0][1]["tasks"][t].get("kind")) for t in common] if by_kind else None
         for p in per[1:]:
             d, base = float(p.mean() - per[0].mean()), float(per[0].mean())
             row["diff"].append(d)
             row["rel"].append(d / base if base > 0 else None)
-            strata = [str(runs[0][1]["tasks"][t].get("kind")) for t in common] if by_kind else None
             row["ci"].append(bootstrap_diff(per[0], p, n_boot, seed, strata))
         rows.append(row)
     valid = [{n for n, e in res["tasks"].items() if task_counts(e)[0] > 0} for _, res in runs]

@@ -649,8 +649,11 @@ class Sandbox:
         top = os.path.basename(folder.rstrip("/"))
         with tarfile.open(fileobj=io.BytesIO(b"".join(stream))) as tar:
             members = {m.name: m for m in tar.getmembers()}
-            return [tar.extractfile(members[f"{top}/{n}"]).read() if f"{top}/{n}" in members
-                    and members[f"{top}/{n}"].isfile() else None for n in names]
+
+            def read(name):
+                m = members.get(f"{top}/{name}")
+                return tar.extractfile(m).read() if m is not None and m.isfile() else None
+            return [read(n) for n in names]
 
     def _shell_gone(self):
         """True only when a probe ran and found no shell (a probe that cannot even start says nothing)."""

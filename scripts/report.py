@@ -429,7 +429,7 @@ def plot_sweep(path, cmp, lams):
     for ax, k in zip(axes, [cmp["ks"][0], cmp["ks"][-1]]):
         r = rows[k]
         d = [0.0] + [100 * x for x in r["diff"][1:]]
-        # clipped at 0: an interval of one value (kinds of one task each) can miss its point by a rounding
+        # clipped at 0: a percentile interval need not contain its point estimate
         err = [[0.0] + [max(0.0, 100 * (x - lo)) for x, (lo, _) in zip(r["diff"][1:], r["ci"][1:])],
                [0.0] + [max(0.0, 100 * (hi - x)) for x, (_, hi) in zip(r["diff"][1:], r["ci"][1:])]]
         ax.errorbar(lams, d, yerr=err, marker="o", capsize=3)
@@ -599,7 +599,8 @@ def build(run):
     md += [f"| {k} | {v} |" for k, v in total.items()] + [f"| **total** | {sum(total.values())} |", ""]
     (run / "REPORT.md").write_text("\n".join(md))
     (run / "report.json").write_text(json.dumps({"after_grpo": after, "before_grpo": before, "grpo_effect": effect,
-                                                 "pass1_halfwidth": half, "pass1_halfwidth_pooled": pooled, "tstar": tstar, "rl_time": rl,
+                                                 "pass1_halfwidth": half, "pass1_halfwidth_pooled": pooled,
+                                                 "tstar": tstar, "rl_time": rl,
                                                  "lambda_sweep": swept and {"lambdas": [lam for lam, _ in points], **swept},
                                                  "summary": {m: r["summary"] for m, r in results.items()},
                                                  "stage_seconds": total}, indent=1))
