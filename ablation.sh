@@ -42,7 +42,7 @@ BASE=(--sessions 256 --heldout 16 --commands 20 --epochs 4 --batch-size 2 --lr 3
 CORPUS=(--n-sft 576 --n-rl 32 --n-eval 36)                                                # envs.py corpus
 HELDOUT_N=32                                                                              # trajectories for the probes
 SFT=(--lr 2e-3 --warmup-ratio 0.05 --min-lr-ratio 0.1 --batch-size 4 --epochs 2 --max-len 3072 --micro-tokens 8192
-     --dtype bf16 --val-size 16 --eval-every 0 --save-every 40 --keep 1 --probe-every 20)  # sft.py, all arms
+     --dtype bf16 --val-size 16 --eval-every 0 --save-every 40 --keep 1 --probe-every 40)  # sft.py, all arms
 # RL and evaluation roll out with the same limits; the expert needs ~5 turns of ~80 tokens, but its csv_summary script
 # reply is up to ~330 (`report.py limits` checks the corpus against these). One engine step decodes a token for every
 # live episode, so 32 sandboxes at once cost little more per step than 8.
@@ -51,6 +51,11 @@ GRPO=(--steps 4 --tasks-per-step 4 --group-size 8 --lr 1e-5 --max-turns 10 --max
 # 36 evaluation tasks (4 of each kind) x 8 attempts: the attempts of 18 x 16, with the pass@1 interval narrower (it is
 # bounded by how much tasks differ, more than by the attempts on each)
 EVAL=(--attempts 8 --max-turns 10 --max-new-tokens 384 --max-len 4096 --concurrency 64)  # evaluate.py, all models
+# The GRPO'd policies are the comparison at pass@n; the SFT checkpoints are compared at pass@1-4 (that they look
+# alike, and what GRPO did to each), and the base only shows that it solves ~nothing (none of 288 attempts in the
+# 2026-12-02 full run of RESULTS.md, each to the turn limit): they get half and a quarter of the attempts
+EVAL_SFT=(--attempts 4)
+EVAL_BASE=(--attempts 2)
 PROBE=(--n 32 --max-len 3072)                                                             # probes.py
 SAMPLE=(--max-new-tokens 128)                                                             # probes' own samples
 if [ $MODE = quick ]; then
@@ -63,6 +68,8 @@ if [ $MODE = quick ]; then
     GRPO=(--steps 2 --tasks-per-step 1 --group-size 2 --lr 1e-5 --max-turns 2 --max-new-tokens 48 --max-len 1024
           --concurrency 2 --save-every 1 --keep 1 --kv-cache-gb 1)
     EVAL=(--attempts 2 --max-turns 2 --max-new-tokens 48 --max-len 1024 --concurrency 4)
+    EVAL_SFT=(--attempts 2)
+    EVAL_BASE=(--attempts 1)
     PROBE=(--n 4 --max-len 1024)
     SAMPLE=(--max-new-tokens 32)
 fi
@@ -80,7 +87,7 @@ mkdir -p "$R/eval" "$R/probes"
 ARM_LOSS=(); for A in "${ARMS[@]}" "${SWEEP_ARMS[@]}"; do ARM_LOSS+=("loss_$A=${LOSS[$A]}"); done
 python scripts/report.py settings "$R" mode=$MODE seed=$SEED prompt_template=$PT base="${BASE[*]}" corpus="${CORPUS[*]}" \
     heldout_n=$HELDOUT_N arms="${ARMS[*]}" sweep_arms="${SWEEP_ARMS[*]}" "${ARM_LOSS[@]}" sft="${SFT[*]}" \
-    grpo="${GRPO[*]}" echo="${ECHO[*]}" eval="${EVAL[*]}" probe="${PROBE[*]}" sample="${SAMPLE[*]}"
+    grpo="${GRPO[*]}" echo="${ECHO[*]}" eval="${EVAL[*]}" eval_sft="${EVAL_SFT[*]}" eval_base="${EVAL_BASE[*]}" probe="${PROBE[*]}" sample="${SAMPLE[*]}"
 # stage NAME CMD...: run CMD, append its wall time to $R/times.jsonl
 stage() { local t=$SECONDS; "${@:2}"; echo "{\"stage\": \"$1\", \"seconds\": $((SECONDS - t))}" >> "$R/times.jsonl"; }
 
@@ -104,8 +111,8 @@ done
 # evaluate M CHECKPOINT [FLAG...]: n attempts per evaluation task, and every episode's conversation to read
 evaluate() { stage eval-$1 python evaluate.py --model "$2" --tasks "$R/corpus/eval" --out "$R/eval/$1.json" \
     --transcripts "$R/eval/$1.episodes.jsonl" --prompt-template $PT --seed $SEED "${EVAL[@]}" "${@:3}"; }
-evaluate base "$B"
-for A in "${ARMS[@]}"; do evaluate $A "$R/$A/final"; done
+evaluate base "$B" "${EVAL_BASE[@]}"
+for A in "${ARMS[@]}"; do evaluate $A "$R/$A/final" "${EVAL_SFT[@]}"; done
 
 # ---- 5. probes of the SFT checkpoints on held-out trajectories: observation prediction, command entropy, KL from
 # the base

@@ -66,6 +66,14 @@ def grpo_runs(st):
     return {**{f"{a}-grpo": a for a in st["arms"].split() + st[SWEEP_KEY].split()}, f"{ECHO}-grpo": "actionsft"}
 
 
+def eval_attempts(st, model):
+    """The attempts an evaluated model's results must have: the GRPO'd policies and T* `eval`'s, the SFT checkpoints
+    and the base fewer when `eval_sft` / `eval_base` say so (ablation.sh: only the GRPO'd policies are compared at
+    pass@n; a folder without these settings evaluated every model at `eval`'s)."""
+    key = "eval_base" if model == "base" else "eval_sft" if model in st["arms"].split() else "eval"
+    return int(flags(st.get(key) or st["eval"])["--attempts"])
+
+
 def checkpoint(run, model):
     """The checkpoint an evaluated model's results must name."""
     return run / "base" / "model" if model == "base" else run / ("actionsft-grpo" if model == TSTAR else model) / "final"
@@ -304,22 +312,25 @@ def _numbers(x):
 # ----------------------------------------------------------------------------------------------------------
 # Tables and plots
 
-def overview(results, attempts, names):
-    """One row per model: pass@k over all tasks, pass@1 / pass@n on the held-out kind, distinct solved, mean
-    turns and how the unsolved episodes that did not just end wrong ended (failure kinds)."""
-    ks = evaluate.ks_up_to(attempts)
+def overview(results, names):
+    """One row per model: pass@k over all tasks up to its attempts ("-" past them), pass@1 / pass@n on the held-out
+    kind (n: its attempts), distinct solved, attempts, mean turns and how the unsolved episodes that did not just end
+    wrong ended (failure kinds)."""
+    ks = evaluate.ks_up_to(max(res["settings"]["attempts"] for res in results.values()))
     head = ("| model | " + " | ".join(f"pass@{k}" for k in ks)
-            + f" | held-out pass@1 / @{ks[-1]} | solved | excluded | mean turns | episodes ended by |")
-    lines = [head, "|" + "---|" * (len(ks) + 6)]
+            + " | held-out pass@1 / @n | solved | attempts | excluded | mean turns | episodes ended by |")
+    lines = [head, "|" + "---|" * (len(ks) + 7)]
     for m, res in results.items():
-        s = evaluate.summarize(res["tasks"], ks)
-        held = {n: e for n, e in res["tasks"].items() if e.get("heldout")}
-        h = evaluate.summarize(held, ks) if held else None
-        hcell = f"{evaluate.pct(h['pass@k'][ks[0]])} / {evaluate.pct(h['pass@k'][ks[-1]])}" if h else "-"
+        n = res["settings"]["attempts"]
+        own = evaluate.ks_up_to(n)
+        s = evaluate.summarize(res["tasks"], own)
+        held = {t: e for t, e in res["tasks"].items() if e.get("heldout")}
+        h = evaluate.summarize(held, own) if held else None
+        hcell = f"{evaluate.pct(h['pass@k'][own[0]])} / {evaluate.pct(h['pass@k'][own[-1]])}" if h else "-"
         turns = [a["turns"] for e in res["tasks"].values() for a in e["attempts"]]
         ends = ", ".join(f"{k} {v}" for k, v in sorted(s["failures"].items())) or "-"
-        lines.append(f"| {names[m]} | " + " | ".join(evaluate.pct(s["pass@k"][k]) for k in ks)
-                     + f" | {hcell} | {s['solved']}/{s['tasks']} | {s['excluded']} "
+        lines.append(f"| {names[m]} | " + " | ".join(evaluate.pct(s["pass@k"][k]) if k <= n else "-" for k in ks)
+                     + f" | {hcell} | {s['solved']}/{s['tasks']} | {len(res['tasks'])} × {n} | {s['excluded']} "
                      f"| {sum(turns) / max(len(turns), 1):.1f} | {ends} |")
     return "\n".join(lines)
 
@@ -525,7 +536,7 @@ def build(run):
             for m, init in grpo_runs(st).items()}
     results = {}
     for m in names:
-        res = check_eval(run / "eval" / f"{m}.json", ev, attempts, checkpoint(run, m), problems)
+        res = check_eval(run / "eval" / f"{m}.json", ev, eval_attempts(st, m), checkpoint(run, m), problems)
         if res is not None:
             results[m] = res
     probes = check_probes(run, problems)
@@ -536,7 +547,7 @@ def build(run):
 
     grpod = [f"{a}-grpo" for a in arms] + [f"{ECHO}-grpo"]  # the paper's comparison: every arm, and ECHO
     after, after_txt = comparison(results, grpod, names)
-    before, before_txt = comparison(results, arms + ["base"], names)
+    before, before_txt = comparison(results, arms, names)  # the base solves ~nothing: its own row in the overview
     # what GRPO did to each SFT checkpoint: all tasks only (the per-kind blocks are in the tables above)
     effect = {m: compare([(names[r], results[r]) for r in (init, m)]) for m, init in grpo_runs(st).items()
               if init in results}
@@ -567,14 +578,15 @@ def build(run):
           f"(the split is drawn as a fixed count per kind), is [{100 * lo:+.1f}, {100 * hi:+.1f}] points: "
           f"**half-width {100 * half:.1f} points** ({100 * pooled:.1f} resampling tasks across kinds; the paper's "
           "effects: 1–4 points).", "",
-          f"## pass@k on the evaluation split ({len(ev)} tasks × {attempts} attempts; held-out kind: "
-          f"{', '.join(taskgen.HELDOUT_KINDS)})", "", overview(results, attempts, names), "",
+          f"## pass@k on the evaluation split ({len(ev)} tasks, attempts a task as the table gives; held-out kind: "
+          f"{', '.join(taskgen.HELDOUT_KINDS)})", "", overview(results, names), "",
           "pass@k in %, unbiased estimator over tasks; excluded = attempts lost to infrastructure failures (not counted). "
           "Plot: pass_at_k.png.", "",
           f"## After the same GRPO ({names[grpod[0]]} is the baseline [0]; ECHO: GRPO from {names['actionsft']} with "
           f"`{st['echo']}`)", "", "```", after_txt, "```", "",
           f"## Temperature-matched {names['actionsft-grpo']}", "", tstar_txt, "",
-          f"## Before GRPO: the SFT arms and the base model ({names[arms[0]]} is the baseline [0])", "", "```",
+          f"## Before GRPO: the SFT arms ({names[arms[0]]} is the baseline [0]; {eval_attempts(st, arms[0])} attempts "
+          "a task)", "", "```",
           before_txt, "```", ""]
     for m, cmp in effect.items():
         md += [f"## What GRPO did: {names[grpo_runs(st)[m]]} → {names[m]}", "", "```", evaluate.compare_table(cmp),

@@ -175,12 +175,14 @@ KL = {"actionsft-grpo": (0.01, 0.04), "actobs-grpo": (0.01, 0.02), "lam0.5-grpo"
       "echo-grpo": (0.01, 0.05)}
 
 
-def synthetic_run(run, sweep=True):
+def synthetic_run(run, sweep=True, before_attempts=None):
+    """before_attempts: the SFT checkpoints and the base evaluated with these fewer attempts (eval_sft, eval_base)."""
     sweep_arms = ["lam0.5"] if sweep else []
+    fewer = [f"eval_sft=--attempts {before_attempts}", f"eval_base=--attempts {before_attempts}"] if before_attempts else []
     report.write_settings(run, ["mode=quick", "seed=0", "arms=actionsft actobs", f"sweep_arms={' '.join(sweep_arms)}",
                                 "loss_actionsft=--lam 0", "loss_actobs=--lam 1", *(["loss_lam0.5=--lam 0.5"] if sweep else []),
                                 "corpus=--n-sft 4 --n-rl 2 --n-eval 3", "heldout_n=1", "grpo=--steps 2",
-                                "echo=--echo-coef 0.05", "eval=--attempts 2"])
+                                "echo=--echo-coef 0.05", "eval=--attempts 2", *fewer])
     (run / "base" / "model").mkdir(parents=True)
     for f in report.WEIGHTS:
         (run / "base" / "model" / f).write_text("{}")
@@ -204,16 +206,17 @@ def synthetic_run(run, sweep=True):
     tasks = report.task_names(run / "corpus" / "eval", [])
     (run / "eval").mkdir()
     for m in report.model_names(json.loads((run / "settings.json").read_text())["stages"]):
-        rewards = dict(zip(tasks, REWARDS.get(m, ((0, 0),) * 3)))
-        res = {"settings": {"attempts": 2, "model": str(report.checkpoint(run, m)),
+        n = before_attempts if before_attempts and m in ("base", "actionsft", "actobs") else 2
+        rewards = dict(zip(tasks, (rs[:n] for rs in REWARDS.get(m, ((0, 0),) * 3))))
+        res = {"settings": {"attempts": n, "model": str(report.checkpoint(run, m)),
                             "temperature": T_STAR if m == report.TSTAR else T_EVAL},
                "tasks": {t: {"kind": kind, "heldout": kind in taskgen.HELDOUT_KINDS,
                              "attempts": [{"attempt": j, "reward": float(r), "failure": None, "turns": 3}
                                           for j, r in enumerate(rewards[t])]} for t, kind in tasks.items()}}
-        res["summary"] = evaluate.summarize(res["tasks"], [1, 2])
+        res["summary"] = evaluate.summarize(res["tasks"], evaluate.ks_up_to(n))
         (run / "eval" / f"{m}.json").write_text(json.dumps(res))
         (run / "eval" / f"{m}.episodes.jsonl").write_text("".join(json.dumps({"task": t, "attempt": j}) + "\n"
-                                                                   for t in tasks for j in (0, 1)))
+                                                                   for t in tasks for j in range(n)))
     (run / "probes").mkdir()
     sft = [str(run / a / "final") for a in ("actionsft", "actobs")]
     probes = {"obs_nll": {p: {"obs_nll": 1.0, "wrapper_nll": 0.5, "payload_nll": 1.5} for p in sft},
@@ -328,3 +331,23 @@ def test_limits_measure_the_expert_in_rollout_tokens(tmp_path, tiny_dir, synthet
         assert report.check_limits(tmp_path, {"grpo": limits, "eval": limits}, problems) == (reply, episode)
         assert len(problems) == (0 if cut is None else 2), problems
         assert all(f"--{cut} " in p and (reply_task if cut == "max-new-tokens" else episode_task) in p for p in problems)
+
+
+def test_build_takes_fewer_attempts_before_grpo(tmp_path):
+    """ablation.sh evaluates the SFT checkpoints and the base with fewer attempts than the GRPO'd policies: the
+    after-GRPO comparison keeps pass@n, the ones with an SFT checkpoint stop at its attempts, the overview marks what
+    a model has no attempts for."""
+    synthetic_run(tmp_path, before_attempts=1)
+    assert report.build(tmp_path) == []
+    out = json.loads((tmp_path / "report.json").read_text())
+    assert out["after_grpo"]["ks"] == [1, 2] and out["before_grpo"]["ks"] == [1]
+    assert all(cmp["ks"] == [1] for cmp in out["grpo_effect"].values())
+    assert out["before_grpo"]["runs"] == ["ActionSFT (λ=0)", "ActObs (λ=1)"]  # the base is in the overview only
+    md = (tmp_path / "REPORT.md").read_text()
+    base_row = next(line for line in md.splitlines() if line.startswith("| base |"))
+    assert base_row.split(" | ")[1:3] == ["0.0", "-"] and "| 3 × 1 |" in base_row
+    # an evaluation with other attempts than its setting is a problem, named
+    res = json.loads((tmp_path / "eval" / "base.json").read_text())
+    res["settings"]["attempts"] = 2
+    (tmp_path / "eval" / "base.json").write_text(json.dumps(res))
+    assert any("base.json: evaluated" in p and "expected" in p and "with 1" in p for p in report.build(tmp_path))
