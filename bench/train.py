@@ -50,23 +50,28 @@ def long_trajectory(rng, n_chars):
     return msgs
 
 
+def random_model_dir(out, convs, config):
+    """OUT/data.jsonl of the conversations and OUT/model: a tokenizer trained here on them, `config` and no weights
+    (sft.py then initialises the model randomly). -> the model dir."""
+    (out / "data.jsonl").write_text("".join(json.dumps({"conversations": c}) + "\n" for c in convs))
+    model_dir = out / "model"
+    common.build_tiny(model_dir, [m["content"] for c in convs[:20] for m in c], vocab_size=4096, hidden=64, layers=1)
+    for f in model_dir.glob("model*.safetensors"):
+        f.unlink()
+    config.save_pretrained(model_dir)
+    return model_dir
+
+
 def main(argv=None):
     args = get_parser().parse_args(argv)
     from transformers import Qwen3Config
     out = Path(args.out or tempfile.mkdtemp(prefix="bench_train_"))
     rng = random.Random(0)
     convs = [long_trajectory(rng, 4 * args.seq_len) for _ in range(args.batch_size * args.steps + 1)]
-    data = out / "data.jsonl"
-    data.parent.mkdir(parents=True, exist_ok=True)
-    data.write_text("".join(json.dumps({"conversations": c}) + "\n" for c in convs))
-    # a tokenizer trained here; the model dir holds a config and no weights, so sft.py initialises it randomly
-    model_dir = out / "model"
-    common.build_tiny(model_dir, [m["content"] for c in convs[:20] for m in c], vocab_size=4096, hidden=64, layers=1)
-    for f in model_dir.glob("model*.safetensors"):
-        f.unlink()
+    out.mkdir(parents=True, exist_ok=True)
     cfg = dict(QWEN3_4B if args.config == "qwen3-4b" else TINY)
-    Qwen3Config(**cfg).save_pretrained(model_dir)
-    sft.main(["--model", str(model_dir), "--data", str(data), "--out", str(out / "run"), "--max-len", str(args.seq_len),
+    model_dir = random_model_dir(out, convs, Qwen3Config(**cfg))
+    sft.main(["--model", str(model_dir), "--data", str(out / "data.jsonl"), "--out", str(out / "run"), "--max-len", str(args.seq_len),
               "--micro-tokens", str(args.seq_len), "--batch-size", str(args.batch_size), "--val-size", "1",
               "--grad-ckpt", "--warmup-ratio", "0", "--eval-every", "0", "--save-every", "0",
               "--stop-after", str(args.steps), "--lr", "1e-5"])
