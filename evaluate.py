@@ -217,7 +217,8 @@ def bootstrap_diff(a, b, n_boot=10_000, seed=0, strata=None):
     label, so each resample keeps the split's composition and the spread between labels is not counted as
     the chance of the draw. A label's resampled mean is then moved from the label's mean by sqrt(n / (n - 1)) of
     its deviation: with the few tasks of a label (n), the plain resample's variance is (n - 1) / n of the
-    unbiased one, and the interval would be too narrow."""
+    unbiased one, and the interval would be too narrow. That stretch can carry a resample past what a
+    difference of two pass rates can be: the interval is clipped to [-1, 1]."""
     d = np.asarray(b, dtype=np.float64) - np.asarray(a, dtype=np.float64)  # (T,)
     rng = np.random.default_rng(seed)
     if strata is None:
@@ -230,7 +231,7 @@ def bootstrap_diff(a, b, n_boot=10_000, seed=0, strata=None):
             dev = x[rng.integers(0, len(x), size=(n_boot, len(x)))].mean(axis=1) - x.mean()  # (n_boot,)
             scale = math.sqrt(len(x) / (len(x) - 1)) if len(x) > 1 else 0.0
             means += len(x) / len(d) * scale * dev
-    lo, hi = np.percentile(means, [2.5, 97.5])
+    lo, hi = np.clip(np.percentile(means, [2.5, 97.5]), -1.0, 1.0)
     return float(lo), float(hi)
 
 

@@ -272,6 +272,13 @@ def test_bootstrap_within_kinds_covers_the_difference_of_a_split_drawn_per_kind(
     plo, phi = evaluate.bootstrap_diff(a, b, 500, seed=3)
     assert evaluate.bootstrap_diff(a, b, 500, seed=3, strata=["k"] * 30) == pytest.approx((m + c * (plo - m),
                                                                                           m + c * (phi - m)))
+    # 4 tasks of one kind, three lost by B: the plain resample reaches -1 (all four draws a lost task), and the
+    # stretch by sqrt(4 / 3) would carry the interval past it, where no difference of pass rates is; it is clipped
+    d, c = [-1.0, -1.0, -1.0, 0.0], math.sqrt(4 / 3)
+    plo, phi = evaluate.bootstrap_diff([0.0] * 4, d, 10_000, seed=0)
+    lo, hi = evaluate.bootstrap_diff([0.0] * 4, d, 10_000, seed=0, strata=["k"] * 4)
+    assert plo == -1.0 and -0.75 + c * (plo + 0.75) < -1.0
+    assert lo == -1.0 and hi == pytest.approx(-0.75 + c * (phi + 0.75))
 
 # ----------------------------------------------------------------------------------------------------------
 # Real sandboxes: the scripted expert stands in for the model at the rollout boundary
