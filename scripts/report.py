@@ -330,7 +330,7 @@ def overview(results, names):
         turns = [a["turns"] for e in res["tasks"].values() for a in e["attempts"]]
         ends = ", ".join(f"{k} {v}" for k, v in sorted(s["failures"].items())) or "-"
         lines.append(f"| {names[m]} | " + " | ".join(evaluate.pct(s["pass@k"][k]) if k <= n else "-" for k in ks)
-                     + f" | {hcell} | {s['solved']}/{s['tasks']} | {len(res['tasks'])} × {n} | {s['excluded']} "
+                     + f" | {hcell} | {s['solved']}/{s['tasks']} | {s['tasks']} × {n} | {s['excluded']} "
                      f"| {sum(turns) / max(len(turns), 1):.1f} | {ends} |")
     return "\n".join(lines)
 
