@@ -38,7 +38,8 @@ PROMPT = ('Reply with one JSON object: {"analysis": "", "plan": "", "commands": 
 # a rise that chance does not explain: the last 8 steps' solve rate above the first 3 steps' by a one-sided
 # two-proportion z of 3 or more (p ≈ 0.001; the three runs had 4.2, 4.8 and 6.0).
 STEPS, LR, KL, TWIN_STEPS = 24, "1e-3", "0.1", 8
-EPISODES = 2 * 8  # a step's: --tasks-per-step x --group-size
+TASKS_PER_STEP, GROUP = 2, 8
+EPISODES = TASKS_PER_STEP * GROUP  # a step's
 
 
 def reply(keys, done):
@@ -82,8 +83,8 @@ def world(tmp_path_factory, base_image):
 
 def run_grpo(world, out, steps):
     grpo.main(["--init", str(world / "sft" / "final"), "--tasks", str(world / "tasks"), "--out", str(out),
-               "--prompt-template", str(world / "prompt.txt"), "--steps", str(steps), "--tasks-per-step", "2",
-               "--group-size", "8", "--lr", LR, "--kl-coef", KL, "--max-turns", "4", "--max-new-tokens", "48", "--max-len", "1024",
+               "--prompt-template", str(world / "prompt.txt"), "--steps", str(steps), "--tasks-per-step", str(TASKS_PER_STEP),
+               "--group-size", str(GROUP), "--lr", LR, "--kl-coef", KL, "--max-turns", "4", "--max-new-tokens", "48", "--max-len", "1024",
                "--concurrency", "16", "--save-every", str(steps), "--kv-cache-gb", "1"])
     return [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
 
