@@ -66,7 +66,7 @@ if [ $MODE = quick ]; then
     SFT=(--lr 2e-3 --batch-size 4 --epochs 1 --max-len 1024 --micro-tokens 8192 --val-size 4 --eval-every 0
          --save-every 0 --keep 1 --probe-every 2)
     GRPO=(--steps 2 --tasks-per-step 1 --group-size 2 --lr 1e-5 --max-turns 2 --max-new-tokens 48 --max-len 1024
-          --concurrency 2 --save-every 1 --keep 1 --kv-cache-gb 1)
+          --concurrency 2 --save-every 1 --keep 1)
     EVAL=(--attempts 2 --max-turns 2 --max-new-tokens 48 --max-len 1024 --concurrency 4)
     EVAL_SFT=(--attempts 2)
     EVAL_BASE=(--attempts 1)

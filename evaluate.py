@@ -444,8 +444,8 @@ def vllm_rollout(args, session):
     """grpo's engine and rollout (imported here: the tables and compare need neither torch nor vLLM)."""
     import grpo
     import torch
-    engine = grpo.make_engine(args.model, max_model_len=args.max_len, seed=args.seed, dtype=args.dtype,
-                              gpu_memory=args.gpu_memory)
+    engine = grpo.make_engine(args.model, max_model_len=args.max_len, max_seqs=args.concurrency, seed=args.seed,
+                              dtype=args.dtype, gpu_memory=args.gpu_memory)
     tokenizer = labels.load_tokenizer(args.model, "native")  # the template the checkpoint was trained with
     template = terminus.load_template(args.prompt_template)
 

@@ -111,7 +111,7 @@ def get_parser():
     p.add_argument("--seed", type=int, default=0)
     # engine
     p.add_argument("--gpu-memory", type=float, default=0.35, help="fraction of GPU memory for the vLLM engine (weights + KV cache)")
-    p.add_argument("--kv-cache-gb", type=int, default=2, help="vLLM KV cache on CPU (GiB)")
+    p.add_argument("--kv-cache-gb", type=float, help="vLLM KV cache on CPU (GiB); default: room for --concurrency sequences of --max-len tokens")
     # run
     p.add_argument("--out", required=True, help="run dir: config.json, log.jsonl, curves.png, step-N/ checkpoints, final/")
     p.add_argument("--save-every", type=int, default=10, help="checkpoint every N steps")
@@ -124,22 +124,38 @@ def get_parser():
 # ----------------------------------------------------------------------------------------------------------
 # The engine and token-in/token-out rollouts
 
-def make_engine(model_dir, *, max_model_len, seed=0, dtype="auto", gpu_memory=0.35, kv_cache_gb=2):
-    """An in-process vLLM engine. logprobs_mode='processed_logprobs': the log-probs it returns are those of the
-    distribution actually sampled from (after temperature), which the importance ratio needs. Sleep mode (free
-    the engine's GPU memory while training) exists on CUDA only."""
+def kv_cache_bytes(config, *, max_model_len, max_seqs, dtype_bytes):
+    """CPU KV cache (bytes) that holds max_seqs sequences of max_model_len tokens: K and V of every layer's
+    key/value heads, per token, plus a 256-token margin per sequence for its last partly filled block. Sized to
+    the need, not a fixed GiB: the engine allocates and touches all of it at start, which took 10-16 s for 2 GiB
+    on a loaded 2-core machine against the ~2 MB a toy evaluation uses."""
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * dtype_bytes
+    return max_seqs * (max_model_len + 256) * per_token
+
+
+def make_engine(model_dir, *, max_model_len, max_seqs, seed=0, dtype="auto", gpu_memory=0.35, kv_cache_gb=None):
+    """An in-process vLLM engine for up to max_seqs sequences at once. logprobs_mode='processed_logprobs': the
+    log-probs it returns are those of the distribution actually sampled from (after temperature), which the
+    importance ratio needs. Sleep mode (free the engine's GPU memory while training) exists on CUDA only. On CPU
+    the KV cache is kv_cache_gb, or by default what max_seqs sequences of max_model_len tokens need."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # same process: weights can be passed as tensors
     cuda = torch.cuda.is_available()
-    if not cuda:
-        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gb))
     from vllm import LLM
     dtype = {"auto": "bfloat16" if cuda else "float32", "bf16": "bfloat16", "fp32": "float32"}.get(dtype, dtype)
     # On CPU a prefill is scheduled whole: one split across steps makes the engine rewind the request's seeded
     # generator, which a CPU generator cannot do (RuntimeError: CPU Generator does not use offset), and
     # VLLMPolicy seeds every turn. A step then takes whole prompts up to the budget (4096, vLLM's CPU default, or
     # a whole context when that is longer).
-    kw = (dict(enable_sleep_mode=True, gpu_memory_utilization=gpu_memory) if cuda else
-          dict(enable_chunked_prefill=False, max_num_batched_tokens=max(max_model_len, 4096)))
+    if cuda:
+        kw = dict(enable_sleep_mode=True, gpu_memory_utilization=gpu_memory)
+    else:
+        from transformers import AutoConfig
+        kv = (int(kv_cache_gb * 2 ** 30) if kv_cache_gb else
+              kv_cache_bytes(AutoConfig.from_pretrained(model_dir).get_text_config(), max_model_len=max_model_len,
+                             max_seqs=max_seqs, dtype_bytes=getattr(torch, dtype).itemsize))
+        kw = dict(enable_chunked_prefill=False, max_num_batched_tokens=max(max_model_len, 4096),
+                  kv_cache_memory_bytes=kv)
     return LLM(model=str(model_dir), dtype=dtype, max_model_len=max_model_len, seed=seed, enforce_eager=not cuda,
                logprobs_mode="processed_logprobs", **kw)
 
@@ -650,7 +666,8 @@ def main(argv=None):
         common.load_optimizer_state(model, opt, state, args.fsdp)
         start = state["step"]
     engine = make_engine(ckpt or args.init, max_model_len=args.max_len, seed=args.seed,
-                         dtype=args.dtype, gpu_memory=args.gpu_memory, kv_cache_gb=args.kv_cache_gb)
+                         max_seqs=args.concurrency, dtype=args.dtype, gpu_memory=args.gpu_memory,
+                         kv_cache_gb=args.kv_cache_gb)
     if rank == 0 and args.resume:  # drop log rows past the checkpoint: those steps run again
         rows = (out / "log.jsonl").read_text().splitlines() if (out / "log.jsonl").exists() else []
         (out / "log.jsonl").write_text("".join(r + "\n" for r in rows if json.loads(r)["step"] <= start))

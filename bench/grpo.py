@@ -63,7 +63,7 @@ def main(argv=None):
         return sorted(times)[n // 2]
 
     before, threads = train_pass_s(), torch.get_num_threads()
-    engine = grpo.make_engine(model_dir, max_model_len=4096, kv_cache_gb=2)
+    engine = grpo.make_engine(model_dir, max_model_len=4096, max_seqs=max(args.prompts, args.concurrency))
     after = train_pass_s()
     print(f"model {model_dir} | {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M params")
     print(f"trainer fwd+bwd (4 x 512): {before * 1000:.0f} ms before the engine ({threads} threads), {after * 1000:.0f} ms "

@@ -467,7 +467,7 @@ def test_next_turn_is_queued_while_other_sandboxes_step(base_image, no_leftovers
 
 @pytest.fixture(scope="module")
 def engine(vllm_dir):
-    return grpo.make_engine(vllm_dir, max_model_len=1024, kv_cache_gb=1)
+    return grpo.make_engine(vllm_dir, max_model_len=1024, max_seqs=16)
 
 
 def hf_model(path, seed=None):
@@ -479,6 +479,21 @@ def hf_model(path, seed=None):
             for p in m.parameters():
                 p.add_(torch.randn(p.shape, generator=g) * 0.3)
     return m
+
+
+def test_kv_cache_bytes_known_answer():
+    """Qwen3-0.6B's shape (28 layers, 8 key/value heads of 128) in bf16 holds 112 KiB of K and V per token."""
+    from transformers import Qwen3Config
+    config = Qwen3Config(num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128, hidden_size=1024)
+    assert grpo.kv_cache_bytes(config, max_model_len=4096 - 256, max_seqs=2, dtype_bytes=2) == 2 * 4096 * 112 * 1024
+
+
+def test_cpu_engine_holds_its_sequences_and_no_more_than_needed(engine):
+    """The fixture's engine (16 sequences of 1024 tokens) has room for all of them at once, not the fixed GiBs
+    it once allocated and touched at start."""
+    cache = engine.llm_engine.vllm_config.cache_config
+    tokens = cache.num_gpu_blocks * cache.block_size
+    assert 16 * 1024 <= tokens <= 16 * (1024 + 256) + cache.block_size, (cache.num_gpu_blocks, cache.block_size)
 
 
 def test_weight_sync_matches_hf(engine, vllm_dir):
@@ -585,7 +600,7 @@ def run_cli(out, tasks, model, *extra, wait=True):
     cmd = [sys.executable, str(ROOT / "grpo.py"), "--init", str(model), "--chat-template", "prefix", "--tasks", str(tasks),
            "--out", str(out), "--steps", "2", "--tasks-per-step", "2", "--group-size", "2", "--max-turns", "2",
            "--max-new-tokens", "24", "--max-len", "1024", "--lr", "1e-3", "--echo-coef", "0.05", "--save-every", "1",
-           "--kv-cache-gb", "1", "--concurrency", "4", *extra]
+           "--concurrency", "4", *extra]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
     if wait:
