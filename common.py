@@ -2,8 +2,9 @@
 What sft.py and grpo.py share, so that each of them reads as its stage: the one chunked head (log-probs and
 entropies of targets without the (N, V) logits), batching by token budget, distributed set-up and teardown
 (torchrun: DDP or FSDP2), the optimizer step, atomic checkpoints and resume, the run record (config.json,
-log.jsonl, optional wandb), and the tiny random Qwen3 that tests and the CPU run start from. probes.py uses the
-head too. Plain functions, no framework: a stage calls what it needs.
+log.jsonl, optional wandb), the tiny random Qwen3 that tests and the CPU run start from, and the scripts' entry
+point (several runs in one process). probes.py uses the head too. Plain functions, no framework: a stage calls what
+it needs.
 """
 import json
 import math
@@ -242,16 +243,46 @@ def close_distributed():
         dist.destroy_process_group()
 
 
+RUN_SEPARATOR = ":::"  # between the arguments of runs that share one process (run_cli)
+
+
+def split_runs(argv):
+    """A script's command-line arguments cut at RUN_SEPARATOR: one argument list per run."""
+    runs = [[]]
+    for a in argv:
+        if a == RUN_SEPARATOR:
+            runs.append([])
+        else:
+            runs[-1].append(a)
+    if len(runs) > 1 and not all(runs):
+        raise SystemExit(f"'{RUN_SEPARATOR}' separates the arguments of two runs: a run's arguments are missing")
+    return runs
+
+
 def run_cli(main):
-    """Run main() as a script. Under torchrun, a finished process then exits without the interpreter's shutdown:
-    FSDP2's modules keep the process group alive past destroy_process_group (deleting the model and running gc
-    does not free it), so gloo's threads still run while the interpreter tears down, and one of them touching
-    Python then aborts, now and then, a run that has already written everything (a rank exits with -6)."""
-    main()
-    if under_torchrun():
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
+    """Run main() as a script, once per run: `python grpo.py ARGS ::: ARGS ...` runs main(ARGS) for each argument
+    list in order, in this process. On a CPU machine a process spends ~9 s importing torch, transformers and vLLM
+    before any work; runs of one script in one process pay it once. Each run is what it is alone: main() sets up
+    all its state (models, seeds, its own engine) from its own arguments (tests/test_runs.py: the same samples). A
+    run that fails stops the ones after it (exit status non-zero); re-running resumes. Under torchrun one run a
+    process: each run would join the process group again.
+
+    Everything is written, flushed and closed when main() returns (checkpoints and results atomically), so the
+    process then exits without the interpreter's shutdown: vLLM's exit hooks and the teardown of torch's modules
+    took 3.5-4.5 s of every process. Under torchrun the shutdown is also unsafe: FSDP2's modules keep the process
+    group alive past destroy_process_group (deleting the model and running gc does not free it), so gloo's threads
+    still run while the interpreter tears down, and one of them touching Python then aborts, now and then, a run
+    that has already written everything (a rank exits with -6)."""
+    runs = split_runs(sys.argv[1:])
+    if len(runs) > 1 and under_torchrun():
+        raise SystemExit(f"'{RUN_SEPARATOR}': several runs in one process, not under torchrun (launch each run)")
+    for i, run in enumerate(runs):
+        if len(runs) > 1:
+            print(f"== run {i + 1}/{len(runs)}: {' '.join(run)}", flush=True)
+        main(run)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def wrap_model(module, raw, args, device):

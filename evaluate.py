@@ -18,6 +18,7 @@ interrupted run, and refuses to when a setting that changes results differs. Inf
 out of pass@k; they are never the agent's failure. compare gives each run's pass@k, the difference to the
 first run in points and in %, and a paired bootstrap 95% interval of that difference over the common tasks.
 Validate a task set first (reference solution scores 1, doing nothing 0): `python envs.py oracle [--noop] DIR/*`.
+Several evaluations in one process, the imports paid once (common.run_cli): `python evaluate.py ARGS ::: ARGS ...`.
 """
 import argparse
 import json
@@ -566,4 +567,5 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    import common  # torch: the CLI only (the tables and compare need none)
+    common.run_cli(main)

@@ -9,7 +9,8 @@ CPU toy run (tasks from `python envs.py corpus --out data/corpus`, an SFT checkp
     python grpo.py --init runs/q4b-actobs/final --tasks tasks/rl --out runs/q4b-actobs-grpo
 8 GPUs (each rank: its own engine, 4 of the 32 groups; DDP all-reduces the gradients):
     torchrun --standalone --nproc_per_node 8 grpo.py --init runs/q4b-actobs/final --tasks tasks/rl --out ...
-Resume an interrupted run: the same command plus --resume.
+Resume an interrupted run: the same command plus --resume. Several runs in one process, the imports paid once
+(common.run_cli): `python grpo.py ARGS ::: ARGS ...`.
 
 One step: sample --tasks-per-step tasks, run --group-size episodes of each (all concurrently, up to
 --concurrency sandboxes), score them with the task's verifier, and take --ppo-epochs optimizer steps on

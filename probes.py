@@ -14,7 +14,8 @@ ActObs probes: the measurements behind the paper's explanation, for any checkpoi
     python probes.py entropy --model runs/actobs/final --temperature 1.0 --data heldout.jsonl --out h_actobs.json
     python probes.py entropy --model runs/act/final --match-entropy h_actobs.json --data heldout.jsonl --out tstar.json
     python probes.py kl --models runs/act/final runs/actobs/final --init Qwen/Qwen3-4B --data heldout.jsonl --out kl.json
-Each writes --out, the PNG next to it (same stem), and prints one line per model. On CUDA, forward and backward
+Each writes --out, the PNG next to it (same stem), and prints one line per model. Several probes in one
+process (common.run_cli): `python probes.py obs-nll ARGS ::: kl ARGS`. On CUDA, forward and backward
 run under bf16 autocast (as sft.py's --dtype auto); entropies, KLs and NLLs are always computed in fp32.
 """
 import argparse
@@ -368,4 +369,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    common.run_cli(main)

@@ -13,7 +13,8 @@ CPU toy run (tiny random Qwen3 + a tokenizer trained on the data, no downloads):
 8 GPUs (FSDP2 shards params, grads and optimizer state):
     torchrun --standalone --nproc_per_node 8 sft.py --model Qwen/Qwen3-4B --data nemotron.jsonl \
         --out runs/q4b-actobs --max-len 16384 --fsdp --grad-ckpt
-Resume an interrupted run: the same command plus --resume.
+Resume an interrupted run: the same command plus --resume. Several runs in one process, the imports paid once
+(common.run_cli): `python sft.py ARGS ::: ARGS ...`.
 """
 import argparse
 import json

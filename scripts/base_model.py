@@ -507,4 +507,4 @@ def pretrain(args, data):
 
 
 if __name__ == "__main__":
-    main()
+    common.run_cli(main)

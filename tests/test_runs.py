@@ -1,5 +1,6 @@
 """Runs record what ran: config.json (flags, commit, uncommitted changes, library versions), the AdamW settings,
-the optional W&B mirror of log.jsonl, and what a resumed GRPO run needs to draw the same tasks and seeds."""
+the optional W&B mirror of log.jsonl, and what a resumed GRPO run needs to draw the same tasks and seeds; runs of one
+script sharing a process (common.run_cli) each run as alone."""
 import argparse
 import importlib.util
 import json
@@ -176,3 +177,82 @@ def test_grpo_checkpoint_holds_no_rng_state_and_resumes_on_as_many_ranks(model, 
     assert (ckpt, state["step"], finished) == (tmp_path / "step-000003", 3, False)
     with pytest.raises(ValueError, match="written by 1 ranks; resume with as many"):
         common.resume_point(tmp_path, args, ("lr", "seed"), 2)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Several runs of one script in one process (common.run_cli's RUN_SEPARATOR)
+
+def test_split_runs_cuts_at_the_separator_and_refuses_an_empty_run():
+    assert common.split_runs(["--a", "1"]) == [["--a", "1"]]
+    assert common.split_runs(["x", "--a", ":::", "y", "--b", "2"]) == [["x", "--a"], ["y", "--b", "2"]]
+    for argv in ([":::", "x"], ["x", ":::"], ["x", ":::", ":::", "y"]):
+        with pytest.raises(SystemExit, match="arguments are missing"):
+            common.split_runs(argv)
+
+
+def compare_files(tmp_path):
+    """Two results files evaluate.py compare reads: 2 tasks x 2 attempts each."""
+    paths = []
+    for name, rewards in (("a", [0.0, 1.0]), ("b", [1.0, 1.0])):
+        tasks = {f"t{i}": {"path": f"t{i}", "kind": None, "heldout": False,
+                           "attempts": [{"attempt": j, "reward": r, "failure": None} for j, r in enumerate(rewards)]}
+                 for i in range(2)}
+        paths.append(tmp_path / f"{name}.json")
+        paths[-1].write_text(json.dumps({"settings": {"attempts": 2}, "tasks": tasks}))
+    return [str(p) for p in paths]
+
+
+def test_runs_in_one_process_run_in_order_and_stop_at_the_first_failure(tmp_path):
+    """Through the CLI, stdout a pipe: every run's output is flushed before the process leaves without the
+    interpreter's shutdown, and a failing run stops the ones after it with a non-zero status."""
+    a, b = compare_files(tmp_path)
+    png = [tmp_path / f"{i}.png" for i in range(3)]
+    cli = [sys.executable, str(ROOT / "evaluate.py")]
+    r = subprocess.run(cli + ["compare", a, b, "--png", str(png[0]), ":::", "compare", b, a, "--png", str(png[1])],
+                       cwd=tmp_path, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    tables = r.stdout.count("pass@k and differences in points")  # a compare table's last line
+    assert r.stdout.count("== run ") == 2 and tables == 2
+    assert r.stdout.index(f"[0] {a[:-5]} ") < r.stdout.index(f"[0] {b[:-5]} ")  # in order: a baseline, then b
+    assert png[0].exists() and png[1].exists()
+    r = subprocess.run(cli + ["compare", a, b, ":::", "compare", str(tmp_path / "missing.json"), ":::",
+                              "compare", a, b, "--png", str(png[2])], cwd=tmp_path, capture_output=True, text=True)
+    assert r.returncode != 0 and "missing.json" in r.stderr and not png[2].exists()
+    assert r.stdout.count("== run ") == 2  # the third never started
+
+
+def test_a_run_sharing_a_process_samples_as_it_does_alone(vllm_dir, tmp_path, base_image, no_leftovers):
+    """evaluate.py on two checkpoints in one process, the second after the first's engine: each of the second's
+    attempts samples the same first reply (same weights, same seeds) as that checkpoint evaluated alone. The first
+    checkpoint's weights are far from the second's, so an engine that kept them would sample other replies."""
+    import taskgen
+    from transformers import AutoModelForCausalLM
+    other = tmp_path / "other"
+    torch.manual_seed(0)
+    m = AutoModelForCausalLM.from_pretrained(vllm_dir, dtype=torch.float32)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.add_(torch.randn_like(p) * 0.5)
+    m.save_pretrained(other)
+    for f in Path(vllm_dir).iterdir():  # the same tokenizer and chat template
+        if "token" in f.name or f.suffix == ".jinja":
+            shutil.copy(f, other / f.name)
+    tasks = tmp_path / "tasks"
+    for spec in taskgen.make_splits(0, 0, 2, seed=0)["eval"]:
+        taskgen.write_harbor(spec, tasks / spec.name, base_image)
+
+    def run(model, name):
+        return ["--model", str(model), "--tasks", str(tasks), "--attempts", "2", "--max-turns", "1",
+                "--max-new-tokens", "16", "--max-len", "2048", "--concurrency", "4", "--out", str(tmp_path / f"{name}.json"),
+                "--transcripts", str(tmp_path / f"{name}.jsonl")]
+    cli = [sys.executable, str(ROOT / "evaluate.py")]
+    for argv in (run(other, "first") + [":::"] + run(vllm_dir, "shared"), run(vllm_dir, "alone")):
+        r = subprocess.run(cli + argv, cwd=ROOT, capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr[-3000:]
+
+    def first_replies(name):
+        rows = map(json.loads, (tmp_path / f"{name}.jsonl").read_text().splitlines())
+        return {(r["task"], r["attempt"]): r["conversations"][1]["content"] for r in rows}
+    shared, alone, first = first_replies("shared"), first_replies("alone"), first_replies("first")
+    assert len(alone) == 4 and shared == alone
+    assert all(first[k] != alone[k] for k in alone)
