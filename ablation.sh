@@ -90,6 +90,11 @@ python scripts/report.py settings "$R" mode=$MODE seed=$SEED prompt_template=$PT
     grpo="${GRPO[*]}" echo="${ECHO[*]}" eval="${EVAL[*]}" eval_sft="${EVAL_SFT[*]}" eval_base="${EVAL_BASE[*]}" probe="${PROBE[*]}" sample="${SAMPLE[*]}"
 # stage NAME CMD...: run CMD, append its wall time to $R/times.jsonl
 stage() { local t=$SECONDS; "${@:2}"; echo "{\"stage\": \"$1\", \"seconds\": $((SECONDS - t))}" >> "$R/times.jsonl"; }
+# Runs of one script share a process (common.run_cli: `:::` between their arguments): a CPU process spends ~9 s
+# importing torch, transformers and vLLM before any work, and a run samples and trains in a shared process as alone.
+# together NAME SCRIPT: run the runs collected in RUNS (each added as `::: ARGS...`) as stage NAME; empties RUNS
+RUNS=()
+together() { [ ${#RUNS[@]} = 0 ] || stage "$1" python "$2" "${RUNS[@]:1}"; RUNS=(); }
 
 # ---- 1. base model: generic terminal sessions recorded in sandboxes -> BPE -> pre-trained small Qwen3 (cached)
 stage base python scripts/base_model.py --out "$R/base" --seed $SEED --prompt-template $PT "${BASE[@]}"
@@ -103,45 +108,52 @@ python scripts/report.py limits "$R" $([ $MODE = quick ] && echo --warn)  # RL /
 
 # ---- 3. SFT from the same base: same data, order and schedule; only the loss (LOSS above) differs
 for A in "${ARMS[@]}" "${SWEEP_ARMS[@]}"; do
-    stage sft-$A python sft.py --model "$B" --data "$R/train.jsonl" --out "$R/$A" --seed $SEED --resume "${SFT[@]}" ${LOSS[$A]}
+    RUNS+=(::: --model "$B" --data "$R/train.jsonl" --out "$R/$A" --seed $SEED --resume "${SFT[@]}" ${LOSS[$A]})
 done
+together sft sft.py
 
 # ---- 4. pass@k of the base and each SFT checkpoint on the evaluation split (resumes per attempt); the λ-sweep
 # arms are compared after GRPO only
-# evaluate M CHECKPOINT [FLAG...]: n attempts per evaluation task, and every episode's conversation to read
-evaluate() { stage eval-$1 python evaluate.py --model "$2" --tasks "$R/corpus/eval" --out "$R/eval/$1.json" \
-    --transcripts "$R/eval/$1.episodes.jsonl" --prompt-template $PT --seed $SEED "${EVAL[@]}" "${@:3}"; }
-evaluate base "$B" "${EVAL_BASE[@]}"
-for A in "${ARMS[@]}"; do evaluate $A "$R/$A/final" "${EVAL_SFT[@]}"; done
+# evaluation M CHECKPOINT [FLAG...]: n attempts per evaluation task, and every episode's conversation to read
+evaluation() { RUNS+=(::: --model "$2" --tasks "$R/corpus/eval" --out "$R/eval/$1.json" \
+    --transcripts "$R/eval/$1.episodes.jsonl" --prompt-template $PT --seed $SEED "${EVAL[@]}" "${@:3}"); }
+evaluation base "$B" "${EVAL_BASE[@]}"
+for A in "${ARMS[@]}"; do evaluation $A "$R/$A/final" "${EVAL_SFT[@]}"; done
+together eval-sft evaluate.py
 
 # ---- 5. probes of the SFT checkpoints on held-out trajectories: observation prediction, command entropy, KL from
 # the base
 S=("${ARMS[@]/#/$R/}"); S=("${S[@]/%//final}")
 P=(--data "$R/heldout.jsonl" "${PROBE[@]}")
-[ -f "$R/probes/obs_nll.json" ] || stage probe-obs-nll python probes.py obs-nll --models "$B" "${S[@]}" "${P[@]}" --out "$R/probes/obs_nll.json"
-[ -f "$R/probes/cmd_entropy.json" ] || stage probe-cmd-entropy python probes.py cmd-entropy --models "${S[@]}" "${P[@]}" --out "$R/probes/cmd_entropy.json"
-[ -f "$R/probes/kl.json" ] || stage probe-kl python probes.py kl --models "${S[@]}" --init "$B" "${P[@]}" "${SAMPLE[@]}" --out "$R/probes/kl.json"
+[ -f "$R/probes/obs_nll.json" ] || RUNS+=(::: obs-nll --models "$B" "${S[@]}" "${P[@]}" --out "$R/probes/obs_nll.json")
+[ -f "$R/probes/cmd_entropy.json" ] || RUNS+=(::: cmd-entropy --models "${S[@]}" "${P[@]}" --out "$R/probes/cmd_entropy.json")
+[ -f "$R/probes/kl.json" ] || RUNS+=(::: kl --models "${S[@]}" --init "$B" "${P[@]}" "${SAMPLE[@]}" --out "$R/probes/kl.json")
+together probes-sft probes.py
 
 # ---- 6. the same GRPO recipe from each SFT arm and, with ECHO, from ActionSFT (echo-grpo/), on the RL split; then
 # pass@k of each GRPO checkpoint
 # grpo NAME INIT [FLAG...]: GRPO from INIT into $R/NAME-grpo
-grpo() { stage grpo-$1 python grpo.py --init "$2" --tasks "$R/corpus/rl" --out "$R/$1-grpo" --prompt-template $PT \
-    --seed $SEED --resume "${GRPO[@]}" "${@:3}"; }
+grpo() { RUNS+=(::: --init "$2" --tasks "$R/corpus/rl" --out "$R/$1-grpo" --prompt-template $PT --seed $SEED --resume \
+    "${GRPO[@]}" "${@:3}"); }
 for A in "${ARMS[@]}" "${SWEEP_ARMS[@]}"; do grpo $A "$R/$A/final"; done
 grpo echo "$R/actionsft/final" "${ECHO[@]}"
-for M in "${ARMS[@]}" "${SWEEP_ARMS[@]}" echo; do evaluate $M-grpo "$R/$M-grpo/final"; done
+together grpo grpo.py
+for M in "${ARMS[@]}" "${SWEEP_ARMS[@]}" echo; do evaluation $M-grpo "$R/$M-grpo/final"; done
+together eval-grpo evaluate.py
 
 # ---- 7. temperature matching on the GRPO'd policies: ActObs + GRPO's self-entropy at the evaluation temperature
 # (the one its evaluation ran at), the T* at which ActionSFT + GRPO's matches it, and ActionSFT + GRPO evaluated at T*
 # json_field FILE KEY...: one value of a JSON file
 json_field() { python -c 'import functools, json, sys
 print(functools.reduce(lambda v, k: v[k], sys.argv[2:], json.load(open(sys.argv[1]))))' "$@"; }
-[ -f "$R/probes/entropy_actobs-grpo.json" ] || stage probe-entropy python probes.py entropy --model "$R/actobs-grpo/final" \
+[ -f "$R/probes/entropy_actobs-grpo.json" ] || RUNS+=(::: entropy --model "$R/actobs-grpo/final" \
     --temperature "$(json_field "$R/eval/actobs-grpo.json" settings temperature)" "${P[@]}" "${SAMPLE[@]}" \
-    --out "$R/probes/entropy_actobs-grpo.json"
-[ -f "$R/probes/tstar_actionsft-grpo.json" ] || stage probe-tstar python probes.py entropy --model "$R/actionsft-grpo/final" \
-    --match-entropy "$R/probes/entropy_actobs-grpo.json" "${P[@]}" "${SAMPLE[@]}" --out "$R/probes/tstar_actionsft-grpo.json"
-evaluate actionsft-grpo-tstar "$R/actionsft-grpo/final" --temperature "$(json_field "$R/probes/tstar_actionsft-grpo.json" t_star)"
+    --out "$R/probes/entropy_actobs-grpo.json")
+[ -f "$R/probes/tstar_actionsft-grpo.json" ] || RUNS+=(::: entropy --model "$R/actionsft-grpo/final" \
+    --match-entropy "$R/probes/entropy_actobs-grpo.json" "${P[@]}" "${SAMPLE[@]}" --out "$R/probes/tstar_actionsft-grpo.json")
+together probes-tstar probes.py
+evaluation actionsft-grpo-tstar "$R/actionsft-grpo/final" --temperature "$(json_field "$R/probes/tstar_actionsft-grpo.json" t_star)"
+together eval-tstar evaluate.py
 
 # ---- 8. the run folder's REPORT.md, comparison tables and plots; fails if any stage's output is malformed
 python scripts/report.py build "$R"
