@@ -47,7 +47,7 @@ SFT=(--lr 2e-3 --warmup-ratio 0.05 --min-lr-ratio 0.1 --batch-size 4 --epochs 2 
 # reply is up to ~330 (`report.py limits` checks the corpus against these). One engine step decodes a token for every
 # live episode, so 32 sandboxes at once cost little more per step than 8.
 GRPO=(--steps 4 --tasks-per-step 4 --group-size 8 --lr 1e-5 --max-turns 10 --max-new-tokens 384 --max-len 4096
-      --concurrency 32 --save-every 4 --keep 1 --kv-cache-gb 1)                            # grpo.py, all arms
+      --concurrency 32 --save-every 4 --keep 1)                                             # grpo.py, all arms
 # 36 evaluation tasks (4 of each kind) x 8 attempts: the attempts of 18 x 16, with the pass@1 interval narrower (it is
 # bounded by how much tasks differ, more than by the attempts on each)
 EVAL=(--attempts 8 --max-turns 10 --max-new-tokens 384 --max-len 4096 --concurrency 64)  # evaluate.py, all models
