@@ -41,7 +41,9 @@ declare -A LOSS=([actionsft]="--lam 0" [actobs]="--lam 1" [obs-then-act]="--sche
 BASE=(--sessions 256 --heldout 16 --commands 20 --epochs 4 --batch-size 2 --lr 3e-3)      # scripts/base_model.py
 CORPUS=(--n-sft 576 --n-rl 32 --n-eval 36)                                                # envs.py corpus
 HELDOUT_N=32                                                                              # trajectories for the probes
-SFT=(--lr 2e-3 --warmup-ratio 0.05 --min-lr-ratio 0.1 --batch-size 4 --epochs 2 --max-len 3072 --micro-tokens 8192
+# --micro-tokens 1: a forward pass per trajectory. On CPU a padded batch of a step's 4 trajectories is no faster a
+# token than one row, and ~20 % of its tokens would be padding: 0.77x the step time of a padded batch (bench/sft_micro.py)
+SFT=(--lr 2e-3 --warmup-ratio 0.05 --min-lr-ratio 0.1 --batch-size 4 --epochs 2 --max-len 3072 --micro-tokens 1
      --dtype bf16 --val-size 16 --eval-every 0 --save-every 40 --keep 1 --probe-every 40)  # sft.py, all arms
 # RL and evaluation roll out with the same limits; the expert needs ~5 turns of ~80 tokens, but its csv_summary script
 # reply is up to ~330 (`report.py limits` checks the corpus against these). One engine step decodes a token for every
@@ -63,7 +65,7 @@ if [ $MODE = quick ]; then
           --vocab 1024 --max-len 1024)
     CORPUS=(--n-sft 20 --n-rl 2 --n-eval 2)
     HELDOUT_N=4
-    SFT=(--lr 2e-3 --batch-size 4 --epochs 1 --max-len 1024 --micro-tokens 8192 --val-size 4 --eval-every 0
+    SFT=(--lr 2e-3 --batch-size 4 --epochs 1 --max-len 1024 --micro-tokens 1 --val-size 4 --eval-every 0
          --save-every 0 --keep 1 --probe-every 2)
     GRPO=(--steps 2 --tasks-per-step 1 --group-size 2 --lr 1e-5 --max-turns 2 --max-new-tokens 48 --max-len 1024
           --concurrency 2 --save-every 1 --keep 1)

@@ -50,7 +50,8 @@ def get_parser():
     # optimisation
     p.add_argument("--epochs", type=int, default=1, help="passes over the data (per phase with obs-then-act)")
     p.add_argument("--batch-size", type=int, default=64, help="trajectories per optimizer step (global, across ranks)")
-    p.add_argument("--micro-tokens", type=int, default=32768, help="token budget of one micro-batch per rank (padded batch x length)")
+    p.add_argument("--micro-tokens", type=int, default=32768, help="token budget of one micro-batch per rank (padded "
+                   "batch x length); on CPU 1 (a pass per trajectory, no padding) is faster: bench/sft_micro.py")
     p.add_argument("--lr", type=float, default=1e-5, help="peak learning rate")
     p.add_argument("--min-lr-ratio", type=float, default=0.0, help="final lr as a fraction of --lr (cosine floor)")
     p.add_argument("--warmup-ratio", type=float, default=0.03, help="fraction of steps of linear warm-up")
