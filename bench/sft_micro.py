@@ -23,7 +23,8 @@ WAYS = {"padded batch of 4": 8192, "one trajectory a pass": 1}  # name -> --micr
 
 
 def get_parser():
-    p = argparse.ArgumentParser(description="SFT step time on CPU: a step's trajectories padded into one pass, or one pass each")
+    p = argparse.ArgumentParser(
+        description="SFT step time on CPU: a step's trajectories padded into one pass, or one pass each")
     p.add_argument("--steps", type=int, default=12, help="optimizer steps per SFT run")
     p.add_argument("--rounds", type=int, default=2, help="interleaved rounds of both ways")
     p.add_argument("--chars", type=int, nargs=2, default=[2900, 7000],
@@ -43,7 +44,8 @@ def main(argv=None):
         line = []
         for name, micro in WAYS.items():
             run_dir = out / f"r{r}-{micro}"
-            t = sum(train_seconds([(sft_run(model_dir, out / "data.jsonl", run_dir, args.steps, os.cpu_count(), micro), run_dir)]))
+            proc = sft_run(model_dir, out / "data.jsonl", run_dir, args.steps, os.cpu_count(), micro)
+            t = sum(train_seconds([(proc, run_dir)]))
             total[name] += t
             line.append(f"{name}: {t:.1f} s")
         print(f"round {r}: {args.steps - 1} steps | " + " | ".join(line), flush=True)
