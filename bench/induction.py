@@ -1,17 +1,23 @@
 """
 Calibration: how many steps a random Qwen3 of a given size needs to learn a copy by content, the circuit that
-quoting a value from the task text needs. It trains on scripts/base_model.py's `repeats` (random ids, one segment
-repeated at a random offset, loss on the repeat only: nothing but a copy lowers it) and prints the probe on held-
-out rows every --every steps, beside a fixed-offset control whose look-back a model can learn without copying by
-content. Use it to choose a base model's size and budget before pre-training one.
+quoting a value from the task text needs, under the settings that decide it. It runs scripts/base_model.py's copy
+practice (`train_copy`: `rotations` rows, random ids then the same ids rotated by a random shift, loss on the rotated
+half; or `repeats`, one segment of a row repeated at a random offset) and prints the held-out copy accuracy on rows
+of the trained length and of longer ones every --every steps, then the first step it reached 0.5.
 
-    python -m bench.induction                                  # ablation.sh's base size, 1,000 steps
-    python -m bench.induction --hidden 512 --layers 6 --steps 3000
-    python -m bench.induction --layers 2 --vocab 512 --data rotations --batch-size 32 --lr 1e-3
+    python -m bench.induction                                  # the base model's copy practice (base_model.py)
+    python -m bench.induction --layers 2 --kv-heads 4 --vocab 512 --schedule 64:0 --steps 750
+    python -m bench.induction --lr 3e-3 --weight-decay 0.01 --betas 0.9 0.999 --dtype bf16   # the old settings
+
+Settings that formed the circuit on this CPU (2026-12-03, RESULTS.md has the runs): fp32, AdamW lr 1e-3, betas
+(0.9, 0.95), no weight decay, 50 warm-up steps, clip 1.0, 2,048 tokens a step in short rows. 2 layers / 4 KV heads
+on rows of 64: ~500 steps; the base model's shape (4 layers, 2 KV heads) on rows of 64: ~750; its schedule
+32:600,64:400,128:0 copies rows of 128 by step ~1,200. At lr 3e-3, or on rows of 128 from the start, the plateau
+before the circuit outlasts 1,000+ steps.
 """
 import argparse
+import inspect
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -23,81 +29,48 @@ import base_model  # noqa: E402
 
 
 def get_parser():
-    p = argparse.ArgumentParser(description="steps a random Qwen3 needs to copy by content (base_model.repeats)")
-    p.add_argument("--vocab", type=int, default=4096)
-    p.add_argument("--hidden", type=int, default=256)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--kv-heads", type=int, default=2)
-    p.add_argument("--steps", type=int, default=1000)
-    p.add_argument("--batch-size", type=int, default=16, help="rows per step")
-    p.add_argument("--length", type=int, default=128, help="tokens per row")
-    p.add_argument("--lr", type=float, default=2e-3)
-    p.add_argument("--data", default="repeats", choices=["repeats", "rotations"], help="repeats: base_model.repeats "
-                   "(one segment a row comes back); rotations: every row's second half repeats its first, rotated")
-    p.add_argument("--qk-norm-init", type=float, default=1.0, help="start Qwen3's per-head q/k norm weights here (a "
-                   "larger value allows sharper attention from the first step)")
+    # the defaults are the base model's copy practice: its flags, and train_copy's own settings
+    default = {a.dest: a.default for a in base_model.get_parser()._actions}
+    default.update((k, v.default) for k, v in inspect.signature(base_model.train_copy).parameters.items())
+    p = argparse.ArgumentParser(description="steps a random Qwen3 needs to copy by content (base_model.train_copy)",
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--vocab", type=int, default=default["vocab"])
+    p.add_argument("--hidden", type=int, default=default["hidden"])
+    p.add_argument("--layers", type=int, default=default["layers"])
+    p.add_argument("--heads", type=int, default=default["heads"])
+    p.add_argument("--kv-heads", type=int, default=default["kv_heads"])
+    p.add_argument("--steps", type=int, default=default["copy_steps"])
+    p.add_argument("--schedule", default=default["copy_schedule"], help="row lengths over steps, LENGTH:STEPS,... "
+                   "(the last runs on); '128:0' is rows of 128 throughout")
+    p.add_argument("--tokens", type=int, default=default["copy_tokens"], help="tokens a step")
+    p.add_argument("--data", default="rotations", choices=["rotations", "repeats"])
+    p.add_argument("--lr", type=float, default=default["copy_lr"])
+    p.add_argument("--betas", type=float, nargs=2, default=list(default["betas"]), metavar=("B1", "B2"))
+    p.add_argument("--weight-decay", type=float, default=default["weight_decay"])
+    p.add_argument("--warmup", type=int, default=default["warmup"])
+    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"], help="bf16: autocast")
     p.add_argument("--every", type=int, default=100, help="probe every N steps")
     p.add_argument("--seed", type=int, default=0)
     return p
 
 
-def rotations(gen, n, length, vocab):
-    """n rows: `length // 2` random ids, then the same ids rotated by a random shift (1..half-1, per row) ->
-    (ids (n, length), labels: the second half after its first token, -100 elsewhere). Every label is a copy by
-    content, at an offset that differs from row to row; a row holds ~3x the labels of `repeats`' (63 against 7-31
-    at length 128)."""
-    half = length // 2
-    a = vocab[torch.randint(len(vocab), (n, half), generator=gen)]  # (n, half)
-    shift = torch.randint(1, half, (n, 1), generator=gen)
-    b = torch.gather(a, 1, (torch.arange(half) + shift) % half)  # (n, half): a rotated
-    ids = torch.cat([a, b], 1)  # (n, 2 * half)
-    lab = ids.clone()
-    lab[:, :half + 1] = -100
-    return ids, lab
-
-
-@torch.no_grad()
-def fixed_offset_accuracy(model, vocab, gen, n=16, half=48):
-    """The control: rows [a, a] of `half` random ids; a model that attends `half` back gets it right."""
-    a = vocab[torch.randint(len(vocab), (n, half), generator=gen)]
-    ids = torch.cat([a, a], 1)  # (n, 2 * half)
-    pred = model(ids).logits[:, half:-1].argmax(-1)  # (n, half - 1): predictions of the second copy's tokens 2..
-    return (pred == ids[:, half + 1:]).float().mean().item()
-
-
 def main(argv=None):
     args = get_parser().parse_args(argv)
     from transformers import Qwen3ForCausalLM
+    schedule = base_model.parse_schedule(args.schedule)
     torch.manual_seed(args.seed)
     model = Qwen3ForCausalLM(common.tiny_config(args.vocab, args.hidden, args.layers, args.heads, args.kv_heads))
-    for name, w in model.named_parameters():
-        if name.endswith(("q_norm.weight", "k_norm.weight")):
-            w.data.fill_(args.qk_norm_init)
-    opt = torch.optim.AdamW(model.parameters(), args.lr)
     vocab = torch.arange(256, args.vocab)  # past the byte alphabet, as base_model.plain_ids would give
-    gen = torch.Generator().manual_seed(args.seed)
-    rows = base_model.repeats if args.data == "repeats" else rotations
-    t0, first = time.time(), None
-    for step in range(args.steps + 1):
-        if step % args.every == 0:
-            model.eval()
-            acc = base_model.repeat_accuracy(model, vocab, seed=args.seed + 1)
-            ctrl = fixed_offset_accuracy(model, vocab, torch.Generator().manual_seed(args.seed + 2))
-            model.train()
-            first = step if first is None and acc >= 0.5 else first
-            print(f"step {step:5d} | copy by content {acc:.3f} | fixed offset {ctrl:.3f} | {time.time() - t0:.0f}s", flush=True)
-        if step == args.steps:
-            break
-        ids, lab = rows(gen, args.batch_size, args.length, vocab)
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            loss = model(input_ids=ids, labels=lab).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad()
-    print(f"copy by content >= 0.5 from step {first}" if first is not None else
-          f"copy by content stayed below 0.5 for {args.steps} steps ({args.steps * args.batch_size * args.length:,} tokens)")
+    longest = max(n for n, _ in schedule)
+    probes = sorted({longest, 2 * longest, 128})
+    rows = base_model.rotations if args.data == "rotations" else base_model.repeats
+    curve = base_model.train_copy(model, vocab, args.steps, schedule, args.tokens, args.lr, args.betas,
+                                  args.weight_decay, args.warmup, torch.bfloat16 if args.dtype == "bf16" else None,
+                                  args.seed, args.every, probes, rows=rows)
+    first = next((k for k, acc in curve if acc[longest] >= 0.5), None)
+    print(f"copy by content on rows of {longest} >= 0.5 from step {first}" if first is not None else
+          f"copy by content on rows of {longest} stayed below 0.5 for {args.steps} steps")
+    print(f"settings: {vars(args)}")
 
 
 if __name__ == "__main__":

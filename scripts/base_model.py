@@ -26,6 +26,7 @@ import json
 import os
 import random
 import re
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -60,7 +61,16 @@ def get_parser():
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--kv-heads", type=int, default=2)
-    # pre-training (sft.py flags)
+    # copy practice first (train_copy): rows of random ids whose second half repeats the first, rotated
+    p.add_argument("--copy-steps", type=int, default=1200, help="steps of copy practice before the sessions (0: none)")
+    p.add_argument("--copy-schedule", default="32:600,64:400,128:0", help="row lengths over the copy steps, "
+                   "LENGTH:STEPS,... (the last runs on): short rows first, where the circuit forms soonest")
+    p.add_argument("--copy-tokens", type=int, default=2048, help="tokens a copy step (rows = this / row length)")
+    p.add_argument("--copy-lr", type=float, default=1e-3, help="copy practice's lr (fp32, AdamW betas 0.9/0.95, no "
+                   "weight decay, 50 warm-up steps)")
+    p.add_argument("--copy-chats", type=float, default=0.5, help="copy chats mixed into the sessions' pre-training, "
+                   "per session: a user turn of values, the reply the same values rotated (keeps the circuit in use)")
+    # pre-training on the sessions (sft.py flags)
     p.add_argument("--epochs", type=int, default=1)
     p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--lr", type=float, default=2e-3)
@@ -205,6 +215,24 @@ def tree_ids(tree):
     and a command may quote."""
     return sorted({m for _, t, _ in tree for m in re.findall(r"\bid=([0-9a-f]+)|^([0-9a-f]{16,64})\b|^[A-Z_]+=([0-9a-f]+)$",
                                                               t, re.M) for m in m if m})
+
+
+def copy_chats(seed, n):
+    """n copy chats: a user turn of 6-24 values of the kinds sessions quote (hex ids, file stems, numbers, hosts,
+    tickets), the assistant's reply the same values rotated by a random shift. The reply is all copy by content, in
+    the chat format the sessions use: mixed into the sessions' pre-training, it keeps the circuit train_copy formed
+    in use while the model learns the shell. Nothing of any task."""
+    rng = random.Random(f"{seed}/copy-chats")
+    kinds = [lambda: _hex(rng, rng.randint(4, 16)), lambda: _stem(rng), lambda: str(rng.randint(0, 99999)),
+             lambda: FACTS["host"][0](rng), lambda: FACTS["ticket"][0](rng), lambda: FACTS["backup"][0](rng)]
+    chats = []
+    for _ in range(n):
+        values = [rng.choice(kinds)() for _ in range(rng.randint(6, 24))]
+        shift = rng.randrange(1, len(values))
+        sep = rng.choice([" ", "\n", ", "])
+        chats.append([{"role": "user", "content": sep.join(values)},
+                      {"role": "assistant", "content": sep.join(values[shift:] + values[:shift])}])
+    return chats
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -427,13 +455,88 @@ def repeats(gen, n, length, vocab):
     return ids, lab
 
 
+def rotations(gen, n, length, vocab):
+    """n rows: `length // 2` random ids of `vocab`, then the same ids rotated by a random shift (1..half-1, per row)
+    -> (ids (n, length), labels (n, length): the second half after its first token, -100 elsewhere). Every label is a
+    copy by content at an offset that differs from row to row: the densest copy practice (63 labels a row of 128,
+    against 7-31 in `repeats`)."""
+    half = length // 2
+    a = vocab[torch.randint(len(vocab), (n, half), generator=gen)]  # (n, half)
+    shift = torch.randint(1, half, (n, 1), generator=gen)  # (n, 1)
+    b = torch.gather(a, 1, (torch.arange(half) + shift) % half)  # (n, half): a rotated
+    ids = torch.cat([a, b], 1)  # (n, 2 * half)
+    lab = ids.clone()
+    lab[:, :half + 1] = -100  # the rotation's first token is a guess: its shift is unknown until it is seen
+    return ids, lab
+
+
 @torch.no_grad()
-def repeat_accuracy(model, vocab, n=64, length=128, seed=0):
-    """The share of `repeats` labels that are the model's argmax: 0 for a model without a copy by content."""
-    ids, lab = repeats(torch.Generator().manual_seed(seed), n, length, vocab)
+def repeat_accuracy(model, vocab, n=64, length=128, seed=0, rows=repeats):
+    """The share of `rows`' labels (`repeats` or `rotations`) that are the model's argmax: ~0 for a model without
+    a copy by content."""
+    ids, lab = rows(torch.Generator().manual_seed(seed), n, length, vocab)
     pred = model(ids).logits[:, :-1].argmax(-1)  # (n, length - 1): the prediction of each next token
     keep = lab[:, 1:] != -100
     return (pred[keep] == lab[:, 1:][keep]).float().mean().item()
+
+
+def parse_schedule(spec):
+    """'32:600,64:400,128:0' -> [(32, 600), (64, 400), (128, 0)]: row lengths and their steps; 0 (last only) runs on."""
+    try:
+        parts = [tuple(int(x) for x in part.split(":")) for part in spec.split(",")]
+        assert parts and all(len(p) == 2 and p[0] >= 4 and p[1] >= 0 for p in parts)
+        assert all(n > 0 for _, n in parts[:-1])
+    except (ValueError, AssertionError):
+        raise ValueError(f"--copy-schedule {spec!r}: expected LENGTH:STEPS,... (lengths >= 4, steps > 0 but the "
+                         "last, whose 0 runs on), e.g. 32:600,64:400,128:0") from None
+    return parts
+
+
+def schedule_length(schedule, step):
+    """The row length of `step` (0-based) under parse_schedule's list; the last length runs on."""
+    for length, n in schedule:
+        if step < n or n == 0:
+            return length
+        step -= n
+    return schedule[-1][0]
+
+
+def train_copy(model, vocab, steps, schedule, tokens=2048, lr=1e-3, betas=(0.9, 0.95), weight_decay=0.0, warmup=50,
+               dtype=None, seed=0, every=0, probe_lengths=(128,), rows=rotations, log=print):
+    """Copy practice: train `model` in place for `steps` AdamW steps on `rows` (`rotations` or `repeats`) of `vocab`
+    ids, `tokens` a step (rows of the schedule's length: short rows first, where the circuit forms soonest), linear warm-up then
+    constant lr, gradient clip 1.0; `dtype` an autocast dtype or None (fp32). Every `every` steps (and at the end)
+    logs the held-out copy accuracy on rows of `probe_lengths` -> [(step, {length: accuracy})].
+
+    The defaults are the settings the measured runs formed the circuit with (bench/induction.py's docstring): a
+    larger lr or weight decay (which pulls Qwen3's q/k norm gains towards 0, blunting the attention that finds the
+    earlier occurrence) lengthens the plateau before it forms."""
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=tuple(betas), weight_decay=weight_decay)
+    gen, curve, t0 = torch.Generator().manual_seed(seed), [], time.time()
+    ctx = torch.autocast("cpu", dtype=dtype) if dtype is not None else torch.autocast("cpu", enabled=False)
+    model.train()
+    for step in range(steps + 1):
+        if (every and step % every == 0) or step == steps:
+            model.eval()
+            acc = {n: repeat_accuracy(model, vocab, length=n, seed=seed + 1, rows=rows) for n in probe_lengths}
+            model.train()
+            curve.append((step, acc))
+            log(f"copy step {step:5d}/{steps} | rows of {schedule_length(schedule, step)} | " +
+                " | ".join(f"copy@{n} {a:.3f}" for n, a in acc.items()) + f" | {time.time() - t0:.0f}s")
+        if step == steps:
+            break
+        for group in opt.param_groups:
+            group["lr"] = lr * min(1.0, (step + 1) / warmup)
+        length = schedule_length(schedule, step)
+        ids, lab = rows(gen, max(1, tokens // length), length, vocab)  # (tokens // length, length)
+        with ctx:
+            loss = model(input_ids=ids, labels=lab, use_cache=False).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    model.eval()
+    return curve
 
 
 def plain_ids(tok):
@@ -479,11 +582,16 @@ def main(argv=None):
     model = AutoModelForCausalLM.from_pretrained(out / "model", dtype=torch.float32).eval()
     copy = copy_accuracy(model, tok, labels.read_trajectories(heldout)[0], args.max_len)
     repeat = repeat_accuracy(model, plain_ids(tok))
-    (out / "metrics.json").write_text(json.dumps({"copy_accuracy": copy, "repeat_accuracy": repeat}, indent=2))
+    rotation = repeat_accuracy(model, plain_ids(tok), rows=rotations)
+    curve = out / "copy" / "copy_curve.json"
+    (out / "metrics.json").write_text(json.dumps({
+        "copy_accuracy": copy, "repeat_accuracy": repeat, "rotation_accuracy": rotation,
+        "copy_practice": json.loads(curve.read_text()) if curve.exists() else []}, indent=2))
     print("copy accuracy (greedy, held-out sessions): " + " | ".join(
         f"{s} {c['all']['exact']:.1%} of {c['all']['n']} (after the first token {c['all']['rest']:.1%}; short "
         f"{c['short']['exact']:.1%}, long {c['long']['exact']:.1%})" for s, c in copy.items())
-          + f" | a repeated segment of random tokens {repeat:.1%} -> {out / 'metrics.json'}")
+          + f" | random ids on rows of 128: a repeated segment {repeat:.1%}, a rotated half {rotation:.1%}"
+          f" -> {out / 'metrics.json'}")
     return str(out / "model")
 
 
@@ -497,13 +605,36 @@ def pretrain(args, data):
         # The BPE is fit to everything the model will read and write: prompt, JSON replies, terminal output.
         common.build_tiny(init, [m["content"] for c in convs for m in c], vocab_size=args.vocab, hidden=args.hidden,
                        layers=args.layers, heads=args.heads, kv_heads=args.kv_heads, seed=args.seed)
+    start = init
+    if args.copy_steps:
+        start = out / "copy"
+        if not (start / "config.json").exists():  # copy practice is short: an interrupted one starts again
+            t0 = time.time()
+            from transformers import AutoModelForCausalLM
+            tok = labels.load_tokenizer(init)
+            model = AutoModelForCausalLM.from_pretrained(init, dtype=torch.float32)
+            torch.manual_seed(args.seed)
+            curve = train_copy(model, plain_ids(tok), args.copy_steps, parse_schedule(args.copy_schedule),
+                               args.copy_tokens, args.copy_lr, seed=args.seed, every=100, probe_lengths=(64, 128))
+            tmp = out / "copy.tmp"
+            shutil.rmtree(tmp, ignore_errors=True)
+            model.save_pretrained(tmp)
+            tok.save_pretrained(tmp)
+            (tmp / "copy_curve.json").write_text(json.dumps([{"step": k, **{f"copy@{n}": a for n, a in acc.items()}}
+                                                            for k, acc in curve]))
+            os.replace(tmp, start)
+            print(f"copy practice: {start} | {time.time() - t0:.0f}s")
+    mixed = out / "pretrain.jsonl"  # the sessions and the copy chats, in sft.py's seeded order
+    if not mixed.exists():
+        chats = copy_chats(args.seed, round(args.copy_chats * len(convs)))
+        envs.write_jsonl(mixed, [{"conversations": c} for c in convs + chats])
     t0 = time.time()
-    sft.main(["--model", str(init), "--data", str(data), "--out", str(run), "--lam", "1", "--seed", str(args.seed),
+    sft.main(["--model", str(start), "--data", str(mixed), "--out", str(run), "--lam", "1", "--seed", str(args.seed),
               "--epochs", str(args.epochs), "--batch-size", str(args.batch_size), "--lr", str(args.lr),
-              "--warmup-ratio", "0.05", "--dtype", "bf16", "--max-len", str(args.max_len), "--micro-tokens", "16384",
+              "--warmup-ratio", "0.05", "--dtype", "bf16", "--max-len", str(args.max_len), "--micro-tokens", "1",
               "--val-size", str(min(16, len(convs) // 10)), "--eval-every", "0", "--save-every", "20", "--keep", "1", "--resume"])
     os.replace(run / "final", out / "model")
-    print(f"base model: {out / 'model'} | pre-training {time.time() - t0:.0f}s")
+    print(f"base model: {out / 'model'} | pre-training on the sessions {time.time() - t0:.0f}s")
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ import taskgen  # noqa: E402
 
 TINY = ["--sessions", "4", "--commands", "5", "--vocab", "400", "--hidden", "32", "--layers", "1", "--heads", "2",
         "--kv-heads", "1", "--epochs", "1", "--batch-size", "2", "--max-len", "1024", "--concurrency", "4", "--heldout", "2",
+        "--copy-steps", "3", "--copy-schedule", "8:2,16:0", "--copy-chats", "1",
         "--prompt-template", str(Path(__file__).resolve().parents[1] / "scripts" / "toy_prompt.txt")]
 
 
@@ -81,6 +82,57 @@ def test_repeats_reward_a_copy_by_content_and_not_a_fixed_look_back():
     assert base_model.repeat_accuracy(model, torch.arange(300, 4000), n=8) < 0.05
 
 
+def test_rotations_are_copies_by_content_at_offsets_that_vary():
+    ids, lab = base_model.rotations(torch.Generator().manual_seed(0), 64, 64, torch.arange(300, 4000))
+    rows, cols = torch.nonzero(lab != -100, as_tuple=True)
+    assert len(rows) == 64 * 31 and (lab[lab != -100] == ids[lab != -100]).all()
+    # each label is what followed the previous token's occurrence in the first half (the wrap-around: the first
+    # half's first id); checked on the rows whose first half has no id twice, where that occurrence is unique
+    first = ids[:, :32]
+    distinct = [r for r in range(64) if len(set(first[r].tolist())) == 32]
+    assert len(distinct) > 40
+    for r, t in zip(rows.tolist(), cols.tolist()):
+        if r not in distinct:
+            continue
+        k = (first[r] == ids[r, t - 1]).nonzero()[0].item()
+        assert ids[r, t] == first[r, (k + 1) % 32]
+    offsets = {o: (ids[rows, cols] == ids[rows, cols - o]).float().mean().item() for o in range(1, 33)}
+    assert max(offsets.values()) < 0.2  # no single look-back predicts them
+
+
+def test_copy_schedule_parses_and_names_the_flag():
+    schedule = base_model.parse_schedule("32:600,64:400,128:0")
+    assert [base_model.schedule_length(schedule, s) for s in (0, 599, 600, 999, 1000, 5000)] == [32, 32, 64, 64, 128, 128]
+    assert base_model.schedule_length(base_model.parse_schedule("16:2,32:3"), 7) == 32  # past the end: the last runs on
+    for bad in ("32", "32:0,64:10", "2:10", "a:b", ""):
+        with pytest.raises(ValueError, match="--copy-schedule"):
+            base_model.parse_schedule(bad)
+
+
+def test_copy_chats_reply_with_the_users_values_rotated():
+    chats = base_model.copy_chats(0, 50)
+    assert chats == base_model.copy_chats(0, 50) and chats != base_model.copy_chats(1, 50)
+    for user, reply in chats:
+        assert (user["role"], reply["role"]) == ("user", "assistant")
+        sep = next(s for s in ("\n", ", ", " ") if s in user["content"])
+        values, back = user["content"].split(sep), reply["content"].split(sep)
+        assert back != values and any(back == values[k:] + values[:k] for k in range(1, len(values)))
+
+
+@pytest.mark.slow
+def test_copy_practice_forms_the_circuit_at_its_settings():
+    # train_copy's defaults (lr 1e-3, betas 0.9/0.95, no weight decay, fp32) form a copy by content in a tiny model
+    # within 300 steps: held-out rows it never saw go from chance to most tokens copied. At lr 3e-3 the same model
+    # stays in the plateau (0.18 at step 300): the settings, not the step count, decide it.
+    from transformers import Qwen3ForCausalLM
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(common.tiny_config(300, 64, 2, 2, 2))
+    curve = base_model.train_copy(model, torch.arange(256, 288), 300, [(16, 0)], tokens=512, every=150,
+                                  probe_lengths=(16,), log=lambda line: None)
+    assert [k for k, _ in curve] == [0, 150, 300]
+    assert curve[0][1][16] < 0.1 and curve[-1][1][16] > 0.6, curve
+
+
 @pytest.mark.slow
 def test_build_records_pretrains_and_reuses(tmp_path, no_leftovers):
     out = tmp_path / "base"
@@ -105,7 +157,11 @@ def test_build_records_pretrains_and_reuses(tmp_path, no_leftovers):
     copy = json.loads((out / "metrics.json").read_text())["copy_accuracy"]
     assert copy["instruction"]["all"]["n"] > 0 and 0 <= copy["instruction"]["all"]["exact"] <= copy["instruction"]["all"]["rest"] <= 1
     assert copy["instruction"]["all"]["n"] == copy["instruction"]["short"]["n"] + copy["instruction"]["long"]["n"]
-    assert 0 <= json.loads((out / "metrics.json").read_text())["repeat_accuracy"] <= 1
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert 0 <= metrics["repeat_accuracy"] <= 1 and 0 <= metrics["rotation_accuracy"] <= 1
+    assert [r["step"] for r in metrics["copy_practice"]] == [0, 3]  # copy practice ran first, probed at its ends
+    mixed = [json.loads(line)["conversations"] for line in (out / "pretrain.jsonl").read_text().splitlines()]
+    assert mixed[:4] == [r["conversations"] for r in rows] and mixed[4:] == base_model.copy_chats(0, 4)
     # cached: the same settings reuse the model, others are refused
     assert base_model.main(["--out", str(out)] + TINY) == str(model_dir)
     with pytest.raises(ValueError, match="--lr"):
