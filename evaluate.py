@@ -1,6 +1,6 @@
 """
 pass@k of a checkpoint on terminal tasks: every task attempted n times in real sandboxes with the same vLLM
-rollout grpo.py trains with (grpo.rollout), then pass@k, distinct tasks solved and failures, by task kind.
+rollout grpo.py trains with (engine.rollout), then pass@k, distinct tasks solved and failures, by task kind.
 
     # toy world (CPU): the held-out split written by `python envs.py corpus --out data/corpus ...`
     python evaluate.py --model runs/actobs/final --tasks data/corpus/eval --attempts 4 --max-turns 12 \\
@@ -442,23 +442,24 @@ def open_results(path, settings):
 
 
 def vllm_rollout(args, session):
-    """grpo's engine and rollout (imported here: the tables and compare need neither torch nor vLLM)."""
-    import grpo
+    """The engine and rollout grpo.py trains with (imported here: the tables and compare need neither torch nor
+    vLLM)."""
+    import engine
     import torch
-    engine = grpo.make_engine(args.model, max_model_len=args.max_len, max_seqs=args.concurrency, seed=args.seed,
-                              dtype=args.dtype, gpu_memory=args.gpu_memory)
+    llm = engine.make_engine(args.model, max_model_len=args.max_len, max_seqs=args.concurrency, seed=args.seed,
+                             dtype=args.dtype, gpu_memory=args.gpu_memory)
     tokenizer = labels.load_tokenizer(args.model, "native")  # the template the checkpoint was trained with
     template = terminus.load_template(args.prompt_template)
 
     def rollout(tasks, on_episode, stats):
         # Each episode samples with a seed from (seed, its index in `tasks`): a resumed session gets another seed,
         # so its first attempts do not replay the random streams of the first session's.
-        episodes = grpo.rollout(engine, tokenizer, tasks, temperature=args.temperature, max_turns=args.max_turns,
-                                max_new_tokens=args.max_new_tokens, max_len=args.max_len, concurrency=args.concurrency,
-                                template=template, seed=args.seed + session, on_episode=on_episode, stats=stats,
-                                network=args.network, keep_agent=args.keep_agent_processes, second_try=args.second_try)
-        mc = engine.llm_engine.model_config  # what time_breakdown's FLOP bound needs, at the engine's threads
-        with grpo.engine_threads():
+        episodes = engine.rollout(llm, tokenizer, tasks, temperature=args.temperature, max_turns=args.max_turns,
+                                  max_new_tokens=args.max_new_tokens, max_len=args.max_len, concurrency=args.concurrency,
+                                  template=template, seed=args.seed + session, on_episode=on_episode, stats=stats,
+                                  network=args.network, keep_agent=args.keep_agent_processes, second_try=args.second_try)
+        mc = llm.llm_engine.model_config  # what time_breakdown's FLOP bound needs, at the engine's threads
+        with engine.engine_threads():
             stats.update(config=mc.hf_text_config.to_dict(), dtype=str(mc.dtype).removeprefix("torch."),
                          threads=torch.get_num_threads(), matmul_flop_s=matmul_flop_s(mc.dtype))
         return episodes
@@ -468,7 +469,7 @@ def vllm_rollout(args, session):
 def evaluate(args, rollout=None):
     """Run the attempts the results file does not have yet. rollout(tasks, on_episode, stats) -> episodes, calling
     on_episode(i, episode) as each finishes and filling stats as envs.run_episodes does (time_breakdown reads
-    them); default: grpo's vLLM rollout on args.model. The session's time breakdown goes in its configs entry."""
+    them); default: engine.rollout on args.model. The session's time breakdown goes in its configs entry."""
     t_begin = time.time()
     args.out.parent.mkdir(parents=True, exist_ok=True)
     results = open_results(args.out, settings_of(args))
