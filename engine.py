@@ -7,6 +7,7 @@ An episode's token sequence (envs.Episode: token_ids, roles, logprobs, obs_wrapp
 append-only sequence the policy saw and sampled: the first turn as the chat template renders it, each reply's ids
 as the engine returned them (labels.ACTION, with the log-prob each was sampled with), each observation turn as the
 template renders it after a reply (labels.OBS, its fixed wrapper text marked), never the history re-tokenised.
+Every reply is one run of ACTION tokens: reply_spans gives an episode's turn boundaries.
 
 Nothing heavy at import: vLLM is imported when an engine or a policy is made.
 """
@@ -97,7 +98,8 @@ def observation_tokens(tok, message, closed):
     ids, roles, text, off, spans = encode_spans(tok, msgs)
     k = int(np.searchsorted(off[:, 0], spans[1][-1][1]))  # the first token after the reply's end-of-turn token
     if k == 0 or (k < len(off) and off[k - 1, 1] > spans[1][-1][1]):
-        raise ValueError("a token straddles the end of the assistant turn: the chat template cannot be used token-in/token-out")
+        raise ValueError("a token straddles the end of the assistant turn: the chat template cannot be used "
+                         "token-in/token-out")
     if not closed:
         k -= 1  # the end-of-turn token, which the cut reply lacks
     roles = roles.copy()
@@ -106,6 +108,19 @@ def observation_tokens(tok, message, closed):
     head = tok(generation_prompt(tok, msgs), add_special_tokens=False)["input_ids"]
     return (list(ids[k:]) + head, roles[k:].tolist() + [PROMPT] * len(head),
             wrapper[k:].tolist() + [False] * len(head))
+
+
+def reply_spans(roles):
+    """[(start, end)] of each reply in an episode's token sequence, in turn order: a reply is one run of ACTION
+    tokens (the policy samples nothing else, a turn samples at least one token, and a turn's header lies between
+    two replies)."""
+    spans = []
+    for i, r in enumerate(roles):
+        if r == ACTION and i and roles[i - 1] == ACTION:
+            spans[-1] = (spans[-1][0], i + 1)
+        elif r == ACTION:
+            spans.append((i, i + 1))
+    return spans
 
 
 class VLLMPolicy:

@@ -46,6 +46,20 @@ def test_token_in_token_out_equals_render(tokenizer, synthetic):
         assert set(want_roles[len(ids):]) <= {PROMPT} and tail <= 1
 
 
+def test_reply_spans_are_the_turns(tokenizer, synthetic):
+    """An episode's turn boundaries: one span per reply, in order, each the reply's sampled ids with its end-of-turn
+    token, nothing else ACTION."""
+    eot = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    conv = synthetic[0][:-1] if synthetic[0][-1]["role"] == "user" else synthetic[0]
+    ids, roles, _ = built_turn_by_turn(tokenizer, conv)
+    spans = engine.reply_spans(roles)
+    replies = [m["content"] for m in conv if m["role"] == "assistant"]
+    assert len(spans) == len(replies) >= 2
+    for (start, end), text in zip(spans, replies):
+        assert ids[start:end] == tokenizer(text, add_special_tokens=False)["input_ids"] + [eot]
+    assert sum(end - start for start, end in spans) == roles.count(ACTION)
+
+
 def test_token_in_token_out_with_a_special_token_in_an_observation(tokenizer, synthetic):
     """An observation that printed '<|im_end|>' is defused as the rollout does it, and the episode built turn by
     turn still equals labels.render of its messages."""
@@ -182,7 +196,8 @@ def bandit_step(llm, model, opt, args, prompts, target, sign, n):
     adv, _ = grpo.group_advantages(sign * r)
     for ex, a in zip(examples, adv.flatten().tolist()):
         ex["adv"] = [a] * len(ex["ids"])
-    loss, _ = grpo.pg_loss(model, grpo.collate(examples, 0), args, len(examples), len(examples), 0)
+    loss, _ = grpo.pg_loss(model, grpo.collate(examples, 0), args, grpo.loss_coefs(args), len(examples), len(examples),
+                           0)
     loss.backward()
     opt.step()
     opt.zero_grad()

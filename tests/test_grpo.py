@@ -1,6 +1,7 @@
 """GRPO: advantage math, the loss against a hand-written reference in every mode, episodes to training examples,
 dynamic sampling, and an end-to-end run on toy tasks in real sandboxes with real vLLM that is killed and resumed.
 The rollout engine's own tests: tests/test_engine.py."""
+import bisect
 import contextlib
 import copy
 import json
@@ -15,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import common
 import envs
 import grpo
 import labels
@@ -153,7 +155,8 @@ def test_loss_matches_reference(model, tokenizer, synthetic, norm, case):
     model.zero_grad()
     total = 0.0
     for part in ([examples[0]], examples[1:]):  # two micro-batches, padded: the normalisers are the step's
-        loss, st = grpo.pg_loss(model, grpo.collate(part, tokenizer.pad_token_id), args, n_tok, n_seq, n_echo)
+        batch = grpo.collate(part, tokenizer.pad_token_id)
+        loss, st = grpo.pg_loss(model, batch, args, grpo.loss_coefs(args), n_tok, n_seq, n_echo)
         loss.backward()
         total += st["loss"]
     assert total == pytest.approx(ref.item(), rel=1e-4, abs=1e-6)
@@ -164,7 +167,8 @@ def test_loss_matches_reference(model, tokenizer, synthetic, norm, case):
         flows = {"clipped": 2, "clip-higher": 0}[case]
         model.zero_grad()
         stopped = [ex for i, ex in enumerate(examples) if i != flows]
-        loss, st = grpo.pg_loss(model, grpo.collate(stopped, tokenizer.pad_token_id), args, n_tok, n_seq, n_echo)
+        batch = grpo.collate(stopped, tokenizer.pad_token_id)
+        loss, st = grpo.pg_loss(model, batch, args, grpo.loss_coefs(args), n_tok, n_seq, n_echo)
         loss.backward()
         assert all(p.grad is None or p.grad.abs().max() == 0 for p in model.parameters())
         assert st["clipped_sum"] == st["act_tokens"]
@@ -204,6 +208,12 @@ def forward_rows(module):
     return rows
 
 
+def train(model, init, opt, examples, args, pad_id):
+    """grpo.train_batch in one CPU process: `model` trains, `init` is the initial policy."""
+    return grpo.train_batch(common.LossModule(grpo.pg_loss, model), model, init, opt, examples, args, pad_id,
+                            torch.device("cpu"), contextlib.nullcontext(), 0, print)
+
+
 def reference_steps(model, init, examples, args, opt, epochs):
     """--ppo-epochs updates by the reference loss: old log-probs (with --tis-cap) before the first, the initial
     policy's for the KL, the normalisers over every example."""
@@ -225,7 +235,7 @@ def reference_steps(model, init, examples, args, opt, epochs):
 
 def test_ppo_epochs_with_tis_and_kl_match_reference(model, tokenizer, synthetic):
     """grpo.train_batch over two --ppo-epochs, in micro-batches: the old log-probs are the trainer's before the
-    first update, the KL's are the initial policy's (scored by grpo.score); the weights after both updates are
+    first update, the KL's are the initial policy's (scored by grpo.policy_logprobs); the weights after both updates are
     the reference's."""
     args = args_for("--ppo-epochs", "2", "--tis-cap", "1.5", "--kl-coef", "0.2", "--temperature", "0.7",
                     "--grad-clip", "0", "--micro-tokens", "400")
@@ -233,8 +243,7 @@ def test_ppo_epochs_with_tis_and_kl_match_reference(model, tokenizer, synthetic)
     examples = loss_examples(model, tokenizer, synthetic, args, [-0.2, 0.3, 0.0], None)
     mine, theirs = copy.deepcopy(model), copy.deepcopy(model)
     opt = torch.optim.SGD(mine.parameters(), lr=0.1)
-    tot, gnorm = grpo.train_batch(grpo.PGModule(mine), mine, init, opt, [dict(ex) for ex in examples], args,
-                                  tokenizer.pad_token_id, torch.device("cpu"), contextlib.nullcontext(), 0, print)
+    tot, gnorm = train(mine, init, opt, [dict(ex) for ex in examples], args, tokenizer.pad_token_id)
     losses = reference_steps(theirs, init, examples, args, torch.optim.SGD(theirs.parameters(), lr=0.1), 2)
     assert tot["loss"] == pytest.approx(losses[0], rel=1e-4) and gnorm > 0 and tot["episodes_trained"] == 3
     assert abs(losses[1] - losses[0]) > 1e-3  # the second epoch saw another policy than the first
@@ -252,8 +261,7 @@ def test_groups_without_signal_are_not_forwarded(model, tokenizer, synthetic):
     mine, theirs, init = copy.deepcopy(model), copy.deepcopy(model), copy.deepcopy(model)
     rows, init_rows = forward_rows(mine.base_model), forward_rows(init.base_model)
     opt = torch.optim.SGD(mine.parameters(), lr=1.0)
-    tot, _ = grpo.train_batch(grpo.PGModule(mine), mine, init, opt, examples, args, tokenizer.pad_token_id,
-                              torch.device("cpu"), contextlib.nullcontext(), 0, print)
+    tot, _ = train(mine, init, opt, examples, args, tokenizer.pad_token_id)
     assert sum(rows) == 2 and sum(init_rows) == 2 and tot["episodes_trained"] == 2
     reference_steps(theirs, init, examples, args, torch.optim.SGD(theirs.parameters(), lr=1.0), 1)
     for a, b in zip(mine.parameters(), theirs.parameters()):
@@ -267,8 +275,7 @@ def test_a_step_without_signal_makes_no_update(model, tokenizer, synthetic):
     examples = loss_examples(model, tokenizer, synthetic, args, [0, 0, 0], None)
     mine = copy.deepcopy(model)
     opt = torch.optim.AdamW(mine.parameters(), lr=args.lr)
-    run = lambda exs: grpo.train_batch(grpo.PGModule(mine), mine, model, opt, exs, args, tokenizer.pad_token_id,  # noqa: E731
-                                       torch.device("cpu"), contextlib.nullcontext(), 0, print)
+    run = lambda exs: train(mine, model, opt, exs, args, tokenizer.pad_token_id)  # noqa: E731
     assert run([dict(ex) for ex in examples])[1] > 0
     before = [q.detach().clone() for q in mine.parameters()]
     state = copy.deepcopy(opt.state_dict())
@@ -308,9 +315,9 @@ def test_overlong_episodes_kept_masked_or_penalised():
 
 
 def test_a_per_turn_advantage_is_a_change_to_one_function(model, tokenizer, synthetic, monkeypatch):
-    """Replace grpo.token_advantages by a per-turn advantage (turn k's tokens get (k + 1) A) and nothing else:
-    episodes -> examples -> train_batch give the reference's update with those per-token advantages, which
-    differs from the outcome advantage's."""
+    """Replace grpo.token_advantages by a per-turn advantage (turn k's tokens get (k + 1) A, from the turn
+    boundaries it is given) and nothing else: episodes -> examples -> train_batch give the reference's update with
+    those per-token advantages (turns counted here from the roles), which differs from the outcome advantage's."""
     args = args_for("--temperature", "0.7", "--grad-clip", "0")
     eps = []
     for conv, reward in zip(synthetic[:3], [1.0, 0.0, 0.0]):
@@ -328,22 +335,55 @@ def test_a_per_turn_advantage_is_a_change_to_one_function(model, tokenizer, synt
 
     def update(examples):
         m = copy.deepcopy(model)
-        grpo.train_batch(grpo.PGModule(m), m, model, torch.optim.SGD(m.parameters(), lr=0.1), examples, args,
-                         tokenizer.pad_token_id, torch.device("cpu"), contextlib.nullcontext(), 0, print)
+        train(m, model, torch.optim.SGD(m.parameters(), lr=0.1), examples, args, tokenizer.pad_token_id)
         return m
 
+    def per_turn(episode, adv, replies):  # the variant: from the start of reply k on, (k + 1) A
+        starts = [start for start, _ in replies]
+        return [adv * max(bisect.bisect_right(starts, i), 1) for i in range(len(episode.token_ids))]
+
     outcome = update(grpo.group_examples(eps, 3, args)[0][0])
-    monkeypatch.setattr(grpo, "token_advantages", lambda ep, a: [a * (k + 1) for k in turn_of_each_token(ep.roles)])
+    monkeypatch.setattr(grpo, "token_advantages", per_turn)
     examples = grpo.group_examples(eps, 3, args)[0][0]
     per_turn = update(examples)
     group_adv = [2 / 3, -1 / 3, -1 / 3]
-    want = [dict(ex, adv=[a * (k + 1) for k in turn_of_each_token(ep.roles)]) for ex, ep, a in zip(examples, eps, group_adv)]
+    want = [dict(ex, adv=[a * (k + 1) for k in turn_of_each_token(ep.roles)])
+            for ex, ep, a in zip(examples, eps, group_adv)]
     assert max(max(ex["adv"]) for ex in want) >= 2 * 2 / 3  # more than one turn
     theirs = copy.deepcopy(model)
     reference_steps(theirs, model, want, args, torch.optim.SGD(theirs.parameters(), lr=0.1), 1)
     for a, b, c in zip(per_turn.parameters(), theirs.parameters(), outcome.parameters()):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
     assert any(not torch.allclose(a, c, rtol=1e-3, atol=1e-6) for a, c in zip(per_turn.parameters(), outcome.parameters()))
+
+
+def test_a_new_loss_term_reaches_groups_without_signal(model, tokenizer, synthetic, monkeypatch):
+    """A term added to the loss (its coefficient in grpo.loss_coefs, its value in grpo.pg_loss) is computed on
+    every example, those of groups without signal included: may_skip reads the same coefficients. The term here:
+    the action tokens' NLL over the step's action tokens. With every advantage 0 the update is that term's
+    gradient alone; a rule that skipped zero-advantage examples would make no update at all."""
+    args = args_for("--temperature", "0.7", "--grad-clip", "0")
+    examples = loss_examples(model, tokenizer, synthetic, args, [0, 0, 0], None, advs=(0.0, 0.0, 0.0))
+    real_coefs, real_loss = grpo.loss_coefs, grpo.pg_loss
+
+    def with_nll(lm, batch, args, coefs, n_tok, n_seq, n_echo):
+        loss, st = real_loss(lm, batch, args, coefs, n_tok, n_seq, n_echo)
+        logits = lm(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1].float()
+        lp = torch.log_softmax(logits, -1).gather(2, batch["input_ids"][:, 1:, None]).squeeze(2)  # (B, T-1)
+        return loss + coefs["nll"] * -(lp * (batch["roles"][:, 1:] == ACTION)).sum() / n_tok, st
+    monkeypatch.setattr(grpo, "loss_coefs", lambda a: {**real_coefs(a), "nll": 0.5})
+    monkeypatch.setattr(grpo, "pg_loss", with_nll)
+    mine, theirs = copy.deepcopy(model), copy.deepcopy(model)
+    tot, gnorm = train(mine, model, torch.optim.SGD(mine.parameters(), lr=1.0), examples, args, tokenizer.pad_token_id)
+    assert tot["episodes_trained"] == 3 and gnorm > 0
+
+    n_tok = sum(ex["roles"][1:].count(ACTION) for ex in examples)
+    nll = sum(-naive_logprobs(theirs, ex["ids"], 1.0)[1][torch.tensor(ex["roles"][1:]) == ACTION].sum() for ex in examples)
+    (0.5 * nll / n_tok).backward()
+    torch.optim.SGD(theirs.parameters(), lr=1.0).step()
+    assert max((a - b).abs().max() for a, b in zip(theirs.parameters(), model.parameters())) > 1e-4
+    for a, b in zip(mine.parameters(), theirs.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
 
 
 def test_dynamic_sampling_fills_the_step_with_signal_groups():
