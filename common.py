@@ -1,10 +1,10 @@
 """
 What sft.py and grpo.py share, so that each of them reads as its stage: the one chunked head (log-probs and
-entropies of targets without the (N, V) logits), batching by token budget, distributed set-up and teardown
-(torchrun: DDP or FSDP2), the optimizer step, atomic checkpoints and resume, the run record (config.json,
-log.jsonl, optional wandb), the tiny random Qwen3 that tests and the CPU run start from, and the scripts' entry
-point (several runs in one process). probes.py uses the head too. Plain functions, no framework: a stage calls what
-it needs.
+entropies of targets without the (N, V) logits), batching by token budget, the run scaffold (start and resume,
+flag groups, autocast, the loss as a module, micro-batch passes, the optimizer step, atomic checkpoints, the run
+record: config.json, log.jsonl, optional wandb), distributed set-up and teardown (torchrun: DDP or FSDP2), the
+tiny random Qwen3 that tests and the CPU run start from, and the scripts' entry point (several runs in one
+process). probes.py uses the head too. Plain functions, no framework: a stage calls what it needs.
 """
 import json
 import math
@@ -148,6 +148,23 @@ def pyplot():
     return plt
 
 
+def plot_log(log_path, png, keys):
+    """One panel per (key, title) of `keys`: the key's values in a log.jsonl against the step (integer ticks)."""
+    plt = pyplot()
+    rows = [json.loads(line) for line in Path(log_path).read_text().splitlines()]
+    fig, axes = plt.subplots(1, len(keys), figsize=(4.3 * len(keys), 3.5))
+    for ax, (k, title) in zip(axes, keys):
+        pts = [(r["step"], r[k]) for r in rows if k in r]
+        if pts:
+            ax.plot(*zip(*pts), marker=".")
+        ax.set_title(title)
+        ax.set_xlabel("step")
+        ax.xaxis.set_major_locator(plt.matplotlib.ticker.MaxNLocator(integer=True))
+    fig.tight_layout()
+    fig.savefig(png, dpi=100)
+    plt.close(fig)
+
+
 QWEN_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
               r"|\s*[\r\n]+|\s+(?!\S)|\s+")  # Qwen2/3's pre-tokenizer split pattern
 
@@ -236,6 +253,28 @@ def init_distributed():
     return distributed, rank, world, device
 
 
+def start_run(args, resume_keys):
+    """A training run's start: the process group (torchrun), --out made, the checkpoint to go on from (resume_point).
+    -> (rank, world, device, out, checkpoint dir or None, its trainer state or None, print0), or None when the run
+    in --out is finished (final/ exists): nothing to do."""
+    from transformers.utils import logging as hf_logging
+    hf_logging.disable_progress_bar()  # one line per step is the log; no per-save bars
+    distributed, rank, world, device = init_distributed()
+    print0 = printer(rank)
+    if args.fsdp and not distributed:
+        raise ValueError("--fsdp shards across ranks: launch with torchrun")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    ckpt, state, finished = resume_point(out, args, resume_keys, world)
+    if finished:
+        print0(f"{out} is finished (final/ exists); nothing to resume")
+        close_distributed()
+        return None
+    if args.resume and ckpt is None:
+        print0(f"--resume: no checkpoint in {out} yet; starting fresh")
+    return rank, world, device, out, ckpt, state, print0
+
+
 def close_distributed():
     """Leave the process group, all ranks together (a no-op in a single process)."""
     if dist.is_initialized():
@@ -261,15 +300,15 @@ def split_runs(argv):
 
 def run_cli(main):
     """Run main() as a script, once per run: `python grpo.py ARGS ::: ARGS ...` runs main(ARGS) for each argument
-    list in order, in this process. On a CPU machine a process spends ~9 s importing torch, transformers and vLLM
-    before any work; runs of one script in one process pay it once. Each run is what it is alone: main() sets up
-    all its state (models, seeds, its own engine) from its own arguments (tests/test_runs.py: the same samples). A
-    run that fails stops the ones after it (exit status non-zero); re-running resumes. Under torchrun one run a
-    process: each run would join the process group again.
+    list in order, in this process. A process pays seconds importing torch, transformers and vLLM before any work
+    (RESULTS.md, 2026-12-02 session 5); runs of one script in one process pay it once. Each run is what it is
+    alone: main() sets up all its state (models, seeds, its own engine) from its own arguments (tests/test_runs.py:
+    the same samples). A run that fails stops the ones after it (exit status non-zero); re-running resumes. Under
+    torchrun one run a process: each run would join the process group again.
 
     Everything is written, flushed and closed when main() returns (checkpoints and results atomically), so the
-    process then exits without the interpreter's shutdown: vLLM's exit hooks and the teardown of torch's modules
-    took 3.5-4.5 s of every process. Under torchrun the shutdown is also unsafe: FSDP2's modules keep the process
+    process then exits without the interpreter's shutdown, which costs seconds more (vLLM's exit hooks, the
+    teardown of torch's modules). Under torchrun the shutdown is also unsafe: FSDP2's modules keep the process
     group alive past destroy_process_group (deleting the model and running gc does not free it), so gloo's threads
     still run while the interpreter tears down, and one of them touching Python then aborts, now and then, a run
     that has already written everything (a rank exits with -6)."""
@@ -411,6 +450,20 @@ def checkpoint_dirs(out):
 
 
 EXECUTION, RUN = "execution", "run"  # a stage's flag groups that do not change what its run computes
+
+
+def add_run_flags(parser, files, save_every):
+    """The RUN flag group of a training stage (where its run writes, how often; resumed the same way by both
+    stages): --out (config.json, log.jsonl, `files`, step-N/ checkpoints, final/), --save-every, --keep, --resume,
+    --wandb. -> the group, for a stage's own run flags."""
+    g = parser.add_argument_group(RUN)
+    g.add_argument("--out", required=True, help=f"run dir: config.json, log.jsonl, {files}step-N/ checkpoints, final/")
+    g.add_argument("--save-every", type=int, default=save_every, help="checkpoint every N steps (0 = only at the end)")
+    g.add_argument("--keep", type=int, default=2, help="step checkpoints kept on disk (final/ is always kept)")
+    g.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint in --out")
+    g.add_argument("--wandb", metavar="PROJECT", help="also log every log.jsonl row to this Weights & Biases "
+                   "project (pip install wandb; offline under OUT/wandb/ when W&B is unreachable)")
+    return g
 
 
 def resume_keys(parser):

@@ -24,8 +24,8 @@ from labels import ACTION, PROMPT, defuse_specials, encode, encode_spans, genera
 def kv_cache_bytes(config, *, max_model_len, max_seqs, dtype_bytes):
     """CPU KV cache (bytes) that holds max_seqs sequences of max_model_len tokens: K and V of every layer's
     key/value heads, per token, plus a 256-token margin per sequence for its last partly filled block. Sized to
-    the need, not a fixed GiB: the engine allocates and touches all of it at start, which took 10-16 s for 2 GiB
-    on a loaded 2-core machine against the ~2 MB a toy evaluation uses."""
+    the need, not a fixed GiB: the engine allocates and touches all of it at start (what that cost: RESULTS.md,
+    2026-12-02 session 4)."""
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * dtype_bytes
     return max_seqs * (max_model_len + 256) * per_token
@@ -223,8 +223,8 @@ def rollout(engine, tokenizer, tasks, *, temperature, max_turns, max_new_tokens,
 @contextmanager
 def engine_threads():
     """The CPU engine serves with one intra-op thread, as vLLM means to (vllm.utils.torch_utils: a multi-threaded
-    op leaves its threads spin-waiting, taking the cores the sandboxes and the step's serial code need; measured
-    0.33-0.47x the wall of an evaluation at two threads). vLLM's own call is lost in process, where its CPU worker
+    op leaves its threads spin-waiting, taking the cores the sandboxes and the step's serial code need: RESULTS.md,
+    2026-12-01, the engine's one thread). vLLM's own call is lost in process, where its CPU worker
     has already made torch.set_num_threads a no-op: torch._C's is the same function, untouched. The caller's
     threads (the trainer's) come back after. On CUDA nothing changes."""
     threads = torch.get_num_threads()

@@ -21,24 +21,20 @@ One step: sample --tasks-per-step tasks, run --group-size episodes of each (all 
 
 with rho_i = pi(a_i) / pi_behaviour(a_i) (the vLLM log-prob the token was sampled with), all log-probs at the
 sampling temperature (logits / T, top-p 1, top-k off); eps_low = eps_high = --clip unless --clip-low /
---clip-high say otherwise (DAPO's clip-higher); n_i = 1 / (action tokens in the step) for `--loss-norm token`
-(default), 1 / (|ACTION(seq)| * sequences in the step) for `sequence`, or Dr. GRPO's constant
-1 / (--max-len * sequences in the step) for `constant`. k3_i = e^(ref_i - logp_i) - (ref_i - logp_i) - 1 with
-ref the initial policy's log-prob. With --tis-cap C, rho_i is taken against the trainer's own log-prob before
-the step's first update and w_i = min(pi_old(a_i) / pi_behaviour(a_i), C) corrects the trainer/vLLM mismatch
-(truncated importance sampling); without it w_i = 1. Episodes that failed for infrastructure reasons
-(envs.INFRA_FAILURES) are left out of their group's mean and of the loss; the normalisers count every other
-episode, those of groups without signal included (an episode the loss adds nothing on, may_skip, is not
-forwarded; a step where nothing is left makes no optimizer step). --dynamic-sampling drops groups without
-signal and draws more (DAPO). An episode cut at --max-len (rollout/truncated) keeps the reward the verifier
-gives the sandbox as it stands, is masked out of the loss, or is penalised (--overlong). After every optimizer
-step the weights go into the engine in place. Episodes are token-in/token-out (engine.py). The GPU memory plan
-of a real run: docs/training.md.
+--clip-high say otherwise (DAPO's clip-higher); n_i = 1 / (action tokens in the step) for `--loss-norm token`,
+1 / (|ACTION(seq)| * sequences in the step) for `sequence`, 1 / (--max-len * sequences) for `constant` (Dr.
+GRPO). k3_i = e^(ref_i - logp_i) - (ref_i - logp_i) - 1, ref: the initial policy's log-prob. With --tis-cap C,
+rho_i is against the trainer's log-prob before the step's first update and w_i = min(pi_old / pi_behaviour, C)
+corrects the trainer/vLLM mismatch; else w_i = 1. Infrastructure failures (envs.INFRA_FAILURES) are out of their
+group's mean and of the loss; the normalisers count every other episode, groups without signal included (an
+episode the loss adds nothing on, may_skip, is not forwarded; a step with none left makes no optimizer step).
+An episode cut at --max-len keeps its verifier's reward, is masked out of the loss, or is penalised
+(--overlong). After every optimizer step the weights go into the engine in place (engine.py: token-in/out
+rollouts). The GPU memory plan of a real run: docs/training.md.
 """
 import argparse
 import functools
 import gc
-import json
 import signal
 import sys
 import time
@@ -60,51 +56,39 @@ def get_parser():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     g = p.add_argument_group("model and tasks")
-    g.add_argument("--init", required=True,
-                   help="HF checkpoint to start from (an sft.py final/ dir carries its chat template)")
-    g.add_argument("--chat-template", default="native",
-                   help="'native' (the checkpoint's own), 'prefix', or a .jinja path")
+    g.add_argument("--init", required=True, help="HF checkpoint to start from (sft.py's final/ has its template)")
+    g.add_argument("--chat-template", default="native", help="'native' (the checkpoint's), 'prefix', or a .jinja")
     g.add_argument("--tasks", required=True, help="folder of Harbor task folders (e.g. the toy world's rl/ split)")
     g.add_argument("--kinds", type=lambda v: v.split(","), metavar="KIND,...", help="train only on the tasks of "
                    "these kinds (task.toml's [metadata] kind), e.g. the ones the policy solves sometimes")
-    g.add_argument("--prompt-template",
-                   help="file with {instruction} and {terminal_state} (default: terminus.DEFAULT_PROMPT)")
+    g.add_argument("--prompt-template", help="file with {instruction} and {terminal_state} (default: terminus's)")
     g = p.add_argument_group("rollouts")
     g.add_argument("--tasks-per-step", type=int, default=32, help="groups per step (global, across ranks)")
     g.add_argument("--group-size", type=int, default=16, help="episodes per task per step")
-    g.add_argument("--temperature", type=float, default=1.0,
-                   help="sampling temperature; training log-probs use logits / T")
+    g.add_argument("--temperature", type=float, default=1.0, help="sampling temperature; log-probs use logits / T")
     g.add_argument("--max-turns", type=int, default=30)
     g.add_argument("--max-new-tokens", type=int, default=4096, help="tokens per reply")
-    g.add_argument("--max-len", type=int, default=16384, help="tokens per episode (prompt + replies + "
-                   "observations); longer ones are cut and flagged")
-    g.add_argument("--network", metavar="MODE", help="Docker network for tasks that allow the internet (task.toml "
-                   "allow_internet): bridge, host or a network's name (see evaluate.py --network); default: none "
-                   "for any task")
+    g.add_argument("--max-len", type=int, default=16384, help="tokens per episode; longer ones are cut and flagged")
+    g.add_argument("--network", metavar="MODE", help="Docker network for the tasks that allow the internet: bridge, "
+                   "host or a network's name (evaluate.py --network); default: none for any task")
     g = p.add_argument_group("objective")
     g.add_argument("--clip", type=float, default=0.2, help="PPO clip epsilon on the importance ratio (both sides)")
-    g.add_argument("--clip-low", type=float, help="lower clip epsilon: the ratio is clipped to "
-                   "[1 - clip-low, 1 + clip-high] (default --clip)")
-    g.add_argument("--clip-high", type=float,
-                   help="upper clip epsilon (default --clip); DAPO's clip-higher: --clip-low 0.2 --clip-high 0.28")
+    g.add_argument("--clip-low", type=float, help="lower clip epsilon: rho is clipped to [1 - clip-low, 1 + "
+                   "clip-high] (default --clip); DAPO's clip-higher: --clip-low 0.2 --clip-high 0.28")
+    g.add_argument("--clip-high", type=float, help="upper clip epsilon (default --clip)")
     g.add_argument("--ppo-epochs", type=int, default=1, help="optimizer steps per batch of rollouts (1 = on-policy)")
     g.add_argument("--loss-norm", default="token", choices=["token", "sequence", "constant"],
-                   help="token: mean over the step's action tokens; sequence: mean over sequences of their token "
-                   "mean; constant: Dr. GRPO's sum over each sequence's action tokens / --max-len, mean over sequences")
+                   help="n_i of the module docstring: token, sequence or constant (Dr. GRPO)")
     g.add_argument("--scale-std", action="store_true", help="divide advantages by the group's std (+1e-6)")
     g.add_argument("--dynamic-sampling", type=int, default=0, metavar="MAX_GROUPS", help="drop groups without "
-                   "signal and draw more, --tasks-per-step groups at a time, until --tasks-per-step groups have "
-                   "signal or MAX_GROUPS groups were drawn (a multiple of --tasks-per-step; 0 = off: every drawn "
-                   "group trains)")
+                   "signal and draw more, --tasks-per-step at a time, until --tasks-per-step have signal or "
+                   "MAX_GROUPS (a multiple of --tasks-per-step) were drawn; 0 = off")
     g.add_argument("--overlong", default="keep", choices=["keep", "mask", "penalty"], help="episodes cut at "
                    "--max-len: keep (the verifier's reward), mask (in their group's statistics, out of the loss), "
                    "penalty (reward - --overlong-penalty)")
-    g.add_argument("--overlong-penalty", type=float, default=1.0,
-                   help="what --overlong penalty subtracts from a cut episode's reward")
-    g.add_argument("--tis-cap", type=float, default=0.0,
-                   help="truncated importance weight cap for the trainer/vLLM mismatch (0 = off)")
-    g.add_argument("--kl-coef", type=float, default=0.0, help="k3 KL penalty to the initial policy on sampled "
-                   "tokens (0 = off; the KL is logged either way)")
+    g.add_argument("--overlong-penalty", type=float, default=1.0, help="what --overlong penalty subtracts")
+    g.add_argument("--tis-cap", type=float, default=0.0, help="truncated importance weight cap (0 = off)")
+    g.add_argument("--kl-coef", type=float, default=0.0, help="k3 KL penalty to the initial policy (0 = off)")
     g.add_argument("--echo-coef", type=float, default=0.0, help="ECHO: weight of the observation NLL of the "
                    "policy's own rollouts (0.05 in its reference setting)")
     g.add_argument("--echo-payload-only", action="store_true", help="ECHO on the environment's own text only, not "
@@ -113,32 +97,21 @@ def get_parser():
     g.add_argument("--steps", type=int, default=135)
     g.add_argument("--lr", type=float, default=1e-6, help="constant learning rate")
     g.add_argument("--weight-decay", type=float, default=0.0)
-    # PyTorch's AdamW defaults, now explicit: what every GRPO run so far trained with
     g.add_argument("--adam-betas", type=float, nargs=2, default=[0.9, 0.999], metavar=("B1", "B2"), help="AdamW betas")
     g.add_argument("--adam-eps", type=float, default=1e-8, help="AdamW epsilon")
     g.add_argument("--grad-clip", type=float, default=1.0, help="max global grad norm (0 = off)")
     g.add_argument("--seed", type=int, default=0)
     g = p.add_argument_group(common.EXECUTION, "how the run computes, not what: free to change on --resume")
     g.add_argument("--concurrency", type=int, default=64, help="sandboxes live at once per rank")
-    g.add_argument("--micro-tokens", type=int, default=32768,
-                   help="token budget of one micro-batch (padded rows x length)")
+    g.add_argument("--micro-tokens", type=int, default=32768, help="token budget of a micro-batch (rows x length)")
     g.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32"],
                    help="autocast and engine dtype; auto = bf16 on CUDA, fp32 on CPU")
     g.add_argument("--grad-ckpt", action="store_true")
-    g.add_argument("--fsdp", action="store_true",
-                   help="shard weights, grads and Adam state with FSDP2 instead of DDP under torchrun")
-    g.add_argument("--gpu-memory", type=float, default=0.35,
-                   help="fraction of GPU memory for the vLLM engine (weights + KV cache)")
-    g.add_argument("--kv-cache-gb", type=float, help="vLLM KV cache on CPU (GiB); default: room for --concurrency "
-                   "sequences of --max-len tokens")
-    g = p.add_argument_group(common.RUN)
-    g.add_argument("--out", required=True,
-                   help="run dir: config.json, log.jsonl, curves.png, step-N/ checkpoints, final/")
-    g.add_argument("--save-every", type=int, default=10, help="checkpoint every N steps")
-    g.add_argument("--keep", type=int, default=2, help="step checkpoints kept on disk")
-    g.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint in --out")
-    g.add_argument("--wandb", metavar="PROJECT", help="also log every log.jsonl row to this Weights & Biases "
-                   "project (pip install wandb; offline under OUT/wandb/ when W&B is unreachable)")
+    g.add_argument("--fsdp", action="store_true", help="shard with FSDP2 instead of DDP under torchrun")
+    g.add_argument("--gpu-memory", type=float, default=0.35, help="GPU memory share of the vLLM engine")
+    g.add_argument("--kv-cache-gb", type=float, help="vLLM's KV cache on CPU (GiB); default: room for "
+                   "--concurrency sequences of --max-len tokens")
+    common.add_run_flags(p, "curves.png, ", save_every=10)
     return p
 
 
@@ -161,20 +134,15 @@ def group_advantages(rewards, valid=None, scale_std=False, eps=1e-6):
 
 
 def collate(examples, pad_id):
-    """Episodes (dicts of per-token lists: ids, roles, adv, behav, wrapper, [old, ref]) -> right-padded (B, T)
+    """Episodes (dicts of per-token lists: ids, roles, wrapper, adv, behav, [old, ref]) -> right-padded (B, T)
     tensors (PROMPT on padding, so padding never carries loss)."""
     out = common.collate([(e["ids"], e["roles"]) for e in examples], pad_id)  # input_ids, roles, attention_mask
-    B, T = out["input_ids"].shape
-    out["wrapper"] = torch.zeros((B, T), dtype=torch.bool)
-    for key in ("adv", "behav", "old", "ref"):
+    for key, dtype in (("wrapper", torch.bool), ("adv", torch.float32), ("behav", torch.float32),
+                       ("old", torch.float32), ("ref", torch.float32)):
         if key in examples[0]:
-            out[key] = torch.zeros((B, T), dtype=torch.float32)
-    for b, e in enumerate(examples):
-        n = len(e["ids"])
-        out["wrapper"][b, :n] = torch.as_tensor(e["wrapper"], dtype=torch.bool)
-        for key in ("adv", "behav", "old", "ref"):
-            if key in e:
-                out[key][b, :n] = torch.as_tensor(e[key], dtype=torch.float32)
+            out[key] = torch.zeros(out["input_ids"].shape, dtype=dtype)
+            for b, e in enumerate(examples):
+                out[key][b, :len(e[key])] = torch.as_tensor(e[key], dtype=dtype)
     return out
 
 
@@ -353,8 +321,8 @@ def draw_episodes(llm, tok, tasks, template, args, step, rank, gen, draw, groups
     """The episodes of one draw's groups on this rank (--group-size of each task, in order), scored by their
     verifiers; the generator's wall / busy / idle seconds are added to the Counter gen."""
     from tqdm import tqdm
-    bar = tqdm(total=len(groups) * args.group_size, desc=f"step {step + 1} rollouts" + (f" (draw {draw + 1})" if draw
-               else ""), leave=False, disable=rank != 0, dynamic_ncols=True)
+    desc = f"step {step + 1} rollouts" + (f" (draw {draw + 1})" if draw else "")
+    bar = tqdm(total=len(groups) * args.group_size, desc=desc, leave=False, disable=rank != 0, dynamic_ncols=True)
     stats = {}
     eps = engine.rollout(llm, tok, [tasks[g] for g in groups for _ in range(args.group_size)],
                          temperature=args.temperature, max_turns=args.max_turns, max_new_tokens=args.max_new_tokens,
@@ -364,11 +332,6 @@ def draw_episodes(llm, tok, tasks, template, args, step, rank, gen, draw, groups
     bar.close()
     gen.update(stats)
     return eps
-
-
-def infra_failure(ep):
-    """Failures of the machinery, not of the agent: left out of the group statistics and of the loss."""
-    return ep.failure in envs.INFRA_FAILURES
 
 
 def token_advantages(episode, adv, replies):
@@ -389,7 +352,7 @@ def group_examples(episodes, group_size, args):
     rewards = torch.tensor([e.reward for e in episodes], dtype=torch.float32).view(-1, group_size)
     if args.overlong == "penalty":
         rewards = rewards - args.overlong_penalty * cut
-    valid = torch.tensor([not infra_failure(e) for e in episodes]).view(-1, group_size)
+    valid = torch.tensor([e.failure not in envs.INFRA_FAILURES for e in episodes]).view(-1, group_size)
     adv, has_signal = group_advantages(rewards, valid, args.scale_std)
     trains = valid & ~cut if args.overlong == "mask" else valid
     groups = [[] for _ in range(len(rewards))]
@@ -441,8 +404,7 @@ def sample_step(draw, n_tasks, args, step, rank, device):
 # The log
 
 def step_record(step, episodes, valid, has_signal, tot, gnorm, gen, times, args, device):
-    """The step's log row: episode statistics summed over ranks and over every draw of the step, what the
-    update saw (summed over ranks), and times: {rollout, train, sync, step} seconds."""
+    """The step's log row: its episodes (every draw, all ranks), what the update saw, times (seconds)."""
     ok = valid.flatten().tolist()
     parse_error_head = terminus.PARSE_ERRORS.split("{")[0]
     ep_sums = {"episodes": len(episodes), "valid": sum(ok),
@@ -501,24 +463,9 @@ def step_line(rec, args):
             f"{rec['time/step_s']:.0f}s")
 
 
-def plot_curves(log_path, png):
-    """curves.png: mean reward, action-token entropy and the KL from the initial policy (k3: non-negative, unlike
-    the k1 estimate train/kl_init, which can dip below 0) against the step."""
-    plt = common.pyplot()
-    rows = [json.loads(line) for line in Path(log_path).read_text().splitlines()]
-    keys = [("rollout/reward_mean", "mean reward"), ("train/entropy", "action-token entropy"),
-            ("train/kl_init_k3", "KL from init (k3)")]
-    fig, axes = plt.subplots(1, 3, figsize=(13, 3.5))
-    for ax, (k, title) in zip(axes, keys):
-        pts = [(r["step"], r[k]) for r in rows if k in r]
-        if pts:
-            ax.plot(*zip(*pts), marker=".")
-        ax.set_title(title)
-        ax.set_xlabel("step")
-        ax.xaxis.set_major_locator(plt.matplotlib.ticker.MaxNLocator(integer=True))
-    fig.tight_layout()
-    fig.savefig(png, dpi=100)
-    plt.close(fig)
+# curves.png: the KL from the initial policy is k3's (never below 0; train/kl_init, the k1 estimate, can be)
+CURVES = (("rollout/reward_mean", "mean reward"), ("train/entropy", "action-token entropy"),
+          ("train/kl_init_k3", "KL from init (k3)"))
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -529,28 +476,20 @@ RESUME_KEYS = common.resume_keys(get_parser())  # the flags that fix what the ru
 
 def main(argv=None):
     args = get_parser().parse_args(argv)
-    from transformers.utils import logging as hf_logging
-    hf_logging.disable_progress_bar()
 
     # a terminated run unwinds like an exception: run_episodes removes its sandboxes on the way out
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
-    distributed, rank, world, device = common.init_distributed()
-    print0 = common.printer(rank)
-    for bad, msg in ((args.fsdp and not distributed, "--fsdp shards across ranks: launch with torchrun"),
-                     (args.tasks_per_step % world, f"--tasks-per-step {args.tasks_per_step} must be a multiple of "
-                      f"the {world} ranks"),
-                     (args.keep < 1 or args.ppo_epochs < 1 or args.temperature <= 0,
-                      "--keep and --ppo-epochs must be >= 1, --temperature > 0"),
-                     (args.dynamic_sampling % args.tasks_per_step, f"--dynamic-sampling {args.dynamic_sampling} "
-                      f"must be a multiple of --tasks-per-step {args.tasks_per_step} (0 = off)")):
-        if bad:
-            raise ValueError(msg)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    ckpt, state, finished = common.resume_point(out, args, RESUME_KEYS, world)
-    if finished:
-        print0(f"{out} is finished (final/ exists); nothing to resume")
+    if args.keep < 1 or args.ppo_epochs < 1 or args.temperature <= 0:
+        raise ValueError("--keep and --ppo-epochs must be >= 1, --temperature > 0")
+    if args.dynamic_sampling % args.tasks_per_step:
+        raise ValueError(f"--dynamic-sampling {args.dynamic_sampling} must be a multiple of --tasks-per-step "
+                         f"{args.tasks_per_step} (0 = off)")
+    run = common.start_run(args, RESUME_KEYS)
+    if run is None:
         return
+    rank, world, device, out, ckpt, state, print0 = run
+    if args.tasks_per_step % world:
+        raise ValueError(f"--tasks-per-step {args.tasks_per_step} must be a multiple of the {world} ranks")
 
     tok = load_tokenizer(ckpt or args.init, "native" if ckpt else args.chat_template)
     template = terminus.load_template(args.prompt_template)
@@ -572,9 +511,10 @@ def main(argv=None):
     raw.train()
     for step in range(start, args.steps):
         t0, gen = time.time(), Counter()  # gen: the generator's wall / busy / idle seconds over the step's draws
-        # draw the step's tasks, roll out their groups, score them and take group advantages
-        draw = functools.partial(draw_episodes, llm, tok, tasks, template, args, step, rank, gen)
-        episodes, valid, has_signal, examples = sample_step(draw, len(tasks), args, step, rank, device)
+        # draw tasks, roll out their groups, score, advantages (no engine reference outlives it: see `del llm`)
+        episodes, valid, has_signal, examples = sample_step(
+            functools.partial(draw_episodes, llm, tok, tasks, template, args, step, rank, gen), len(tasks), args, step,
+            rank, device)
         if device.type == "cuda":  # the engine's weights go to host memory and its KV cache is freed while training
             llm.sleep(level=1)
         t_roll = time.time()
@@ -587,16 +527,17 @@ def main(argv=None):
         if gnorm is not None:
             engine.sync_weights(llm, raw)
         t_sync = time.time()
+        # log: one row a step, summed over ranks; save: a checkpoint every --save-every steps
         times = {"rollout": t_roll - t0, "train": t_train - t_roll, "sync": t_sync - t_train, "step": t_sync - t0}
         rec = step_record(step, episodes, valid, has_signal, tot, gnorm, gen, times, args, device)
         log.write(rec)
         print0(step_line(rec, args))
         done = step + 1
-        if done % args.save_every == 0 or done == args.steps:
+        if (args.save_every and done % args.save_every == 0) or done == args.steps:
             common.save_checkpoint(out / f"step-{done:06d}", model, raw, tok, opt, done, args, rank, rng=False)
             common.prune_checkpoints(out, args.keep, rank)
             if rank == 0:
-                plot_curves(out / "log.jsonl", out / "curves.png")
+                common.plot_log(out / "log.jsonl", out / "curves.png", CURVES)
     common.save_checkpoint(out / "final", model, raw, tok, None, args.steps, args, rank)  # weights + tokenizer only
     print0(f"final model: {out / 'final'}")
     log.close()

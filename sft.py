@@ -19,7 +19,6 @@ Resume an interrupted run: the same command plus --resume. Several runs in one p
 import argparse
 import math
 import time
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -71,19 +70,13 @@ def get_parser():
     g.add_argument("--grad-ckpt", action="store_true",
                    help="gradient checkpointing (recompute activations in backward)")
     g.add_argument("--fsdp", action="store_true", help="shard with FSDP2 (fully_shard) instead of DDP under torchrun")
-    g = p.add_argument_group(common.RUN)
-    g.add_argument("--out", required=True, help="run dir: config.json, log.jsonl, step-N/ checkpoints, final/")
+    g = common.add_run_flags(p, "", save_every=200)
     g.add_argument("--eval-every", type=int, default=50,
                    help="held-out action/obs NLL every N steps (0 = only at the end)")
-    g.add_argument("--save-every", type=int, default=200, help="checkpoint every N steps (0 = only at the end)")
-    g.add_argument("--keep", type=int, default=2, help="step checkpoints kept on disk (final/ is always kept)")
-    g.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint in --out")
     g.add_argument("--probe-every", type=int, default=0, help="log the action/obs gradient cosine and norm ratio "
                    "(probes.py) on held-out batches every N steps; single process")
     g.add_argument("--stop-after", type=int, default=0, help="stop (with a checkpoint) once the run reaches this "
                    "step, keeping the full run's schedule; for time-sliced jobs")
-    g.add_argument("--wandb", metavar="PROJECT", help="also log every log.jsonl row to this Weights & Biases "
-                   "project (pip install wandb; offline under OUT/wandb/ when W&B is unreachable)")
     return p
 
 
@@ -180,28 +173,17 @@ def reduce_stats(tot, device):
 def main(argv=None):
     args = get_parser().parse_args(argv)
     from tqdm import tqdm
-    from transformers.utils import logging as hf_logging
-    hf_logging.disable_progress_bar()  # one line per step is the log; no per-save bars
 
-    distributed, rank, world, device = common.init_distributed()
-    print0 = common.printer(rank)
     for bad_flag, msg in ((args.keep < 1, "--keep must be at least 1"), (args.lam < 0, "--lam must be >= 0"),
-                          (args.fsdp and not distributed, "--fsdp shards across ranks: launch with torchrun"),
-                          (args.probe_every and distributed, "--probe-every runs in a single process; under torchrun, "
-                           "run `probes.py geometry` on the step checkpoints")):
+                          (args.probe_every and common.under_torchrun(), "--probe-every runs in a single process; "
+                           "under torchrun, run `probes.py geometry` on the step checkpoints")):
         if bad_flag:
             raise ValueError(msg)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    torch.manual_seed(args.seed)
-
-    ckpt, state, finished = common.resume_point(out, args, RESUME_KEYS, world)
-    if finished:
-        print0(f"{out} is finished (final/ exists); nothing to resume")
-        common.close_distributed()
+    run = common.start_run(args, RESUME_KEYS)
+    if run is None:
         return
-    if args.resume and ckpt is None:
-        print0(f"--resume: no checkpoint in {out} yet; starting fresh")
+    rank, world, device, out, ckpt, state, print0 = run
+    torch.manual_seed(args.seed)
 
     # data -> (ids, roles), rendered a share per rank, held-out split
     where = []
@@ -224,7 +206,7 @@ def main(argv=None):
             failed += 1
             continue
         mine.append((i, np.asarray(ids, dtype=np.int32), np.asarray(roles, dtype=np.int8)))  # 5 bytes a token
-    if distributed:
+    if dist.is_initialized():
         parts = [None] * world
         dist.all_gather_object(parts, (mine, failed))
         mine, failed = sorted((x for p, _ in parts for x in p), key=lambda x: x[0]), sum(f for _, f in parts)
