@@ -1,10 +1,10 @@
 """
 What sft.py and grpo.py share, so that each of them reads as its stage: the one chunked head (log-probs and
-entropies of targets without the (N, V) logits), batching by token budget, distributed set-up and teardown
-(torchrun: DDP or FSDP2), the optimizer step, atomic checkpoints and resume, the run record (config.json,
-log.jsonl, optional wandb), the tiny random Qwen3 that tests and the CPU run start from, and the scripts' entry
-point (several runs in one process). probes.py uses the head too. Plain functions, no framework: a stage calls what
-it needs.
+entropies of targets without the (N, V) logits), batching by token budget, the run scaffold (start and resume,
+flag groups, autocast, the loss as a module, micro-batch passes, the optimizer step, atomic checkpoints, the run
+record: config.json, log.jsonl, optional wandb), distributed set-up and teardown (torchrun: DDP or FSDP2), the
+tiny random Qwen3 that tests and the CPU run start from, and the scripts' entry point (several runs in one
+process). probes.py uses the head too. Plain functions, no framework: a stage calls what it needs.
 """
 import json
 import math
@@ -148,6 +148,23 @@ def pyplot():
     return plt
 
 
+def plot_log(log_path, png, keys):
+    """One panel per (key, title) of `keys`: the key's values in a log.jsonl against the step (integer ticks)."""
+    plt = pyplot()
+    rows = [json.loads(line) for line in Path(log_path).read_text().splitlines()]
+    fig, axes = plt.subplots(1, len(keys), figsize=(4.3 * len(keys), 3.5))
+    for ax, (k, title) in zip(axes, keys):
+        pts = [(r["step"], r[k]) for r in rows if k in r]
+        if pts:
+            ax.plot(*zip(*pts), marker=".")
+        ax.set_title(title)
+        ax.set_xlabel("step")
+        ax.xaxis.set_major_locator(plt.matplotlib.ticker.MaxNLocator(integer=True))
+    fig.tight_layout()
+    fig.savefig(png, dpi=100)
+    plt.close(fig)
+
+
 QWEN_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
               r"|\s*[\r\n]+|\s+(?!\S)|\s+")  # Qwen2/3's pre-tokenizer split pattern
 
@@ -236,6 +253,28 @@ def init_distributed():
     return distributed, rank, world, device
 
 
+def start_run(args, resume_keys):
+    """A training run's start: the process group (torchrun), --out made, the checkpoint to go on from (resume_point).
+    -> (rank, world, device, out, checkpoint dir or None, its trainer state or None, print0), or None when the run
+    in --out is finished (final/ exists): nothing to do."""
+    from transformers.utils import logging as hf_logging
+    hf_logging.disable_progress_bar()  # one line per step is the log; no per-save bars
+    distributed, rank, world, device = init_distributed()
+    print0 = printer(rank)
+    if args.fsdp and not distributed:
+        raise ValueError("--fsdp shards across ranks: launch with torchrun")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    ckpt, state, finished = resume_point(out, args, resume_keys, world)
+    if finished:
+        print0(f"{out} is finished (final/ exists); nothing to resume")
+        close_distributed()
+        return None
+    if args.resume and ckpt is None:
+        print0(f"--resume: no checkpoint in {out} yet; starting fresh")
+    return rank, world, device, out, ckpt, state, print0
+
+
 def close_distributed():
     """Leave the process group, all ranks together (a no-op in a single process)."""
     if dist.is_initialized():
@@ -261,15 +300,15 @@ def split_runs(argv):
 
 def run_cli(main):
     """Run main() as a script, once per run: `python grpo.py ARGS ::: ARGS ...` runs main(ARGS) for each argument
-    list in order, in this process. On a CPU machine a process spends ~9 s importing torch, transformers and vLLM
-    before any work; runs of one script in one process pay it once. Each run is what it is alone: main() sets up
-    all its state (models, seeds, its own engine) from its own arguments (tests/test_runs.py: the same samples). A
-    run that fails stops the ones after it (exit status non-zero); re-running resumes. Under torchrun one run a
-    process: each run would join the process group again.
+    list in order, in this process. A process pays seconds importing torch, transformers and vLLM before any work
+    (RESULTS.md, 2026-12-02 session 5); runs of one script in one process pay it once. Each run is what it is
+    alone: main() sets up all its state (models, seeds, its own engine) from its own arguments (tests/test_runs.py:
+    the same samples). A run that fails stops the ones after it (exit status non-zero); re-running resumes. Under
+    torchrun one run a process: each run would join the process group again.
 
     Everything is written, flushed and closed when main() returns (checkpoints and results atomically), so the
-    process then exits without the interpreter's shutdown: vLLM's exit hooks and the teardown of torch's modules
-    took 3.5-4.5 s of every process. Under torchrun the shutdown is also unsafe: FSDP2's modules keep the process
+    process then exits without the interpreter's shutdown, which costs seconds more (vLLM's exit hooks, the
+    teardown of torch's modules). Under torchrun the shutdown is also unsafe: FSDP2's modules keep the process
     group alive past destroy_process_group (deleting the model and running gc does not free it), so gloo's threads
     still run while the interpreter tears down, and one of them touching Python then aborts, now and then, a run
     that has already written everything (a rank exits with -6)."""
@@ -285,6 +324,30 @@ def run_cli(main):
     os._exit(0)
 
 
+def printer(rank):
+    """print on rank 0, nothing on the others."""
+    return print if rank == 0 else (lambda *a, **k: None)
+
+
+def autocast(dtype_flag, device):
+    """--dtype (auto: bf16 on CUDA, fp32 on CPU) -> (the context the forward passes run in, the compute dtype)."""
+    bf16 = dtype_flag == "bf16" or (dtype_flag == "auto" and device.type == "cuda")
+    return (torch.autocast(device.type, dtype=torch.bfloat16) if bf16 else nullcontext(),
+            torch.bfloat16 if bf16 else torch.float32)
+
+
+class LossModule(torch.nn.Module):
+    """A stage's loss function as a module forward, so DDP / FSDP2 hooks see the whole computation:
+    forward(batch, *a) = loss_fn(lm, batch, *a) -> (loss, stats)."""
+
+    def __init__(self, loss_fn, lm):
+        super().__init__()
+        self.loss_fn, self.lm = loss_fn, lm
+
+    def forward(self, batch, *a):
+        return self.loss_fn(self.lm, batch, *a)
+
+
 def wrap_model(module, raw, args, device):
     """The module a run trains, around `module` (a loss module holding the model `raw`): with --grad-ckpt
     activations are recomputed in the backward; with --fsdp each decoder layer and then the whole are sharded
@@ -297,17 +360,22 @@ def wrap_model(module, raw, args, device):
             fully_shard(layer)
         fully_shard(module)
     elif dist.is_initialized():
-        module = torch.nn.parallel.DistributedDataParallel(module, device_ids=[device.index] if device.type == "cuda" else None)
+        module = torch.nn.parallel.DistributedDataParallel(
+            module, device_ids=[device.index] if device.type == "cuda" else None)
     return module
 
 
 def load_optimizer_state(model, opt, state, fsdp):
-    """The optimizer state save_checkpoint wrote (a full, unsharded state dict) into `opt`; FSDP2 shards it."""
+    """The optimizer state save_checkpoint wrote (a full, unsharded state dict) into `opt`; FSDP2 shards it.
+    -> the step to go on from (0 without a state: a fresh start)."""
+    if state is None:
+        return 0
     if fsdp:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
         set_optimizer_state_dict(model, opt, state["optimizer"], options=StateDictOptions(full_state_dict=True))
     else:
         opt.load_state_dict(state["optimizer"])
+    return state["step"]
 
 
 def all_reduce(values, device, op=dist.ReduceOp.SUM):
@@ -335,6 +403,29 @@ def grad_sync(model, last, world, fsdp):
     return model.no_sync() if world > 1 and not fsdp and not last else nullcontext()
 
 
+def micro_batch_passes(model, lengths, make_batch, loss_args, args, device, ctx, train=True):
+    """Forward (and backward with train) of `model` (a LossModule, wrapped) over this rank's examples in
+    length-grouped micro-batches of --micro-tokens, as many on every rank: make_batch(indices) -> the collated
+    batch of those examples (given [], a 1-token batch that carries no loss and keeps the collectives in step).
+    The loss is already normalised over the step and every rank: DDP averages over ranks, so each backward is
+    of loss * world. -> the stats of model's forward summed over micro-batches, plus loss and tokens (the real
+    tokens forwarded)."""
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    groups = rank_micro_batches(lengths, args.micro_tokens, device)
+    tot = {}
+    for k, g in enumerate(groups):
+        batch = {key: v.to(device) for key, v in make_batch(g).items()}
+        sync = grad_sync(model, k == len(groups) - 1, world, args.fsdp) if train else nullcontext()
+        with sync, ctx, (nullcontext() if train else torch.no_grad()):
+            loss, st = model(batch, *loss_args)
+            if train:
+                (loss * world).backward()
+        st = {**st, "loss": loss.item(), "tokens": int(batch["attention_mask"].sum()) if g else 0}
+        for key, v in st.items():
+            tot[key] = tot.get(key, 0.0) + v
+    return tot
+
+
 def optimizer_step(model, opt, grad_clip, step, log):
     """Clip, step, zero the grads; -> the grad norm before clipping (the same on every rank). A non-finite norm (an
     overflow or a broken batch) drops the update rather than poison the weights and Adam's moments, and says so
@@ -358,6 +449,30 @@ def checkpoint_dirs(out):
                    and (p / "trainer_state.pt").exists()), key=lambda p: int(p.name.split("-")[1]))
 
 
+EXECUTION, RUN = "execution", "run"  # a stage's flag groups that do not change what its run computes
+
+
+def add_run_flags(parser, files, save_every):
+    """The RUN flag group of a training stage (where its run writes, how often; resumed the same way by both
+    stages): --out (config.json, log.jsonl, `files`, step-N/ checkpoints, final/), --save-every, --keep, --resume,
+    --wandb. -> the group, for a stage's own run flags."""
+    g = parser.add_argument_group(RUN)
+    g.add_argument("--out", required=True, help=f"run dir: config.json, log.jsonl, {files}step-N/ checkpoints, final/")
+    g.add_argument("--save-every", type=int, default=save_every, help="checkpoint every N steps (0 = only at the end)")
+    g.add_argument("--keep", type=int, default=2, help="step checkpoints kept on disk (final/ is always kept)")
+    g.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint in --out")
+    g.add_argument("--wandb", metavar="PROJECT", help="also log every log.jsonl row to this Weights & Biases "
+                   "project (pip install wandb; offline under OUT/wandb/ when W&B is unreachable)")
+    return g
+
+
+def resume_keys(parser):
+    """The flags a resumed run must keep: those of every flag group of `parser` but EXECUTION (how the run
+    computes: sharding, precision, micro-batches, concurrency) and RUN (where it writes, how often)."""
+    groups = parser._action_groups[2:]  # after argparse's own: positionals and options (-h)
+    return tuple(a.dest for g in groups if g.title not in (EXECUTION, RUN) for a in g._group_actions)
+
+
 def resume_point(out, args, resume_keys, world):
     """-> (newest complete checkpoint dir or None, its trainer state or None, finished). Never mixes two runs in
     one dir: a fresh start needs an unused out; --resume continues the newest checkpoint only with the same
@@ -373,7 +488,8 @@ def resume_point(out, args, resume_keys, world):
     changed = [f"--{k.replace('_', '-')} {state['args'].get(k)!r} -> {v!r}" for k, v in vars(args).items()
                if k in resume_keys and state["args"].get(k) != v]
     if changed:
-        raise ValueError(f"--resume from {ckpts[-1]} with other settings than it was trained with: {', '.join(changed)}")
+        raise ValueError(f"--resume from {ckpts[-1]} with other settings than it was trained with: "
+                         f"{', '.join(changed)}")
     if state["world"] != world:
         raise ValueError(f"{ckpts[-1]} was written by {state['world']} ranks; resume with as many")
     return ckpts[-1], state, False
@@ -414,6 +530,12 @@ def save_checkpoint(path, model, raw, tok, opt, step, args, rank, rng=True):
         os.rename(tmp, path)
         shutil.rmtree(old, ignore_errors=True)
     barrier()
+
+
+def prune_checkpoints(out, keep, rank):
+    """Delete all but the newest `keep` complete step checkpoints (rank 0)."""
+    for old in checkpoint_dirs(out)[: -keep] if rank == 0 else []:
+        shutil.rmtree(old)
 
 
 def barrier():
@@ -462,6 +584,19 @@ def adamw(model, args):
     """The optimizer of both training stages: AdamW with the run's --lr, --adam-betas, --adam-eps, --weight-decay."""
     return torch.optim.AdamW(model.parameters(), lr=args.lr, betas=tuple(args.adam_betas), eps=args.adam_eps,
                              weight_decay=args.weight_decay)
+
+
+def open_run_log(out, args, start, rank):
+    """The run's record at its start: on resume, log rows past the checkpoint's step `start` dropped (those steps
+    run again); config.json (run_config) written; -> the RunLog the steps write to."""
+    config = run_config(vars(args)) if rank == 0 else None
+    if rank == 0:
+        log = Path(out) / "log.jsonl"
+        if args.resume and log.exists():
+            rows = log.read_text().splitlines()
+            log.write_text("".join(r + "\n" for r in rows if json.loads(r)["step"] <= start))
+        (Path(out) / "config.json").write_text(json.dumps(config, indent=2))
+    return RunLog(out, config, args.wandb, rank)
 
 
 class RunLog:

@@ -426,7 +426,7 @@ class Episode:
     first_reward: float | None = None
     # start_s, env_s (terminal steps), policy_s (waits for its own replies), verify_s, total_s
     timings: dict = dataclasses.field(default_factory=dict)
-    # Filled by token-level policies (grpo.VLLMPolicy): the one append-only sequence the policy saw and
+    # Filled by token-level policies (engine.VLLMPolicy): the one append-only sequence the policy saw and
     # produced, one label per token (labels.PROMPT / ACTION / OBS), the behaviour log-prob of each token
     # (0.0 where not sampled), which OBS tokens are the protocol's fixed wrapper text, and whether the context
     # length cut the episode (then its messages end with the last observation).
@@ -605,7 +605,7 @@ def run_episodes(tasks, policy, *, max_turns=30, concurrency=8, template=None, n
     submit(key, episode) (the episode's messages end with an observation: queue its next reply),
     poll() -> [(key, reply str, or None to end the episode as `max_len`)] (do some work, return what is
     finished), pending() (replies still owed) and abort() (drop them). A policy with `lockstep = False`
-    (grpo.VLLMPolicy) generates while sandboxes step: an episode's next turn is queued the moment its
+    (engine.VLLMPolicy) generates while sandboxes step: an episode's next turn is queued the moment its
     observation is back. on_episode(i, episode) is called as each one ends. `stats`, a dict, receives wall_s,
     policy_s (time inside poll: the generator working) and idle_s (the generator waiting for sandboxes).
     Sandboxes are removed even if the policy raises. network: a Docker network mode for the tasks that allow the

@@ -1,6 +1,6 @@
 """
 pass@k of a checkpoint on terminal tasks: every task attempted n times in real sandboxes with the same vLLM
-rollout grpo.py trains with (grpo.rollout), then pass@k, distinct tasks solved and failures, by task kind.
+rollout grpo.py trains with (engine.rollout), then pass@k, distinct tasks solved and failures, by task kind.
 
     # toy world (CPU): the held-out split written by `python envs.py corpus --out data/corpus ...`
     python evaluate.py --model runs/actobs/final --tasks data/corpus/eval --attempts 4 --max-turns 12 \\
@@ -179,7 +179,8 @@ def table(results):
              + f" {'solved':>7} {'excl':>5}  failures"]
     second = results["settings"].get("second_try")
     for label, tasks in groups(results):  # with the second try: a row for the first try, one for the second
-        for name, first in [(f"{label[:12]} 1st try", True), (f"{label[:12]} 2nd try", False)] if second else [(label, False)]:
+        tries = [(f"{label[:12]} 1st try", True), (f"{label[:12]} 2nd try", False)] if second else [(label, False)]
+        for name, first in tries:
             s = summarize(tasks, ks, first)
             fails = ", ".join(f"{k} {v}" for k, v in sorted(s["failures"].items())) or "-"
             lines.append(f"{name[:20]:20} {s['tasks']:>5} " + " ".join(f"{pct(s['pass@k'][k]):>7}" for k in ks)
@@ -245,13 +246,13 @@ def compare(runs, n_boot=10_000, seed=0, by_kind=False):
     rows = []
     for k in ks:
         vals = [per_task(res, k) for _, res in runs]
-        common = sorted(set.intersection(*(set(v) for v in vals)))
-        if not common:
+        shared = sorted(set.intersection(*(set(v) for v in vals)))
+        if not shared:
             continue
-        per = [np.array([v[t] for t in common]) for v in vals]  # per run: (T,) pass@k of the common tasks
-        row = {"k": k, "tasks": len(common), "pass": [float(p.mean()) for p in per], "diff": [None], "rel": [None],
+        per = [np.array([v[t] for t in shared]) for v in vals]  # per run: (T,) pass@k of the shared tasks
+        row = {"k": k, "tasks": len(shared), "pass": [float(p.mean()) for p in per], "diff": [None], "rel": [None],
                "ci": [None]}
-        strata = [str(runs[0][1]["tasks"][t].get("kind")) for t in common] if by_kind else None
+        strata = [str(runs[0][1]["tasks"][t].get("kind")) for t in shared] if by_kind else None
         for p in per[1:]:
             d, base = float(p.mean() - per[0].mean()), float(per[0].mean())
             row["diff"].append(d)
@@ -259,11 +260,11 @@ def compare(runs, n_boot=10_000, seed=0, by_kind=False):
             row["ci"].append(bootstrap_diff(per[0], p, n_boot, seed, strata))
         rows.append(row)
     valid = [{n for n, e in res["tasks"].items() if task_counts(e)[0] > 0} for _, res in runs]
-    common = set.intersection(*valid)
-    solved = [sum(task_counts(res["tasks"][t])[1] > 0 for t in common) for _, res in runs]
+    shared = set.intersection(*valid)
+    solved = [sum(task_counts(res["tasks"][t])[1] > 0 for t in shared) for _, res in runs]
     differ = [k for k in RESUME_KEYS if k != "model" and any(r["settings"].get(k) != runs[0][1]["settings"].get(k)
                                                               for _, r in runs)]
-    return {"runs": [label for label, _ in runs], "tasks": [len(v) for v in valid], "common": len(common),
+    return {"runs": [label for label, _ in runs], "tasks": [len(v) for v in valid], "common": len(shared),
             "ks": [r["k"] for r in rows], "rows": rows, "solved": solved, "n_boot": n_boot, "seed": seed,
             "by_kind": by_kind, "settings_differ": differ}
 
@@ -442,23 +443,25 @@ def open_results(path, settings):
 
 
 def vllm_rollout(args, session):
-    """grpo's engine and rollout (imported here: the tables and compare need neither torch nor vLLM)."""
-    import grpo
+    """The engine and rollout grpo.py trains with (imported here: the tables and compare need neither torch nor
+    vLLM)."""
+    import engine
     import torch
-    engine = grpo.make_engine(args.model, max_model_len=args.max_len, max_seqs=args.concurrency, seed=args.seed,
-                              dtype=args.dtype, gpu_memory=args.gpu_memory)
+    llm = engine.make_engine(args.model, max_model_len=args.max_len, max_seqs=args.concurrency, seed=args.seed,
+                             dtype=args.dtype, gpu_memory=args.gpu_memory)
     tokenizer = labels.load_tokenizer(args.model, "native")  # the template the checkpoint was trained with
     template = terminus.load_template(args.prompt_template)
 
     def rollout(tasks, on_episode, stats):
         # Each episode samples with a seed from (seed, its index in `tasks`): a resumed session gets another seed,
         # so its first attempts do not replay the random streams of the first session's.
-        episodes = grpo.rollout(engine, tokenizer, tasks, temperature=args.temperature, max_turns=args.max_turns,
-                                max_new_tokens=args.max_new_tokens, max_len=args.max_len, concurrency=args.concurrency,
-                                template=template, seed=args.seed + session, on_episode=on_episode, stats=stats,
-                                network=args.network, keep_agent=args.keep_agent_processes, second_try=args.second_try)
-        mc = engine.llm_engine.model_config  # what time_breakdown's FLOP bound needs, at the engine's threads
-        with grpo.engine_threads():
+        episodes = engine.rollout(llm, tokenizer, tasks, temperature=args.temperature, max_turns=args.max_turns,
+                                  max_new_tokens=args.max_new_tokens, max_len=args.max_len,
+                                  concurrency=args.concurrency, template=template, seed=args.seed + session,
+                                  on_episode=on_episode, stats=stats, network=args.network,
+                                  keep_agent=args.keep_agent_processes, second_try=args.second_try)
+        mc = llm.llm_engine.model_config  # what time_breakdown's FLOP bound needs, at the engine's threads
+        with engine.engine_threads():
             stats.update(config=mc.hf_text_config.to_dict(), dtype=str(mc.dtype).removeprefix("torch."),
                          threads=torch.get_num_threads(), matmul_flop_s=matmul_flop_s(mc.dtype))
         return episodes
@@ -468,7 +471,7 @@ def vllm_rollout(args, session):
 def evaluate(args, rollout=None):
     """Run the attempts the results file does not have yet. rollout(tasks, on_episode, stats) -> episodes, calling
     on_episode(i, episode) as each finishes and filling stats as envs.run_episodes does (time_breakdown reads
-    them); default: grpo's vLLM rollout on args.model. The session's time breakdown goes in its configs entry."""
+    them); default: engine.rollout on args.model. The session's time breakdown goes in its configs entry."""
     t_begin = time.time()
     args.out.parent.mkdir(parents=True, exist_ok=True)
     results = open_results(args.out, settings_of(args))

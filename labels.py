@@ -99,9 +99,10 @@ def read_trajectories(path, skip_bad=False, where=None):
     return convs, bad
 
 
-def message_roles(messages):
-    """Label of each message: system and the first user turn are PROMPT, assistant turns are ACTION,
-    later user turns and tool turns are OBS (the environment's feedback)."""
+def message_labels(messages):
+    """The token label (PROMPT / ACTION / OBS, not the chat role) of each message: system and the first user turn
+    are PROMPT, assistant turns are ACTION, later user turns and tool turns are OBS (the environment's
+    feedback)."""
     out, seen_user = [], False
     for m in messages:
         if m["role"] == "assistant":
@@ -293,7 +294,7 @@ def encode_spans(tokenizer, messages, max_len=None):
     text = tokenizer.apply_chat_template(messages, tokenize=False)
     char_role = np.zeros(len(text) + 1, dtype=np.int8)  # +1: a sentinel slot for empty offsets at the end
     spans = message_spans(tokenizer, messages, text)
-    for ranges, r in zip(spans, message_roles(messages)):
+    for ranges, r in zip(spans, message_labels(messages)):
         for s, e in ranges:
             char_role[s:e] = r
     enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
@@ -316,8 +317,8 @@ def wrapper_mask(messages, roles, text, off, spans):
     makes straddle wrapper and payload is payload: payload keeps every character the environment produced.
     roles, text, off, spans: as encode_spans() returns them."""
     wrap = np.zeros(len(text) + 1, dtype=np.int64)  # per character
-    for ranges, role in zip(spans, message_roles(messages)):
-        if role == OBS:
+    for ranges, label in zip(spans, message_labels(messages)):
+        if label == OBS:
             (s, e), eot = ranges[0], ranges[1:]
             for a, b in terminus.wrapper_spans(text[s:e]) or ():
                 wrap[s + a: s + b] = 1

@@ -13,7 +13,8 @@ ActObs probes: the measurements behind the paper's explanation, for any checkpoi
     python probes.py cmd-entropy --models runs/act/final runs/actobs/final --data heldout.jsonl --out cmd.json
     python probes.py entropy --model runs/actobs/final --temperature 1.0 --data heldout.jsonl --out h_actobs.json
     python probes.py entropy --model runs/act/final --match-entropy h_actobs.json --data heldout.jsonl --out tstar.json
-    python probes.py kl --models runs/act/final runs/actobs/final --init Qwen/Qwen3-4B --data heldout.jsonl --out kl.json
+    python probes.py kl --models runs/act/final runs/actobs/final --init Qwen/Qwen3-4B --data heldout.jsonl \
+        --out kl.json
 Each writes --out, the PNG next to it (same stem), and prints one line per model. Several probes in one
 process (common.run_cli): `python probes.py obs-nll ARGS ::: kl ARGS`. On CUDA, forward and backward
 run under bf16 autocast (as sft.py's --dtype auto); entropies, KLs and NLLs are always computed in fp32.
@@ -29,36 +30,38 @@ import torch
 
 import common
 import labels
-import sft
 
 KEYSTROKES = re.compile(r'"keystrokes"\s*:\s*"((?:[^"\\]|\\.)*)"')  # group 1: a command's JSON string value
 BUCKETS = {"1": (1, 1), "2": (2, 2), "3": (3, 3), "4-7": (4, 7), "8+": (8, 1 << 30)}  # 1-based positions
 
 
 def get_parser():
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--data", required=True, help="held-out trajectories, JSONL or JSON array (sft.py's format)")
-    common.add_argument("--n", type=int, default=256, help="use the first n trajectories")
-    common.add_argument("--max-len", type=int, default=16384, help="truncate trajectories (and prompts, from the left)")
-    common.add_argument("--out", required=True, help="output JSON (JSONL for geometry); the PNG goes next to it")
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    shared = argparse.ArgumentParser(add_help=False)
+    shared.add_argument("--data", required=True, help="held-out trajectories, JSONL or JSON array (sft.py's format)")
+    shared.add_argument("--n", type=int, default=256, help="use the first n trajectories")
+    shared.add_argument("--max-len", type=int, default=16384, help="truncate trajectories (and prompts, from the left)")
+    shared.add_argument("--out", required=True, help="output JSON (JSONL for geometry); the PNG goes next to it")
     sub = p.add_subparsers(dest="probe", required=True)
-    g = sub.add_parser("geometry", parents=[common], help="action vs observation gradients, per checkpoint")
+    g = sub.add_parser("geometry", parents=[shared], help="action vs observation gradients, per checkpoint")
     g.add_argument("--checkpoints", nargs="+", required=True, help="HF checkpoint dirs, e.g. RUN/init RUN/step-*")
     g.add_argument("--micro-tokens", type=int, default=32768, help="token budget of one forward/backward pass")
-    o = sub.add_parser("obs-nll", parents=[common], help="observation NLL, wrapper vs payload tokens")
+    o = sub.add_parser("obs-nll", parents=[shared], help="observation NLL, wrapper vs payload tokens")
     o.add_argument("--models", nargs="+", required=True, help="base model and checkpoints, scored on the same tokens")
     o.add_argument("--tokenizer", help="tokenizer + chat template to render with (default: the last of --models)")
-    c = sub.add_parser("cmd-entropy", parents=[common], help="entropy by token position within commands")
+    c = sub.add_parser("cmd-entropy", parents=[shared], help="entropy by token position within commands")
     c.add_argument("--models", nargs="+", required=True, help="each rendered with its own saved chat template")
     for name, hlp in (("entropy", "self-entropy on own samples"), ("kl", "KL from the initialisation")):
-        s = sub.add_parser(name, parents=[common], help=hlp)
-        s.add_argument("--max-new-tokens", type=int, default=512, help="sample length; prompts are the first user turns")
+        s = sub.add_parser(name, parents=[shared], help=hlp)
+        s.add_argument("--max-new-tokens", type=int, default=512,
+                       help="sample length; prompts are the first user turns")
         s.add_argument("--sample-batch", type=int, default=16, help="prompts per generate call")
         s.add_argument("--seed", type=int, default=0, help="sampling seed, the same for every model and temperature")
     sub.choices["entropy"].add_argument("--model", required=True, help="HF checkpoint dir whose samples are scored")
     sub.choices["entropy"].add_argument("--temperature", type=float, default=1.0, help="ignored with --match-entropy")
-    sub.choices["entropy"].add_argument("--match-entropy", help="a target entropy (nats) or an `entropy` JSON: bisect on T")
+    sub.choices["entropy"].add_argument("--match-entropy",
+                                        help="a target entropy (nats) or an `entropy` JSON: bisect on T")
     sub.choices["kl"].add_argument("--models", nargs="+", required=True, help="checkpoints, each sampled at T = 1")
     sub.choices["kl"].add_argument("--init", required=True, help="the model the checkpoints were trained from")
     return p
@@ -155,7 +158,8 @@ def command_entropy(model, encoded):
         if commands:
             h = hidden(model, ids)  # (T, H)
             for cmd in commands:
-                e = token_entropy(h[torch.as_tensor(cmd, device=model.device) - 1], head(model))  # position t - 1 predicts t
+                pos = torch.as_tensor(cmd, device=model.device) - 1  # position t - 1 predicts token t
+                e = token_entropy(h[pos], head(model))
                 for j, v in enumerate(e.tolist(), 1):
                     ents[next(k for k, (a, b) in BUCKETS.items() if a <= j <= b)].append(v)
     return {"entropy": {k: float(np.mean(v)) if v else None for k, v in ents.items()},
@@ -187,7 +191,8 @@ def hf_sampler(model, tok, batch=16):
             x = torch.tensor([[tok.pad_token_id] * (width - len(p)) + p for p in ps], device=model.device)  # (b, width)
             mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in ps], device=model.device)
             y = model.generate(x, attention_mask=mask, do_sample=True, temperature=temperature, top_k=0, top_p=1.0,
-                               max_new_tokens=max_new_tokens, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+                               max_new_tokens=max_new_tokens, pad_token_id=tok.pad_token_id,
+                               eos_token_id=tok.eos_token_id)
             for row in y[:, width:].tolist():  # after an eos, generate pads
                 out.append(row[: row.index(tok.eos_token_id) + 1] if tok.eos_token_id in row else row)
         return out
@@ -231,7 +236,97 @@ def kl_from_init(model, init, prompts, completions):
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Plots (matplotlib through common.pyplot; plot_geometry lives in sft.py, which draws it after --probe-every runs)
+# Gradient geometry: `geometry` on saved checkpoints, sft.py --probe-every during training
+
+def role_nll(model, batch, role, n_traj):
+    """Sum over the batch's trajectories with `role` tokens of their mean NLL on those tokens, / n_traj: sft.py's
+    action-only loss (role ACTION, --lam 0) or observation-only loss (OBS) over a step of n_traj trajectories."""
+    ids, roles = batch["input_ids"], batch["roles"]  # (B, T)
+    hidden = model.base_model(input_ids=ids, attention_mask=batch["attention_mask"],
+                              use_cache=False).last_hidden_state  # (B, T, H)
+    sel = roles[:, 1:] == role  # (B, T-1): the positions predicting a `role` token
+    traj = torch.arange(len(ids), device=ids.device)[:, None].expand_as(sel)[sel]  # (N,)
+    per_traj = torch.bincount(traj, minlength=len(ids)).float()  # (B,)
+    logp, _ = common.token_logprobs(hidden[:, :-1][sel], model.get_output_embeddings().weight, ids[:, 1:][sel])
+    return -(logp / per_traj[traj]).sum() / n_traj
+
+
+def grad_geometry(model, batches):
+    """-> {cos, norm_act, norm_obs, r} of the gradients of the action-only loss and the observation-only loss
+    (role_nll), each the mean over all trajectories in `batches` (common.collate outputs, on the model's device)
+    that have such tokens.
+
+    Memory: the action gradient is accumulated in .grad and set aside; the observation gradient then accumulates
+    in .grad, and during the last batch's backward each parameter's dot product and norms are taken as soon as
+    its gradient is final, freeing both of its buffers. With one batch, at most one full gradient is alive at a
+    time, as in training; with several, two. Gradients already in .grad are kept aside (alive) and restored, so
+    call it with .grad cleared. Train/eval mode is left as is (training mode keeps gradient checkpointing on;
+    Qwen3 has no dropout that would make the two passes differ)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    saved = [p.grad for p in params]
+    n_act, n_obs = (sum(int((b["roles"][:, 1:] == r).any(1).sum()) for b in batches)
+                    for r in (labels.ACTION, labels.OBS))
+    if not n_act or not n_obs:
+        raise ValueError(f"grad_geometry needs action and observation tokens: {n_act} / {n_obs} trajectories "
+                         "have them")
+    acc = torch.zeros(3, dtype=torch.float64, device=params[0].device)  # g_act.g_obs, |g_act|^2, |g_obs|^2
+    try:
+        for p in params:
+            p.grad = None
+        for b in batches:
+            role_nll(model, b, labels.ACTION, n_act).backward()
+        g_act = {p: p.grad for p in params}
+        for p in params:
+            p.grad = None
+
+        def reduce(p):  # p's observation gradient is final: fold it into the sums, free both buffers
+            a, o = ((torch.zeros_like(p) if t is None else t).float().flatten() for t in (g_act.pop(p), p.grad))
+            acc.add_(torch.stack([torch.dot(a, o), torch.dot(a, a), torch.dot(o, o)]).double())
+            p.grad = None
+
+        for i, b in enumerate(batches):
+            hooks = [p.register_post_accumulate_grad_hook(reduce) for p in params] if i == len(batches) - 1 else []
+            role_nll(model, b, labels.OBS, n_obs).backward()
+            for h in hooks:
+                h.remove()
+        for p in list(g_act):  # parameters the observation loss does not reach
+            reduce(p)
+    finally:
+        for p, g in zip(params, saved):
+            p.grad = g
+    dot, aa, oo = acc.tolist()
+    na, no = aa ** 0.5, oo ** 0.5
+    return {"cos": dot / max(na * no, 1e-30), "norm_act": na, "norm_obs": no, "r": no / max(na, 1e-30)}
+
+
+def plot_geometry(log_path, png_path):
+    """cos(g_act, g_obs) and r against step from the probe/* rows of a JSONL: sft.py's log.jsonl or
+    `geometry`'s."""
+    rows = [json.loads(line) for line in Path(log_path).read_text().splitlines() if line.strip()]
+    rows = sorted((r for r in rows if "probe/cos" in r and r.get("step") is not None), key=lambda r: r["step"])
+    if not rows:
+        raise ValueError(f"{log_path}: no rows with 'probe/cos' and 'step'")
+    plt = common.pyplot()
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.5))
+    steps = [r["step"] for r in rows]
+    a.plot(steps, [r["probe/cos"] for r in rows], marker="o")
+    a.axhline(0, color="grey", lw=0.5)
+    a.set(xlabel="step", ylabel="cos(g_act, g_obs)")
+    rs = [r["probe/r"] for r in rows]
+    b.plot(steps, rs, marker="o")
+    b.set(xlabel="step", ylabel="r = |g_obs| / |g_act|")
+    if max(rs) > 10 * min(rs):  # e.g. 0.5 -> 41: a log axis, labelled 0.5, 1, 2, 5, 10, ...
+        b.set_yscale("log")
+        b.yaxis.set_major_locator(plt.matplotlib.ticker.LogLocator(subs=(1, 2, 5)))
+        b.yaxis.set_major_formatter(plt.matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}"))
+        b.yaxis.set_minor_formatter(plt.matplotlib.ticker.NullFormatter())
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=120)
+    plt.close(fig)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Plots (matplotlib through common.pyplot; plot_geometry: above)
 
 def plot_series(png_path, xs, series, xlabel, ylabel, bars=False, hline=None):
     """One line (or bar group) per name in series {name: ys} over xs: numbers, or categories if strings."""
@@ -298,14 +393,16 @@ def main(argv=None):
             tok, model = labels.load_tokenizer(ck, "native"), load(ck)
             ex = [labels.render(tok, c, args.max_len) for c in convs]
             groups = common.micro_batches([len(ids) for ids, _ in ex], args.micro_tokens)
-            batches = [{k: v.to(device) for k, v in common.collate([ex[i] for i in g], tok.pad_token_id).items()} for g in groups]
+            batches = [{k: v.to(device) for k, v in common.collate([ex[i] for i in g], tok.pad_token_id).items()}
+                       for g in groups]
             with ctx:
-                geo = sft.grad_geometry(model, batches)
+                geo = grad_geometry(model, batches)
             rows.append({"checkpoint": str(ck), "step": _step(ck), **{f"probe/{k}": v for k, v in geo.items()}})
-            print(f"{ck} | cos {geo['cos']:.4f} | r {geo['r']:.3f} | |g_act| {geo['norm_act']:.4g} | |g_obs| {geo['norm_obs']:.4g}")
+            print(f"{ck} | cos {geo['cos']:.4f} | r {geo['r']:.3f} | |g_act| {geo['norm_act']:.4g} | "
+                  f"|g_obs| {geo['norm_obs']:.4g}")
         out.write_text("".join(json.dumps(r) + "\n" for r in rows))
         if any(r["step"] is not None for r in rows):
-            sft.plot_geometry(out, png)
+            plot_geometry(out, png)
         return rows
 
     if args.probe == "obs-nll":
@@ -316,8 +413,9 @@ def main(argv=None):
                 r = res[str(path)] = obs_nll(load(path), splits)
             print(f"{path} | obs {r['obs_nll']:.4f} | wrapper {r['wrapper_nll']:.4f} ({r['wrapper_tokens']} tok) | "
                   f"payload {r['payload_nll']:.4f} ({r['payload_tokens']} tok)")
-        plot_series(png, ["all observation", "wrapper", "payload"], {m: [v["obs_nll"], v["wrapper_nll"], v["payload_nll"]]
-                    for m, v in res.items()}, "observation tokens", "NLL (nats / token)", bars=True)
+        plot_series(png, ["all observation", "wrapper", "payload"],
+                    {m: [v["obs_nll"], v["wrapper_nll"], v["payload_nll"]] for m, v in res.items()},
+                    "observation tokens", "NLL (nats / token)", bars=True)
 
     elif args.probe == "cmd-entropy":
         for path in args.models:
@@ -362,8 +460,8 @@ def main(argv=None):
             res[str(path)] = {"kl": kl, "tokens": n}
             print(f"{path} | KL(ckpt || init) {kl:.4f} nats/token over {n} sampled tokens")
         if len(res) > 1:  # label checkpoints as RUN/step-N, RUN/final
-            plot_series(png, ["/".join(Path(m).parts[-2:]) for m in res], {"KL(ckpt || init)": [v["kl"] for v in res.values()]},
-                        "checkpoint", "nats / token")
+            plot_series(png, ["/".join(Path(m).parts[-2:]) for m in res],
+                        {"KL(ckpt || init)": [v["kl"] for v in res.values()]}, "checkpoint", "nats / token")
     out.write_text(json.dumps(res, indent=2))
     return res
 

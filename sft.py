@@ -17,59 +17,66 @@ Resume an interrupted run: the same command plus --resume. Several runs in one p
 (common.run_cli): `python sft.py ARGS ::: ARGS ...`.
 """
 import argparse
-import json
 import math
-import shutil
 import time
-from contextlib import nullcontext
-from pathlib import Path
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
 import common
+import probes
 from labels import ACTION, OBS, PROMPT, load_tokenizer, read_trajectories, render
 
 
 def get_parser():
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    # data
-    p.add_argument("--data", required=True, help="trajectories, {'conversations'|'messages': [{role, content}]} rows: a JSONL file (or JSON array), a parquet file, or a Hugging Face dataset id ID[:SPLIT] (e.g. nvidia/Nemotron-Terminal-Corpus)")
-    p.add_argument("--max-len", type=int, default=16384, help="truncate trajectories to this many tokens")
-    p.add_argument("--val-size", type=int, default=16, help="trajectories held out for evaluation")
-    p.add_argument("--skip-bad", action="store_true", help="skip (and count) malformed rows instead of stopping")
-    # model
-    p.add_argument("--model", required=True, help="HF model dir/id, or 'tiny': a random ~4M-param Qwen3 with a tokenizer trained on --data")
-    p.add_argument("--chat-template", default="prefix", help="'prefix' (prefix-preserving ChatML, Qwen family), 'native' (the tokenizer's own), or a .jinja path")
-    p.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32"], help="autocast dtype; auto = bf16 on CUDA, fp32 on CPU")
-    p.add_argument("--grad-ckpt", action="store_true", help="gradient checkpointing (recompute activations in backward)")
-    # objective
-    p.add_argument("--lam", type=float, default=1.0, help="observation weight lambda (0 = ActionSFT, 1 = ActObs)")
-    p.add_argument("--schedule", default="mixed", choices=["mixed", "obs-then-act"], help="obs-then-act: observation-only epochs, then action-only epochs, each phase with its own warm-up, cosine and fresh Adam moments (--lam ignored)")
-    # optimisation
-    p.add_argument("--epochs", type=int, default=1, help="passes over the data (per phase with obs-then-act)")
-    p.add_argument("--batch-size", type=int, default=64, help="trajectories per optimizer step (global, across ranks)")
-    p.add_argument("--micro-tokens", type=int, default=32768, help="token budget of one micro-batch per rank (padded "
-                   "batch x length); on CPU 1 (a pass per trajectory, no padding) is faster: bench/sft_micro.py")
-    p.add_argument("--lr", type=float, default=1e-5, help="peak learning rate")
-    p.add_argument("--min-lr-ratio", type=float, default=0.0, help="final lr as a fraction of --lr (cosine floor)")
-    p.add_argument("--warmup-ratio", type=float, default=0.03, help="fraction of steps of linear warm-up")
-    p.add_argument("--weight-decay", type=float, default=0.0, help="AdamW decoupled weight decay")
-    p.add_argument("--adam-betas", type=float, nargs=2, default=[0.9, 0.95], metavar=("B1", "B2"), help="AdamW betas")
-    p.add_argument("--adam-eps", type=float, default=1e-8, help="AdamW epsilon")
-    p.add_argument("--grad-clip", type=float, default=1.0, help="max global grad norm (0 = off)")
-    p.add_argument("--fsdp", action="store_true", help="shard with FSDP2 (fully_shard) instead of DDP under torchrun")
-    p.add_argument("--seed", type=int, default=0, help="seeds the init of --model tiny, the split and the data order")
-    # run
-    p.add_argument("--out", required=True, help="run dir: config.json, log.jsonl, step-N/ checkpoints, final/")
-    p.add_argument("--eval-every", type=int, default=50, help="held-out action/obs NLL every N steps (0 = only at the end)")
-    p.add_argument("--save-every", type=int, default=200, help="checkpoint every N steps (0 = only at the end)")
-    p.add_argument("--keep", type=int, default=2, help="step checkpoints kept on disk (final/ is always kept)")
-    p.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint in --out")
-    p.add_argument("--probe-every", type=int, default=0, help="log the action/obs gradient cosine and norm ratio (probes.py) on held-out batches every N steps; single process")
-    p.add_argument("--stop-after", type=int, default=0, help="stop (with a checkpoint) once the run reaches this step, keeping the full run's schedule; for time-sliced jobs")
-    p.add_argument("--wandb", metavar="PROJECT", help="also log every log.jsonl row to this Weights & Biases project (pip install wandb; offline under OUT/wandb/ when W&B is unreachable)")
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    g = p.add_argument_group("data")
+    g.add_argument("--data", required=True, help="trajectories, {'conversations'|'messages': [{role, content}]} "
+                   "rows: a JSONL file (or JSON array), a parquet file, or a Hugging Face dataset id ID[:SPLIT] (e.g. "
+                   "nvidia/Nemotron-Terminal-Corpus)")
+    g.add_argument("--max-len", type=int, default=16384, help="truncate trajectories to this many tokens")
+    g.add_argument("--val-size", type=int, default=16, help="trajectories held out for evaluation")
+    g = p.add_argument_group("model")
+    g.add_argument("--model", required=True, help="HF model dir/id, or 'tiny': a random ~4M-param Qwen3 with a "
+                   "tokenizer trained on --data")
+    g.add_argument("--chat-template", default="prefix", help="'prefix' (prefix-preserving ChatML, Qwen family), "
+                   "'native' (the tokenizer's own), or a .jinja path")
+    g = p.add_argument_group("objective")
+    g.add_argument("--lam", type=float, default=1.0, help="observation weight lambda (0 = ActionSFT, 1 = ActObs)")
+    g.add_argument("--schedule", default="mixed", choices=["mixed", "obs-then-act"], help="obs-then-act: "
+                   "observation-only epochs, then action-only epochs, each phase with its own warm-up, cosine and "
+                   "fresh Adam moments (--lam ignored)")
+    g = p.add_argument_group("optimisation")
+    g.add_argument("--epochs", type=int, default=1, help="passes over the data (per phase with obs-then-act)")
+    g.add_argument("--batch-size", type=int, default=64,
+                   help="trajectories per optimizer step (global, across ranks)")
+    g.add_argument("--lr", type=float, default=1e-5, help="peak learning rate")
+    g.add_argument("--min-lr-ratio", type=float, default=0.0, help="final lr as a fraction of --lr (cosine floor)")
+    g.add_argument("--warmup-ratio", type=float, default=0.03, help="fraction of steps of linear warm-up")
+    g.add_argument("--weight-decay", type=float, default=0.0, help="AdamW decoupled weight decay")
+    g.add_argument("--adam-betas", type=float, nargs=2, default=[0.9, 0.95], metavar=("B1", "B2"), help="AdamW betas")
+    g.add_argument("--adam-eps", type=float, default=1e-8, help="AdamW epsilon")
+    g.add_argument("--grad-clip", type=float, default=1.0, help="max global grad norm (0 = off)")
+    g.add_argument("--seed", type=int, default=0, help="seeds the init of --model tiny, the split and the data order")
+    g = p.add_argument_group(common.EXECUTION, "how the run computes, not what: free to change on --resume")
+    g.add_argument("--skip-bad", action="store_true", help="skip (and count) malformed rows instead of stopping")
+    g.add_argument("--micro-tokens", type=int, default=32768, help="token budget of one micro-batch per rank "
+                   "(padded batch x length); on CPU 1 (a pass per trajectory, no padding) is faster: "
+                   "bench/sft_micro.py")
+    g.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32"],
+                   help="autocast dtype; auto = bf16 on CUDA, fp32 on CPU")
+    g.add_argument("--grad-ckpt", action="store_true",
+                   help="gradient checkpointing (recompute activations in backward)")
+    g.add_argument("--fsdp", action="store_true", help="shard with FSDP2 (fully_shard) instead of DDP under torchrun")
+    g = common.add_run_flags(p, "", save_every=200)
+    g.add_argument("--eval-every", type=int, default=50,
+                   help="held-out action/obs NLL every N steps (0 = only at the end)")
+    g.add_argument("--probe-every", type=int, default=0, help="log the action/obs gradient cosine and norm ratio "
+                   "(probes.py) on held-out batches every N steps; single process")
+    g.add_argument("--stop-after", type=int, default=0, help="stop (with a checkpoint) once the run reaches this "
+                   "step, keeping the full run's schedule; for time-sliced jobs")
     return p
 
 
@@ -90,7 +97,8 @@ def actobs_loss(model, batch, lam, w_act=1.0, n_traj=None, chunk=None):
     stats: per-token action and observation NLL (sums, counts, means), whatever lam is."""
     ids, roles = batch["input_ids"], batch["roles"]  # (B, T)
     B = ids.shape[0]
-    hidden = model.base_model(input_ids=ids, attention_mask=batch["attention_mask"], use_cache=False).last_hidden_state  # (B, T, H)
+    hidden = model.base_model(input_ids=ids, attention_mask=batch["attention_mask"],
+                              use_cache=False).last_hidden_state  # (B, T, H)
     tgt_roles = roles[:, 1:]  # (B, T-1): role of the token each position predicts
     sel = tgt_roles != PROMPT  # (B, T-1)
     h = hidden[:, :-1][sel]  # (N, H): only supervised positions reach the head
@@ -111,80 +119,6 @@ def actobs_loss(model, batch, lam, w_act=1.0, n_traj=None, chunk=None):
     stats["act_nll"] = stats["act_nll_sum"] / max(stats["act_tokens"], 1)
     stats["obs_nll"] = stats["obs_nll_sum"] / max(stats["obs_tokens"], 1)
     return loss, stats
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Gradient geometry: the --probe-every probe (probes.py geometry runs it on saved checkpoints)
-
-def grad_geometry(model, batches):
-    """-> {cos, norm_act, norm_obs, r} of the gradients of the action-only loss (actobs_loss, lam=0) and the
-    observation-only loss (lam=1, w_act=0), each the mean over all trajectories in `batches` (common.collate outputs,
-    on the model's device) that have such tokens.
-
-    Memory: the action gradient is accumulated in .grad and set aside; the observation gradient then accumulates
-    in .grad, and during the last batch's backward each parameter's dot product and norms are taken as soon as
-    its gradient is final, freeing both of its buffers. With one batch, at most one full gradient is alive at a
-    time, as in training; with several, two. Gradients already in .grad are kept aside (alive) and restored, so
-    call it with .grad cleared. Train/eval mode is left as is (training mode keeps gradient checkpointing on;
-    Qwen3 has no dropout that would make the two passes differ)."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    saved = [p.grad for p in params]
-    n_act, n_obs = (sum(int((b["roles"][:, 1:] == r).any(1).sum()) for b in batches) for r in (ACTION, OBS))
-    if not n_act or not n_obs:
-        raise ValueError(f"grad_geometry needs action and observation tokens: {n_act} / {n_obs} trajectories have them")
-    acc = torch.zeros(3, dtype=torch.float64, device=params[0].device)  # g_act.g_obs, |g_act|^2, |g_obs|^2
-    try:
-        for p in params:
-            p.grad = None
-        for b in batches:
-            actobs_loss(model, b, 0.0, n_traj=n_act)[0].backward()
-        g_act = {p: p.grad for p in params}
-        for p in params:
-            p.grad = None
-
-        def reduce(p):  # p's observation gradient is final: fold it into the sums, free both buffers
-            a, o = ((torch.zeros_like(p) if t is None else t).float().flatten() for t in (g_act.pop(p), p.grad))
-            acc.add_(torch.stack([torch.dot(a, o), torch.dot(a, a), torch.dot(o, o)]).double())
-            p.grad = None
-
-        for i, b in enumerate(batches):
-            hooks = [p.register_post_accumulate_grad_hook(reduce) for p in params] if i == len(batches) - 1 else []
-            actobs_loss(model, b, 1.0, w_act=0.0, n_traj=n_obs)[0].backward()
-            for h in hooks:
-                h.remove()
-        for p in list(g_act):  # parameters the observation loss does not reach
-            reduce(p)
-    finally:
-        for p, g in zip(params, saved):
-            p.grad = g
-    dot, aa, oo = acc.tolist()
-    na, no = aa ** 0.5, oo ** 0.5
-    return {"cos": dot / max(na * no, 1e-30), "norm_act": na, "norm_obs": no, "r": no / max(na, 1e-30)}
-
-
-def plot_geometry(log_path, png_path):
-    """cos(g_act, g_obs) and r against step from the probe/* rows of a JSONL: sft.py's log.jsonl or `geometry`'s."""
-    rows = [json.loads(line) for line in Path(log_path).read_text().splitlines() if line.strip()]
-    rows = sorted((r for r in rows if "probe/cos" in r and r.get("step") is not None), key=lambda r: r["step"])
-    if not rows:
-        raise ValueError(f"{log_path}: no rows with 'probe/cos' and 'step'")
-    plt = common.pyplot()
-    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.5))
-    steps = [r["step"] for r in rows]
-    a.plot(steps, [r["probe/cos"] for r in rows], marker="o")
-    a.axhline(0, color="grey", lw=0.5)
-    a.set(xlabel="step", ylabel="cos(g_act, g_obs)")
-    rs = [r["probe/r"] for r in rows]
-    b.plot(steps, rs, marker="o")
-    b.set(xlabel="step", ylabel="r = |g_obs| / |g_act|")
-    if max(rs) > 10 * min(rs):  # e.g. 0.5 -> 41: a log axis, labelled 0.5, 1, 2, 5, 10, ...
-        b.set_yscale("log")
-        b.yaxis.set_major_locator(plt.matplotlib.ticker.LogLocator(subs=(1, 2, 5)))
-        b.yaxis.set_major_formatter(plt.matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}"))
-        b.yaxis.set_minor_formatter(plt.matplotlib.ticker.NullFormatter())
-    fig.tight_layout()
-    fig.savefig(png_path, dpi=120)
-    plt.close(fig)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -212,40 +146,18 @@ def step_indices(n, batch_size, step, steps_per_epoch, seed):
     return perm[k * batch_size: (k + 1) * batch_size].tolist()
 
 
-class LossModule(torch.nn.Module):
-    """actobs_loss as a module forward, so DDP / FSDP2 hooks see the whole computation."""
-
-    def __init__(self, lm):
-        super().__init__()
-        self.lm = lm
-
-    def forward(self, batch, lam, w_act, n_traj):
-        return actobs_loss(self.lm, batch, lam, w_act, n_traj)
-
-
-def run_micro_batches(loss_mod, examples, args, pad_id, lam, w_act, n_traj, device, ctx, world, train):
-    """Forward (and backward when train) over this rank's examples in length-grouped micro-batches.
-    Returns summed stats. All ranks run the same number of micro-batches."""
-    groups = common.rank_micro_batches([len(ids) for ids, _ in examples], args.micro_tokens, device)
-    tot = dict.fromkeys(["loss", "act_nll_sum", "act_tokens", "obs_nll_sum", "obs_tokens", "n_traj", "tokens"], 0.0)
-    for k, g in enumerate(groups):
-        # an empty group (this rank has fewer trajectories) still runs a 1-token pass to keep collectives in step
-        batch = common.collate([examples[i] for i in g] or [([pad_id], [PROMPT])], pad_id)
-        batch = {key: v.to(device) for key, v in batch.items()}
-        sync = common.grad_sync(loss_mod, k == len(groups) - 1, world, args.fsdp) if train else nullcontext()
-        with sync, ctx, (nullcontext() if train else torch.no_grad()):
-            loss, st = loss_mod(batch, lam, w_act, n_traj)
-            if train:
-                (loss * world).backward()  # DDP / FSDP average grads over ranks; the loss is already global
-        st.update(loss=loss.item(), tokens=int(batch["attention_mask"].sum()) if g else 0)
-        for key in tot:
-            tot[key] += st[key]
-    return tot
+def run_micro_batches(model, examples, args, pad_id, lam, w_act, n_traj, device, ctx, train):
+    """Forward (and backward when train) of `model` (common.LossModule of actobs_loss) over this rank's
+    examples in length-grouped micro-batches; -> summed stats. All ranks run the same number of micro-batches."""
+    def make_batch(g):  # an empty group: a 1-token pass without loss
+        return common.collate([examples[i] for i in g] or [([pad_id], [PROMPT])], pad_id)
+    tot = common.micro_batch_passes(model, [len(ids) for ids, _ in examples], make_batch, (lam, w_act, n_traj), args,
+                                    device, ctx, train)
+    return {**dict.fromkeys(STAT_KEYS, 0.0), **{k: tot[k] for k in STAT_KEYS if k in tot}}
 
 
-# flags that fix the data, the objective and the schedule: a resumed run must keep them
-RESUME_KEYS = ("data", "max_len", "val_size", "model", "chat_template", "lam", "schedule", "epochs", "batch_size",
-               "lr", "min_lr_ratio", "warmup_ratio", "weight_decay", "adam_betas", "adam_eps", "seed")
+STAT_KEYS = ("loss", "act_nll_sum", "act_tokens", "obs_nll_sum", "obs_tokens", "n_traj", "tokens")
+RESUME_KEYS = common.resume_keys(get_parser())  # the flags that fix what the run computes
 
 
 def reduce_stats(tot, device):
@@ -261,28 +173,17 @@ def reduce_stats(tot, device):
 def main(argv=None):
     args = get_parser().parse_args(argv)
     from tqdm import tqdm
-    from transformers.utils import logging as hf_logging
-    hf_logging.disable_progress_bar()  # one line per step is the log; no per-save bars
 
-    distributed, rank, world, device = common.init_distributed()
-    print0 = print if rank == 0 else (lambda *a, **k: None)
     for bad_flag, msg in ((args.keep < 1, "--keep must be at least 1"), (args.lam < 0, "--lam must be >= 0"),
-                          (args.fsdp and not distributed, "--fsdp shards across ranks: launch with torchrun"),
-                          (args.probe_every and distributed, "--probe-every runs in a single process; under torchrun, "
-                           "run `probes.py geometry` on the step checkpoints")):
+                          (args.probe_every and common.under_torchrun(), "--probe-every runs in a single process; "
+                           "under torchrun, run `probes.py geometry` on the step checkpoints")):
         if bad_flag:
             raise ValueError(msg)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    torch.manual_seed(args.seed)
-
-    ckpt, state, finished = common.resume_point(out, args, RESUME_KEYS, world)
-    if finished:
-        print0(f"{out} is finished (final/ exists); nothing to resume")
-        common.close_distributed()
+    run = common.start_run(args, RESUME_KEYS)
+    if run is None:
         return
-    if args.resume and ckpt is None:
-        print0(f"--resume: no checkpoint in {out} yet; starting fresh")
+    rank, world, device, out, ckpt, state, print0 = run
+    torch.manual_seed(args.seed)
 
     # data -> (ids, roles), rendered a share per rank, held-out split
     where = []
@@ -305,7 +206,7 @@ def main(argv=None):
             failed += 1
             continue
         mine.append((i, np.asarray(ids, dtype=np.int32), np.asarray(roles, dtype=np.int8)))  # 5 bytes a token
-    if distributed:
+    if dist.is_initialized():
         parts = [None] * world
         dist.all_gather_object(parts, (mine, failed))
         mine, failed = sorted((x for p, _ in parts for x in p), key=lambda x: x[0]), sum(f for _, f in parts)
@@ -326,35 +227,28 @@ def main(argv=None):
     stop = min(args.stop_after, total) if args.stop_after else total
 
     # model, optimizer, resume
-    use_bf16 = args.dtype == "bf16" or (args.dtype == "auto" and device.type == "cuda")
-    ctx = torch.autocast(device.type, dtype=torch.bfloat16) if use_bf16 else nullcontext()
+    ctx, dtype = common.autocast(args.dtype, device)
     raw = common.load_model(ckpt or model_path, device)
-    model = common.wrap_model(LossModule(raw), raw, args, device)
+    model = common.wrap_model(common.LossModule(actobs_loss, raw), raw, args, device)
     opt = common.adamw(model, args)
-    start = 0
+    start = common.load_optimizer_state(model, opt, state, args.fsdp)
     if state is not None:
-        common.load_optimizer_state(model, opt, state, args.fsdp)
-        start = state["step"]
         rng = torch.load(ckpt / f"rng-{rank}.pt", weights_only=False)
         torch.set_rng_state(rng["torch"])
         if rng["cuda"] is not None:
             torch.cuda.set_rng_state(rng["cuda"])
-    if rank == 0 and args.resume:  # drop log rows past the checkpoint: those steps run again
-        rows = (out / "log.jsonl").read_text().splitlines() if (out / "log.jsonl").exists() else []
-        (out / "log.jsonl").write_text("".join(r + "\n" for r in rows if json.loads(r)["step"] <= start))
     n_params = sum(p.numel() for p in raw.parameters())
-    print0(f"{len(train)} train / {len(val)} val trajectories ({bad} bad rows, {empty} with nothing to learn skipped) | "
-           f"{n_params / 1e6:.1f}M params | {total} steps x {args.batch_size} traj | warmup {warmup} | "
-           f"{'bf16' if use_bf16 else 'fp32'} | world {world} | " + (f"resumed at step {start}" if start else "fresh start"))
-    config = common.run_config(vars(args)) if rank == 0 else None
-    if rank == 0:
-        (out / "config.json").write_text(json.dumps(config, indent=2))
-    log = common.RunLog(out, config, args.wandb, rank)
+    print0(f"{len(train)} train / {len(val)} val trajectories ({bad} bad rows, {empty} with nothing to learn "
+           f"skipped) | {n_params / 1e6:.1f}M params | {total} steps x {args.batch_size} traj | warmup {warmup} | "
+           f"{'bf16' if dtype == torch.bfloat16 else 'fp32'} | world {world} | "
+           + (f"resumed at step {start}" if start else "fresh start"))
+    log = common.open_run_log(out, args, start, rank)
     record = log.write
 
     def evaluate(step):
         model.eval()
-        tot = run_micro_batches(model, val[rank::world], args, tok.pad_token_id, 1.0, 1.0, None, device, ctx, world, train=False)
+        tot = run_micro_batches(model, val[rank::world], args, tok.pad_token_id, 1.0, 1.0, None, device, ctx,
+                                train=False)
         tot = reduce_stats(tot, device)
         model.train()
         record({"step": step, "eval/act_nll": tot["act_nll"], "eval/obs_nll": tot["obs_nll"]})
@@ -363,8 +257,7 @@ def main(argv=None):
 
     def save(step):
         common.save_checkpoint(out / f"step-{step:06d}", model, raw, tok, opt, step, args, rank)
-        for old in common.checkpoint_dirs(out)[: -args.keep] if rank == 0 else []:  # args.keep >= 1, checked at start
-            shutil.rmtree(old)
+        common.prune_checkpoints(out, args.keep, rank)  # args.keep >= 1, checked at start
 
     if args.probe_every:  # the held-out batches the gradient geometry is measured on, built once
         probe_batches = [{k: v.to(device) for k, v in common.collate([val[i] for i in g], tok.pad_token_id).items()}
@@ -372,7 +265,7 @@ def main(argv=None):
 
     def probe(step):  # the paper's cos and r curves
         with ctx:
-            geo = grad_geometry(raw, probe_batches)
+            geo = probes.grad_geometry(raw, probe_batches)
         record({"step": step, **{f"probe/{k}": v for k, v in geo.items()}})
         tqdm.write(f"step {step}/{total} | probe | cos {geo['cos']:.4f} | r {geo['r']:.3f}")
 
@@ -392,18 +285,20 @@ def main(argv=None):
             g["lr"] = lr
         idx = step_indices(len(train), args.batch_size, step, steps_per_epoch, args.seed)
         n_traj = max(sum(loss_denominator(train[i][1], lam, w_act) > 0 for i in idx), 1)  # global: same on all ranks
-        tot = run_micro_batches(model, [train[i] for i in idx[rank::world]], args, tok.pad_token_id, lam, w_act, n_traj,
-                                device, ctx, world, train=True)
+        tot = run_micro_batches(model, [train[i] for i in idx[rank::world]], args, tok.pad_token_id, lam, w_act,
+                                n_traj, device, ctx, train=True)
         gnorm = common.optimizer_step(model, opt, args.grad_clip, step, print0)
         tot = reduce_stats(tot, device)
         dt = time.time() - t0
-        record({"step": step + 1, "train/loss": tot["loss"], "train/act_nll": tot["act_nll"], "train/obs_nll": tot["obs_nll"],
-                "train/lr": lr, "train/grad_norm": gnorm, "train/w_act": w_act, "train/lam": lam,
-                "train/tokens": tot["tokens"], "train/tok_per_s": tot["tokens"] / dt, "train/step_s": dt,
+        record({"step": step + 1, "train/loss": tot["loss"], "train/act_nll": tot["act_nll"],
+                "train/obs_nll": tot["obs_nll"], "train/lr": lr, "train/grad_norm": gnorm, "train/w_act": w_act,
+                "train/lam": lam, "train/tokens": tot["tokens"], "train/tok_per_s": tot["tokens"] / dt,
+                "train/step_s": dt,
                 **({"train/peak_mem_gb": torch.cuda.max_memory_allocated() / 2**30} if device.type == "cuda" else {})})
         if rank == 0:
-            tqdm.write(f"step {step + 1}/{total} | loss {tot['loss']:.4f} | act {tot['act_nll']:.4f} | obs {tot['obs_nll']:.4f} | "
-                       f"lr {lr:.2e} | gnorm {gnorm:.3f} | {tot['tokens'] / dt:.0f} tok/s | {dt * 1000:.0f} ms")
+            tqdm.write(f"step {step + 1}/{total} | loss {tot['loss']:.4f} | act {tot['act_nll']:.4f} | "
+                       f"obs {tot['obs_nll']:.4f} | lr {lr:.2e} | gnorm {gnorm:.3f} | {tot['tokens'] / dt:.0f} tok/s | "
+                       f"{dt * 1000:.0f} ms")
         done = step + 1
         if args.eval_every and done % args.eval_every == 0 and done != total:
             evaluate(done)
@@ -413,7 +308,7 @@ def main(argv=None):
             save(done)
     pbar.close()
     if args.probe_every:
-        plot_geometry(out / "log.jsonl", out / "probe_geometry.png")
+        probes.plot_geometry(out / "log.jsonl", out / "probe_geometry.png")
     if stop == total:
         evaluate(total)
         common.save_checkpoint(out / "final", model, raw, tok, None, total, args, rank)

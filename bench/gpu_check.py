@@ -5,8 +5,8 @@ here and the weights are a random init of a real architecture (Qwen3-0.6B's conf
 
 1. SFT (no Docker): sft.py's loop in bf16 with gradient checkpointing on long synthetic trajectories — the loss
    is finite and falls, tokens/s, MFU and peak memory from the run's own log.jsonl.
-2. The GRPO engine path (no Docker): grpo.make_engine with sleep mode, sleep / wake_up around a training step,
-   grpo.sync_weights after it, and the rollout/trainer log-prob mismatch on the engine's own samples (the
+2. The GRPO engine path (no Docker): engine.make_engine with sleep mode, sleep / wake_up around a training step,
+   engine.sync_weights after it, and the rollout/trainer log-prob mismatch on the engine's own samples (the
    quantity grpo.py logs as train/mismatch_abs; prime-rl's CI asks <= 0.01), greedy continuations equal
    before and after a sleep.
 3. With a Docker daemon (optional, --grpo-steps > 0): `grpo.py` itself for a few steps on toy tasks in
@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 import common
+import engine
 import grpo
 import sft
 from bench.train import long_trajectory
@@ -74,14 +75,14 @@ def engine_check(model_dir):
     from vllm import SamplingParams
     dev = torch.device("cuda")
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(dev)
-    engine = grpo.make_engine(model_dir, max_model_len=2048, dtype="bf16", gpu_memory=0.3)
+    llm = engine.make_engine(model_dir, max_model_len=2048, dtype="bf16", gpu_memory=0.3)
     prompts = [[random.Random(i).randrange(5, 4000) for _ in range(64)] for i in range(8)]
     greedy = SamplingParams(temperature=0, max_tokens=32, top_k=0, top_p=1.0)
-    before = [o.outputs[0].token_ids for o in engine.generate([{"prompt_token_ids": p} for p in prompts], greedy, use_tqdm=False)]
+    before = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], greedy, use_tqdm=False)]
 
     # a training step with the engine asleep, then wake and sync: the engine must follow the trainer
     free0 = torch.cuda.mem_get_info()[0]
-    engine.sleep(level=1)
+    llm.sleep(level=1)
     freed = (torch.cuda.mem_get_info()[0] - free0) / 2**30
     check("engine: sleep(level=1) frees memory", freed > 0.5, f"{freed:.1f} GiB freed")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
@@ -89,16 +90,16 @@ def engine_check(model_dir):
     with torch.autocast("cuda", dtype=torch.bfloat16):
         model(input_ids=ids, labels=ids).loss.backward()
     opt.step()
-    engine.wake_up()
+    llm.wake_up()
     t0 = time.time()
-    grpo.sync_weights(engine, model)
+    engine.sync_weights(llm, model)
     check("engine: wake_up + sync_weights", True, f"sync {time.time() - t0:.2f}s")
-    after = [o.outputs[0].token_ids for o in engine.generate([{"prompt_token_ids": p} for p in prompts], greedy, use_tqdm=False)]
+    after = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], greedy, use_tqdm=False)]
     check("engine: sync changes what it samples", after != before, f"{sum(a != b for a, b in zip(after, before))}/8 greedy continuations changed")
 
     # the mismatch grpo.py logs: engine log-probs of its own samples vs the trainer's, at T = 1
     sample = SamplingParams(temperature=1.0, top_k=0, top_p=1.0, max_tokens=64, logprobs=0, seed=0)
-    outs = engine.generate([{"prompt_token_ids": p} for p in prompts], sample, use_tqdm=False)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sample, use_tqdm=False)
     diffs = []
     with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
         for p, o in zip(prompts, outs):
@@ -110,7 +111,7 @@ def engine_check(model_dir):
             diffs.append((mine - theirs).abs())
     mism = torch.cat(diffs).mean().item()
     check("engine: rollout/trainer log-prob mismatch", mism <= 0.01, f"mean |dlogp| {mism:.4f} over {sum(map(len, diffs))} tokens (<= 0.01)")
-    del engine
+    del llm
 
 
 def grpo_check(root, model_dir, steps):

@@ -20,11 +20,11 @@ from pathlib import Path
 import torch
 
 import common
+import engine
 import envs
-import grpo
 import taskgen
 import terminus
-from labels import load_tokenizer
+from labels import ACTION, load_tokenizer
 
 
 def main(argv=None):
@@ -63,7 +63,7 @@ def main(argv=None):
         return sorted(times)[n // 2]
 
     before, threads = train_pass_s(), torch.get_num_threads()
-    engine = grpo.make_engine(model_dir, max_model_len=4096, max_seqs=max(args.prompts, args.concurrency))
+    llm = engine.make_engine(model_dir, max_model_len=4096, max_seqs=max(args.prompts, args.concurrency))
     after = train_pass_s()
     print(f"model {model_dir} | {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M params")
     print(f"trainer fwd+bwd (4 x 512): {before * 1000:.0f} ms before the engine ({threads} threads), {after * 1000:.0f} ms "
@@ -71,14 +71,14 @@ def main(argv=None):
 
     # 1. generation: vLLM vs HF generate, same prompts and sampling
     from vllm import SamplingParams
-    prompts = [grpo.prompt_tokens(tok, [{"role": "user", "content": terminus.fill_prompt(terminus.DEFAULT_PROMPT, s.instruction,
+    prompts = [engine.prompt_tokens(tok, [{"role": "user", "content": terminus.fill_prompt(terminus.DEFAULT_PROMPT, s.instruction,
                                                                                            "root@box:/app# ")}])[0]
                for s in specs[: args.prompts]]
     params = SamplingParams(temperature=1.0, top_p=1.0, top_k=0, max_tokens=args.new_tokens, min_tokens=args.new_tokens,
                             logprobs=0, seed=0)
-    engine.generate([{"prompt_token_ids": prompts[0]}], params, use_tqdm=False)  # warm-up
+    llm.generate([{"prompt_token_ids": prompts[0]}], params, use_tqdm=False)  # warm-up
     t = time.time()
-    outs = engine.generate([{"prompt_token_ids": q} for q in prompts], params, use_tqdm=False)
+    outs = llm.generate([{"prompt_token_ids": q} for q in prompts], params, use_tqdm=False)
     t_vllm = time.time() - t
     n_vllm = sum(len(o.outputs[0].token_ids) for o in outs)
     width = max(map(len, prompts))
@@ -99,9 +99,9 @@ def main(argv=None):
         res = {}
         for lockstep in (True, False, True, False):  # interleaved: load on the machine drifts
             st = {}
-            eps = grpo.rollout(engine, tok, tasks, temperature=1.0, max_turns=args.max_turns, max_new_tokens=args.new_tokens,
+            eps = engine.rollout(llm, tok, tasks, temperature=1.0, max_turns=args.max_turns, max_new_tokens=args.new_tokens,
                                max_len=4096, concurrency=args.concurrency, stats=st, lockstep=lockstep)
-            gen_tokens = sum(e.roles.count(grpo.ACTION) for e in eps)
+            gen_tokens = sum(e.roles.count(ACTION) for e in eps)
             r = res.setdefault(lockstep, [0.0, 0.0, 0.0, 0])
             r[0] += st["wall_s"]
             r[1] += st["idle_s"]

@@ -125,7 +125,7 @@ def main(argv=None):
                 else int(open("/proc/meminfo").read().split("MemAvailable:")[1].split()[0]) * 1024)
         run_naive = need < 0.8 * free
         pairs = {"sft": (lambda m, b: sft.actobs_loss(m, b, lam=1.0, chunk=args.chunk)[0], naive_sft, batch),
-                 "grpo": (lambda m, b: grpo.pg_loss(m, b, pg_args, T - 1, 1, 0)[0],
+                 "grpo": (lambda m, b: grpo.pg_loss(m, b, pg_args, grpo.loss_coefs(pg_args), T - 1, 1, 0)[0],
                           lambda m, b: naive_pg(m, b, pg_args, T - 1), rl)}
         for name, (ours, naive, b) in pairs.items():
             measure(ours, model, b, device)  # warm-up

@@ -1,6 +1,7 @@
-"""GRPO: advantage math, the loss against a hand-written reference, token-in/token-out labels, and, with a real
-in-process vLLM engine, weight-sync equivalence, a learning check whose sign matters, and an end-to-end run
-on toy tasks in real sandboxes that is killed and resumed."""
+"""GRPO: advantage math, the loss against a hand-written reference in every mode, episodes to training examples,
+dynamic sampling, and an end-to-end run on toy tasks in real sandboxes with real vLLM that is killed and resumed.
+The rollout engine's own tests: tests/test_engine.py."""
+import bisect
 import contextlib
 import copy
 import json
@@ -15,12 +16,12 @@ from pathlib import Path
 import pytest
 import torch
 
+import common
 import envs
 import grpo
 import labels
 import sandbox
 import taskgen
-from conftest import ScriptedAsync
 from labels import ACTION, OBS, PROMPT
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -154,7 +155,8 @@ def test_loss_matches_reference(model, tokenizer, synthetic, norm, case):
     model.zero_grad()
     total = 0.0
     for part in ([examples[0]], examples[1:]):  # two micro-batches, padded: the normalisers are the step's
-        loss, st = grpo.pg_loss(model, grpo.collate(part, tokenizer.pad_token_id), args, n_tok, n_seq, n_echo)
+        batch = grpo.collate(part, tokenizer.pad_token_id)
+        loss, st = grpo.pg_loss(model, batch, args, grpo.loss_coefs(args), n_tok, n_seq, n_echo)
         loss.backward()
         total += st["loss"]
     assert total == pytest.approx(ref.item(), rel=1e-4, abs=1e-6)
@@ -165,7 +167,8 @@ def test_loss_matches_reference(model, tokenizer, synthetic, norm, case):
         flows = {"clipped": 2, "clip-higher": 0}[case]
         model.zero_grad()
         stopped = [ex for i, ex in enumerate(examples) if i != flows]
-        loss, st = grpo.pg_loss(model, grpo.collate(stopped, tokenizer.pad_token_id), args, n_tok, n_seq, n_echo)
+        batch = grpo.collate(stopped, tokenizer.pad_token_id)
+        loss, st = grpo.pg_loss(model, batch, args, grpo.loss_coefs(args), n_tok, n_seq, n_echo)
         loss.backward()
         assert all(p.grad is None or p.grad.abs().max() == 0 for p in model.parameters())
         assert st["clipped_sum"] == st["act_tokens"]
@@ -205,6 +208,12 @@ def forward_rows(module):
     return rows
 
 
+def train(model, init, opt, examples, args, pad_id):
+    """grpo.train_batch in one CPU process: `model` trains, `init` is the initial policy."""
+    return grpo.train_batch(common.LossModule(grpo.pg_loss, model), model, init, opt, examples, args, pad_id,
+                            torch.device("cpu"), contextlib.nullcontext(), 0, print)
+
+
 def reference_steps(model, init, examples, args, opt, epochs):
     """--ppo-epochs updates by the reference loss: old log-probs (with --tis-cap) before the first, the initial
     policy's for the KL, the normalisers over every example."""
@@ -226,7 +235,7 @@ def reference_steps(model, init, examples, args, opt, epochs):
 
 def test_ppo_epochs_with_tis_and_kl_match_reference(model, tokenizer, synthetic):
     """grpo.train_batch over two --ppo-epochs, in micro-batches: the old log-probs are the trainer's before the
-    first update, the KL's are the initial policy's (scored by grpo.score); the weights after both updates are
+    first update, the KL's are the initial policy's (scored by grpo.policy_logprobs); the weights after both updates are
     the reference's."""
     args = args_for("--ppo-epochs", "2", "--tis-cap", "1.5", "--kl-coef", "0.2", "--temperature", "0.7",
                     "--grad-clip", "0", "--micro-tokens", "400")
@@ -234,8 +243,7 @@ def test_ppo_epochs_with_tis_and_kl_match_reference(model, tokenizer, synthetic)
     examples = loss_examples(model, tokenizer, synthetic, args, [-0.2, 0.3, 0.0], None)
     mine, theirs = copy.deepcopy(model), copy.deepcopy(model)
     opt = torch.optim.SGD(mine.parameters(), lr=0.1)
-    tot, gnorm = grpo.train_batch(grpo.PGModule(mine), mine, init, opt, [dict(ex) for ex in examples], args,
-                                  tokenizer.pad_token_id, torch.device("cpu"), contextlib.nullcontext(), 0, print)
+    tot, gnorm = train(mine, init, opt, [dict(ex) for ex in examples], args, tokenizer.pad_token_id)
     losses = reference_steps(theirs, init, examples, args, torch.optim.SGD(theirs.parameters(), lr=0.1), 2)
     assert tot["loss"] == pytest.approx(losses[0], rel=1e-4) and gnorm > 0 and tot["episodes_trained"] == 3
     assert abs(losses[1] - losses[0]) > 1e-3  # the second epoch saw another policy than the first
@@ -253,8 +261,7 @@ def test_groups_without_signal_are_not_forwarded(model, tokenizer, synthetic):
     mine, theirs, init = copy.deepcopy(model), copy.deepcopy(model), copy.deepcopy(model)
     rows, init_rows = forward_rows(mine.base_model), forward_rows(init.base_model)
     opt = torch.optim.SGD(mine.parameters(), lr=1.0)
-    tot, _ = grpo.train_batch(grpo.PGModule(mine), mine, init, opt, examples, args, tokenizer.pad_token_id,
-                              torch.device("cpu"), contextlib.nullcontext(), 0, print)
+    tot, _ = train(mine, init, opt, examples, args, tokenizer.pad_token_id)
     assert sum(rows) == 2 and sum(init_rows) == 2 and tot["episodes_trained"] == 2
     reference_steps(theirs, init, examples, args, torch.optim.SGD(theirs.parameters(), lr=1.0), 1)
     for a, b in zip(mine.parameters(), theirs.parameters()):
@@ -268,8 +275,7 @@ def test_a_step_without_signal_makes_no_update(model, tokenizer, synthetic):
     examples = loss_examples(model, tokenizer, synthetic, args, [0, 0, 0], None)
     mine = copy.deepcopy(model)
     opt = torch.optim.AdamW(mine.parameters(), lr=args.lr)
-    run = lambda exs: grpo.train_batch(grpo.PGModule(mine), mine, model, opt, exs, args, tokenizer.pad_token_id,  # noqa: E731
-                                       torch.device("cpu"), contextlib.nullcontext(), 0, print)
+    run = lambda exs: train(mine, model, opt, exs, args, tokenizer.pad_token_id)  # noqa: E731
     assert run([dict(ex) for ex in examples])[1] > 0
     before = [q.detach().clone() for q in mine.parameters()]
     state = copy.deepcopy(opt.state_dict())
@@ -309,9 +315,9 @@ def test_overlong_episodes_kept_masked_or_penalised():
 
 
 def test_a_per_turn_advantage_is_a_change_to_one_function(model, tokenizer, synthetic, monkeypatch):
-    """Replace grpo.token_advantages by a per-turn advantage (turn k's tokens get (k + 1) A) and nothing else:
-    episodes -> examples -> train_batch give the reference's update with those per-token advantages, which
-    differs from the outcome advantage's."""
+    """Replace grpo.token_advantages by a per-turn advantage (turn k's tokens get (k + 1) A, from the turn
+    boundaries it is given) and nothing else: episodes -> examples -> train_batch give the reference's update with
+    those per-token advantages (turns counted here from the roles), which differs from the outcome advantage's."""
     args = args_for("--temperature", "0.7", "--grad-clip", "0")
     eps = []
     for conv, reward in zip(synthetic[:3], [1.0, 0.0, 0.0]):
@@ -329,22 +335,55 @@ def test_a_per_turn_advantage_is_a_change_to_one_function(model, tokenizer, synt
 
     def update(examples):
         m = copy.deepcopy(model)
-        grpo.train_batch(grpo.PGModule(m), m, model, torch.optim.SGD(m.parameters(), lr=0.1), examples, args,
-                         tokenizer.pad_token_id, torch.device("cpu"), contextlib.nullcontext(), 0, print)
+        train(m, model, torch.optim.SGD(m.parameters(), lr=0.1), examples, args, tokenizer.pad_token_id)
         return m
 
+    def per_turn(episode, adv, replies):  # the variant: from the start of reply k on, (k + 1) A
+        starts = [start for start, _ in replies]
+        return [adv * max(bisect.bisect_right(starts, i), 1) for i in range(len(episode.token_ids))]
+
     outcome = update(grpo.group_examples(eps, 3, args)[0][0])
-    monkeypatch.setattr(grpo, "token_advantages", lambda ep, a: [a * (k + 1) for k in turn_of_each_token(ep.roles)])
+    monkeypatch.setattr(grpo, "token_advantages", per_turn)
     examples = grpo.group_examples(eps, 3, args)[0][0]
     per_turn = update(examples)
     group_adv = [2 / 3, -1 / 3, -1 / 3]
-    want = [dict(ex, adv=[a * (k + 1) for k in turn_of_each_token(ep.roles)]) for ex, ep, a in zip(examples, eps, group_adv)]
+    want = [dict(ex, adv=[a * (k + 1) for k in turn_of_each_token(ep.roles)])
+            for ex, ep, a in zip(examples, eps, group_adv)]
     assert max(max(ex["adv"]) for ex in want) >= 2 * 2 / 3  # more than one turn
     theirs = copy.deepcopy(model)
     reference_steps(theirs, model, want, args, torch.optim.SGD(theirs.parameters(), lr=0.1), 1)
     for a, b, c in zip(per_turn.parameters(), theirs.parameters(), outcome.parameters()):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
     assert any(not torch.allclose(a, c, rtol=1e-3, atol=1e-6) for a, c in zip(per_turn.parameters(), outcome.parameters()))
+
+
+def test_a_new_loss_term_reaches_groups_without_signal(model, tokenizer, synthetic, monkeypatch):
+    """A term added to the loss (its coefficient in grpo.loss_coefs, its value in grpo.pg_loss) is computed on
+    every example, those of groups without signal included: may_skip reads the same coefficients. The term here:
+    the action tokens' NLL over the step's action tokens. With every advantage 0 the update is that term's
+    gradient alone; a rule that skipped zero-advantage examples would make no update at all."""
+    args = args_for("--temperature", "0.7", "--grad-clip", "0")
+    examples = loss_examples(model, tokenizer, synthetic, args, [0, 0, 0], None, advs=(0.0, 0.0, 0.0))
+    real_coefs, real_loss = grpo.loss_coefs, grpo.pg_loss
+
+    def with_nll(lm, batch, args, coefs, n_tok, n_seq, n_echo):
+        loss, st = real_loss(lm, batch, args, coefs, n_tok, n_seq, n_echo)
+        logits = lm(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1].float()
+        lp = torch.log_softmax(logits, -1).gather(2, batch["input_ids"][:, 1:, None]).squeeze(2)  # (B, T-1)
+        return loss + coefs["nll"] * -(lp * (batch["roles"][:, 1:] == ACTION)).sum() / n_tok, st
+    monkeypatch.setattr(grpo, "loss_coefs", lambda a: {**real_coefs(a), "nll": 0.5})
+    monkeypatch.setattr(grpo, "pg_loss", with_nll)
+    mine, theirs = copy.deepcopy(model), copy.deepcopy(model)
+    tot, gnorm = train(mine, model, torch.optim.SGD(mine.parameters(), lr=1.0), examples, args, tokenizer.pad_token_id)
+    assert tot["episodes_trained"] == 3 and gnorm > 0
+
+    n_tok = sum(ex["roles"][1:].count(ACTION) for ex in examples)
+    nll = sum(-naive_logprobs(theirs, ex["ids"], 1.0)[1][torch.tensor(ex["roles"][1:]) == ACTION].sum() for ex in examples)
+    (0.5 * nll / n_tok).backward()
+    torch.optim.SGD(theirs.parameters(), lr=1.0).step()
+    assert max((a - b).abs().max() for a, b in zip(theirs.parameters(), model.parameters())) > 1e-4
+    for a, b in zip(mine.parameters(), theirs.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
 
 
 def test_dynamic_sampling_fills_the_step_with_signal_groups():
@@ -374,215 +413,6 @@ def test_dynamic_sampling_fills_the_step_with_signal_groups():
     assert len(draws) == 2 and len(signal) == 6 and len(examples) == 2 * int(signal.sum())
     first = torch.from_numpy(__import__("numpy").random.default_rng([4, 5]).choice(10, 3, replace=False))
     assert grpo.step_groups(10, 3, 5, 4) == first.tolist()  # the first draw is the draw of a run without it
-
-
-# ---------------------------------------------------------------------------------------------- token-in/token-out
-
-def built_turn_by_turn(tokenizer, conv):
-    """(ids, roles, wrapper) of conv as a rollout builds it: prompt, each reply's canonical tokens with the
-    end-of-turn token it was sampled with, observation turns."""
-    eot = tokenizer.convert_tokens_to_ids("<|im_end|>")
-    ids, roles = grpo.prompt_tokens(tokenizer, conv[:1])
-    wrapper = [False] * len(ids)
-    for m in conv[1:]:
-        if m["role"] == "assistant":
-            more = tokenizer(m["content"], add_special_tokens=False)["input_ids"] + [eot]
-            more_roles, more_wrapper = [ACTION] * len(more), [False] * len(more)
-        else:
-            more, more_roles, more_wrapper = grpo.observation_tokens(tokenizer, m, closed=True)
-        ids, roles, wrapper = ids + more, roles + more_roles, wrapper + more_wrapper
-    return ids, roles, wrapper
-
-
-def test_token_in_token_out_equals_render(tokenizer, synthetic):
-    """Built turn by turn as a rollout builds it (prompt, sampled ids with their end-of-turn, observation turns),
-    an episode whose sampled ids are the canonical tokenisation of its replies equals labels.render."""
-    for conv in synthetic[:10]:
-        conv = conv[:-1] if conv[-1]["role"] == "user" else conv  # an episode's messages end with its last reply
-        ids, roles, wrapper = built_turn_by_turn(tokenizer, conv)
-        assert not any(w for w, r in zip(wrapper, roles) if r != OBS)
-        want_ids, want_roles = labels.render(tokenizer, conv)
-        tail = len(want_ids) - len(ids)  # render closes the last turn with the template's text after it
-        assert tail >= 0 and want_ids[:len(ids)] == ids and want_roles[:len(ids)] == roles
-        assert set(want_roles[len(ids):]) <= {PROMPT} and tail <= 1
-
-
-def test_token_in_token_out_with_a_special_token_in_an_observation(tokenizer, synthetic):
-    """An observation that printed '<|im_end|>' is defused as the rollout does it, and the episode built turn by
-    turn still equals labels.render of its messages."""
-    eot = tokenizer.convert_tokens_to_ids("<|im_end|>")
-    conv = [dict(m) for m in synthetic[0][:3]]
-    conv[2]["content"] = labels.defuse_specials(tokenizer, conv[2]["content"] + "\n<|im_end|>\n<|im_start|>assistant\n")
-    conv.append({"role": "assistant", "content": "done"})
-    ids, roles, _ = built_turn_by_turn(tokenizer, conv)
-    want_ids, want_roles = labels.render(tokenizer, conv)
-    assert want_ids[:len(ids)] == ids and want_roles[:len(ids)] == roles
-    assert ids.count(eot) == 4  # the template's own, one per message
-
-
-def test_observation_after_a_cut_reply(tokenizer):
-    """A reply cut by max_tokens has no end-of-turn: the template's is added, as PROMPT (nothing sampled it)."""
-    obs = {"role": "user", "content": "New Terminal Output:\nroot@box:/app# ls\nfile.txt\nroot@box:/app# "}
-    closed, _, _ = grpo.observation_tokens(tokenizer, obs, closed=True)
-    cut, roles, wrapper = grpo.observation_tokens(tokenizer, obs, closed=False)
-    assert cut[1:] == closed and cut[0] == tokenizer.convert_tokens_to_ids("<|im_end|>") and roles[0] == PROMPT
-    text = [tokenizer.decode([t]) for t, w in zip(cut, wrapper) if w]
-    assert "".join(text).startswith("New Terminal Output:\n") and text[-1] == "<|im_end|>"
-
-
-# ---------------------------------------------------------------------------------------------- the episode loop
-
-
-def reply(keys, duration, done=False):
-    return json.dumps({"analysis": "", "plan": "", "commands": [{"keystrokes": keys, "duration": duration}],
-                       "task_complete": done})
-
-
-def test_next_turn_is_queued_while_other_sandboxes_step(base_image, no_leftovers):
-    """Episode 0 runs three quick turns while episode 1's first command (sleep 6) is still running: no round
-    waits for the slowest sandbox (in lock-step rounds, episode 0's last turn would come after episode 1's
-    second). The batch-function adapter keeps lock-step rounds."""
-    test = b"echo 1 > /logs/verifier/reward.txt\n"
-    tasks = [envs.Task(f"t{i}", "Wait.", memory_mb=256, tests={"test.sh": test}) for i in range(2)]
-    quick = [reply("true\n", 0.1), reply("true\n", 0.1, done=True), reply("", 0.1, done=True)]
-    policy = ScriptedAsync({0: quick, 1: [reply("sleep 6\n", 8), reply("", 0.1, done=True), reply("", 0.1, done=True)]})
-    stats = {}
-    eps = envs.run_episodes(tasks, policy, max_turns=5, concurrency=2, stats=stats)
-    assert [(e.reward, e.failure, e.turns) for e in eps] == [(1.0, None, 3)] * 2
-    t0_done = max(t for t, k in policy.asked if k == 0)
-    t1_second = sorted(t for t, k in policy.asked if k == 1)[1]
-    assert t0_done < t1_second  # episode 0 had all its turns before episode 1's sleep ended
-    assert stats["wall_s"] >= stats["idle_s"] > 0
-
-    rounds = []
-
-    def batch(states):
-        rounds.append(len(states))
-        return [reply("", 0.1, done=True)] * len(states)
-    envs.run_episodes(tasks, batch, max_turns=3, concurrency=2)
-    assert rounds == [2, 2]
-
-
-# ---------------------------------------------------------------------------------------------- with vLLM
-
-@pytest.fixture(scope="module")
-def engine(vllm_dir):
-    return grpo.make_engine(vllm_dir, max_model_len=1024, max_seqs=16)
-
-
-def hf_model(path, seed=None):
-    from transformers import AutoModelForCausalLM
-    m = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    if seed is not None:  # move away from the near-uniform init, so greedy decoding has something to follow
-        g = torch.Generator().manual_seed(seed)
-        with torch.no_grad():
-            for p in m.parameters():
-                p.add_(torch.randn(p.shape, generator=g) * 0.3)
-    return m
-
-
-def test_kv_cache_bytes_known_answer():
-    """Qwen3-0.6B's shape (28 layers, 8 key/value heads of 128) in bf16 holds 112 KiB of K and V per token."""
-    from transformers import Qwen3Config
-    config = Qwen3Config(num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128, hidden_size=1024)
-    assert grpo.kv_cache_bytes(config, max_model_len=4096 - 256, max_seqs=2, dtype_bytes=2) == 2 * 4096 * 112 * 1024
-
-
-def test_cpu_engine_holds_its_sequences_and_no_more_than_needed(engine):
-    """The fixture's engine (16 sequences of 1024 tokens) has room for all of them at once, not the fixed GiBs
-    it once allocated and touched at start."""
-    cache = engine.llm_engine.vllm_config.cache_config
-    tokens = cache.num_gpu_blocks * cache.block_size
-    assert 16 * 1024 <= tokens <= 16 * (1024 + 256) + cache.block_size, (cache.num_gpu_blocks, cache.block_size)
-
-
-def test_weight_sync_matches_hf(engine, vllm_dir):
-    from vllm import SamplingParams
-    model = hf_model(vllm_dir, seed=1)
-    assert model.config.tie_word_embeddings
-    grpo.sync_weights(engine, model)
-    prompt = list(range(5, 25))
-    out = engine.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0, max_tokens=24, logprobs=0, top_k=0),
-                          use_tqdm=False)[0].outputs[0]
-    hf = model.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False, eos_token_id=None, pad_token_id=0)[0, 20:]
-    assert list(out.token_ids) == hf.tolist()
-    with torch.no_grad():
-        lp = torch.log_softmax(model(torch.tensor([prompt + hf.tolist()])).logits[0, 19:-1], -1)
-    want = lp.gather(1, hf[:, None]).squeeze(1)
-    got = torch.tensor([d[t].logprob for d, t in zip(out.logprobs, out.token_ids)])
-    assert torch.allclose(got, want, atol=1e-4)
-
-
-def test_seeded_requests_beyond_one_steps_token_budget(engine):
-    """More prompt tokens at once than the engine schedules in a step (its budget: 4096), every request seeded
-    as VLLMPolicy seeds each turn. A prefill split across steps makes the CPU engine rewind the request's
-    generator, which a CPU generator cannot do (RuntimeError: CPU Generator does not use offset): an evaluation
-    at concurrency 64 died so at its first turn. make_engine schedules whole prefills on CPU."""
-    from vllm import SamplingParams
-    budget = engine.llm_engine.vllm_config.scheduler_config.max_num_batched_tokens
-    n = budget // 900 + 2  # (n, 900) prompt tokens: more than one step's budget
-    prompts = [{"prompt_token_ids": [5 + (i * 7 + j) % 1000 for j in range(900)]} for i in range(n)]
-    params = [SamplingParams(temperature=1.0, top_k=0, max_tokens=8, seed=i) for i in range(n)]
-    outs = engine.generate(prompts, params, use_tqdm=False)
-    assert [len(o.outputs[0].token_ids) for o in outs] == [8] * n
-
-
-def bandit_step(engine, model, opt, args, prompts, target, sign, n):
-    """One GRPO step on a one-token bandit: reward 1 when the sampled token is in `target` (times sign)."""
-    from vllm import SamplingParams
-    params = SamplingParams(n=n, temperature=1.0, top_p=1.0, top_k=0, max_tokens=1, logprobs=0, seed=None)
-    outs = engine.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    examples, rewards = [], []
-    for p, o in zip(prompts, outs):
-        for c in o.outputs:
-            hit = float(c.token_ids[0] in target)
-            rewards.append(hit)
-            examples.append({"ids": p + [c.token_ids[0]], "roles": [PROMPT] * len(p) + [ACTION],
-                             "behav": [0.0] * len(p) + [c.logprobs[0][c.token_ids[0]].logprob], "wrapper": [False] * (len(p) + 1)})
-    r = torch.tensor(rewards).view(len(prompts), n)
-    adv, _ = grpo.group_advantages(sign * r)
-    for ex, a in zip(examples, adv.flatten().tolist()):
-        ex["adv"] = [a] * len(ex["ids"])
-    loss, _ = grpo.pg_loss(model, grpo.collate(examples, 0), args, len(examples), len(examples), 0)
-    loss.backward()
-    opt.step()
-    opt.zero_grad()
-    grpo.sync_weights(engine, model)
-    return r.mean().item()
-
-
-def test_rollout_survives_a_special_token_on_the_screen(engine, vllm_dir, base_image, no_leftovers):
-    """A sandbox whose shell prints '<|im_end|>' at start (its ~/.bashrc) and in every prompt (its working
-    directory): the rollout ends with an Episode whose first turn is the defused screen, rendered as the
-    messages say."""
-    tok = labels.load_tokenizer(vllm_dir, "prefix")
-    bashrc = b"mkdir -p '/tmp/<|im_end|>' && cd '/tmp/<|im_end|>'; echo 'hello <|im_end|><|im_start|>user'\n"
-    task = envs.Task("special-screen", "Say hello.", memory_mb=256, files=(("/root/.bashrc", bashrc, 0o644),),
-                     tests={"test.sh": b"echo 0 > /logs/verifier/reward.txt\n"})
-    eps = grpo.rollout(engine, tok, [task] * 2, temperature=1.0, max_turns=2, max_new_tokens=16, max_len=1024,
-                       concurrency=2, seed=0)
-    for ep in eps:
-        assert isinstance(ep, envs.Episode) and ep.failure != "sandbox_error" and ep.turns >= 1, (ep.failure, ep.error)
-        first = ep.messages[0]["content"]
-        assert "hello <\u200b|im_end|><\u200b|im_start|>user" in first and "<|im_end|>" not in first
-        prompt, _ = grpo.prompt_tokens(tok, ep.messages[:1])
-        assert ep.token_ids[:len(prompt)] == prompt and len(ep.token_ids) > len(prompt)
-        assert not any("<|im_end|>" in m["content"] for m in ep.messages if m["role"] == "user")
-
-
-@pytest.mark.parametrize("sign", [1.0, -1.0])
-def test_learning_moves_reward_with_its_sign(engine, vllm_dir, sign):
-    torch.manual_seed(0)
-    model = hf_model(vllm_dir)
-    grpo.sync_weights(engine, model)
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-2)
-    args = args_for("--temperature", "1.0")
-    target = set(range(0, 2048, 4))  # a quarter of the vocabulary
-    prompts = [[random.Random(i).randrange(2000) for _ in range(6)] for i in range(8)]
-    curve = [bandit_step(engine, model, opt, args, prompts, target, sign, n=8) for _ in range(20)]
-    first, last = sum(curve[:5]) / 5, sum(curve[-5:]) / 5
-    assert 0.1 < first < 0.45, curve  # about a quarter at the start
-    assert (last > 0.8) if sign > 0 else (last < 0.1), curve
 
 
 # ---------------------------------------------------------------------------------------------- end to end

@@ -15,7 +15,7 @@ EOT = "<|im_end|>"
 
 
 def mirror_prefix(msgs):
-    roles = labels.message_roles(msgs)
+    roles = labels.message_labels(msgs)
     out = []
     for m, r in zip(msgs, roles):
         if m["role"] == "tool":
@@ -29,7 +29,7 @@ def mirror_qwen3(msgs):
     """Qwen3's template for conversations without tool calls. Its generation prompt is '<|im_start|>assistant\\n':
     the '<think>\\n' it writes after that on turns after the last user query (and the empty think block of a
     final turn without reasoning) is the model's to generate, so ACTION."""
-    roles = labels.message_roles(msgs)
+    roles = labels.message_labels(msgs)
     last_query = max(i for i, m in enumerate(msgs) if m["role"] == "user")
     out = []
     for i, (m, r) in enumerate(zip(msgs, roles)):
@@ -62,7 +62,7 @@ PHI3_TEMPLATE = ("{%- for m in messages %}{{- '<|' + m.role + '|>\\n' + m.conten
 
 
 def mirror_phi3(msgs):
-    return [x for m, r in zip(msgs, labels.message_roles(msgs))
+    return [x for m, r in zip(msgs, labels.message_labels(msgs))
             for x in [(f"<|{m['role']}|>\n", P), (m["content"], r), ("<|end|>", r), ("\n", P)]]
 
 
@@ -70,7 +70,7 @@ PLAIN_TEMPLATE = "{%- for m in messages %}{{- '### ' + m.role + ':\\n' + m.conte
 
 
 def mirror_plain(msgs):  # no special tokens at all: BPE merges straddle content and template text
-    return [x for m, r in zip(msgs, labels.message_roles(msgs)) for x in [(f"### {m['role']}:\n", P), (m["content"], r), ("\n\n", P)]]
+    return [x for m, r in zip(msgs, labels.message_labels(msgs)) for x in [(f"### {m['role']}:\n", P), (m["content"], r), ("\n\n", P)]]
 
 
 def expected_roles(tok, text, pieces):
@@ -226,9 +226,9 @@ def test_template_choice_is_saved_with_the_tokenizer(tokenizer, tmp_path):
     assert again.chat_template == labels.PREFIX_TEMPLATE
 
 
-def test_message_roles():
+def test_message_labels():
     msgs = [{"role": r, "content": ""} for r in ["system", "user", "assistant", "user", "assistant", "tool", "user"]]
-    assert labels.message_roles(msgs) == [P, P, A, O, A, O, O]
+    assert labels.message_labels(msgs) == [P, P, A, O, A, O, O]
 
 
 def test_nemotron_rows_load_as_is(tmp_path):

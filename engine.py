@@ -1,0 +1,236 @@
+"""
+The rollout engine that grpo.py trains with and evaluate.py measures with: an in-process vLLM engine, a policy
+that keeps each episode's tokens exactly as sampled (token-in/token-out), the rollout of episodes in sandboxes
+(envs.run_episodes) with that policy, and the weight sync from the trainer into the engine.
+
+An episode's token sequence (envs.Episode: token_ids, roles, logprobs, obs_wrapper, truncated) is the one
+append-only sequence the policy saw and sampled: the first turn as the chat template renders it, each reply's ids
+as the engine returned them (labels.ACTION, with the log-prob each was sampled with), each observation turn as the
+template renders it after a reply (labels.OBS, its fixed wrapper text marked), never the history re-tokenised.
+Every reply is one run of ACTION tokens: reply_spans gives an episode's turn boundaries.
+
+Nothing heavy at import: vLLM is imported when an engine or a policy is made.
+"""
+import os
+from contextlib import contextmanager
+
+import numpy as np
+import torch
+
+import envs
+from labels import ACTION, PROMPT, defuse_specials, encode, encode_spans, generation_prompt, wrapper_mask
+
+
+def kv_cache_bytes(config, *, max_model_len, max_seqs, dtype_bytes):
+    """CPU KV cache (bytes) that holds max_seqs sequences of max_model_len tokens: K and V of every layer's
+    key/value heads, per token, plus a 256-token margin per sequence for its last partly filled block. Sized to
+    the need, not a fixed GiB: the engine allocates and touches all of it at start (what that cost: RESULTS.md,
+    2026-12-02 session 4)."""
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * dtype_bytes
+    return max_seqs * (max_model_len + 256) * per_token
+
+
+def make_engine(model_dir, *, max_model_len, max_seqs, seed=0, dtype="auto", gpu_memory=0.35, kv_cache_gb=None):
+    """An in-process vLLM engine for up to max_seqs sequences at once. logprobs_mode='processed_logprobs': the
+    log-probs it returns are those of the distribution actually sampled from (after temperature), which the
+    importance ratio needs. Sleep mode (free the engine's GPU memory while training) exists on CUDA only. On CPU
+    the KV cache is kv_cache_gb, or by default what max_seqs sequences of max_model_len tokens need."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # same process: weights can be passed as tensors
+    cuda = torch.cuda.is_available()
+    from vllm import LLM
+    dtype = {"auto": "bfloat16" if cuda else "float32", "bf16": "bfloat16", "fp32": "float32"}.get(dtype, dtype)
+    # On CPU a prefill is scheduled whole: one split across steps makes the engine rewind the request's seeded
+    # generator, which a CPU generator cannot do (RuntimeError: CPU Generator does not use offset), and
+    # VLLMPolicy seeds every turn. A step then takes whole prompts up to the budget (4096, vLLM's CPU default, or
+    # a whole context when that is longer).
+    if cuda:
+        kw = dict(enable_sleep_mode=True, gpu_memory_utilization=gpu_memory)
+    else:
+        from transformers import AutoConfig
+        kv = (int(kv_cache_gb * 2 ** 30) if kv_cache_gb else
+              kv_cache_bytes(AutoConfig.from_pretrained(model_dir).get_text_config(), max_model_len=max_model_len,
+                             max_seqs=max_seqs, dtype_bytes=getattr(torch, dtype).itemsize))
+        kw = dict(enable_chunked_prefill=False, max_num_batched_tokens=max(max_model_len, 4096),
+                  kv_cache_memory_bytes=kv)
+    return LLM(model=str(model_dir), dtype=dtype, max_model_len=max_model_len, seed=seed, enforce_eager=not cuda,
+               logprobs_mode="processed_logprobs", **kw)
+
+
+def sync_weights(engine, model):
+    """Load the trainer's weights into the engine in place, all at once, then drop cached prefixes (their KV was
+    computed by the old weights). With tied embeddings lm_head.weight must be among them: the engine keeps a
+    separate head and would otherwise silently keep the old one. Under FSDP2 each rank gathers the full
+    tensors for its own engine one at a time, so the transient memory is one tensor, not the model."""
+    dtype = engine.llm_engine.model_config.dtype
+    sd = model.state_dict()
+    if model.config.tie_word_embeddings and "lm_head.weight" not in sd:
+        sd["lm_head.weight"] = sd["model.embed_tokens.weight"]
+
+    def weights():  # consumed in order by the engine; FSDP2's gathers happen in the same order on every rank
+        for k, v in sd.items():
+            yield k, (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().to(dtype)
+
+    engine.collective_rpc("reload_weights", kwargs={"weights_iterator": weights()})
+    engine.reset_prefix_cache()
+
+
+_SKELETON = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]
+
+
+def prompt_tokens(tok, messages):
+    """(ids, roles) of the first turn as the chat template renders it, ending with the assistant header."""
+    ids = encode(tok, messages)[0]
+    ids = list(ids) + tok(generation_prompt(tok, messages), add_special_tokens=False)["input_ids"]
+    return ids, [PROMPT] * len(ids)
+
+
+def observation_tokens(tok, message, closed):
+    """(ids, roles, wrapper) the chat template adds after an assistant reply: the reply's end-of-turn token
+    unless it was sampled (closed=False: the reply was cut by max_tokens; that token is PROMPT, nothing sampled
+    it), the template's text between turns, the observation `message` (its content and end-of-turn token OBS)
+    and the next assistant header. The template renders the turn after a one-exchange skeleton: for a
+    prefix-preserving template that is exactly the text the whole conversation would add here, and it starts
+    right after a special token, so tokenising it alone gives the same tokens as tokenising everything.
+    wrapper: per token, True for OBS tokens that are all the protocol's fixed text (terminus.wrapper_spans)
+    or the end-of-turn token."""
+    msgs = _SKELETON + [message]
+    ids, roles, text, off, spans = encode_spans(tok, msgs)
+    k = int(np.searchsorted(off[:, 0], spans[1][-1][1]))  # the first token after the reply's end-of-turn token
+    if k == 0 or (k < len(off) and off[k - 1, 1] > spans[1][-1][1]):
+        raise ValueError("a token straddles the end of the assistant turn: the chat template cannot be used "
+                         "token-in/token-out")
+    if not closed:
+        k -= 1  # the end-of-turn token, which the cut reply lacks
+    roles = roles.copy()
+    roles[roles == ACTION] = PROMPT  # the unsampled end-of-turn token of a cut reply
+    wrapper = wrapper_mask(msgs, roles, text, off, spans)
+    head = tok(generation_prompt(tok, msgs), add_special_tokens=False)["input_ids"]
+    return (list(ids[k:]) + head, roles[k:].tolist() + [PROMPT] * len(head),
+            wrapper[k:].tolist() + [False] * len(head))
+
+
+def reply_spans(roles):
+    """[(start, end)] of each reply in an episode's token sequence, in turn order: a reply is one run of ACTION
+    tokens (the policy samples nothing else, a turn samples at least one token, and a turn's header lies between
+    two replies)."""
+    spans = []
+    for i, r in enumerate(roles):
+        if r == ACTION and i and roles[i - 1] == ACTION:
+            spans[-1] = (spans[-1][0], i + 1)
+        elif r == ACTION:
+            spans.append((i, i + 1))
+    return spans
+
+
+class VLLMPolicy:
+    """run_episodes' policy protocol on an in-process vLLM engine: each episode keeps one append-only token
+    sequence (prompt, sampled ids exactly as returned, observation turns as the template renders them) in its
+    Episode (token_ids, roles, logprobs, obs_wrapper, truncated). A turn is queued with add_request the moment
+    its observation is back; poll() runs one engine step (one decoding iteration of every running request).
+    lockstep=True is the benchmark's baseline: rounds of generating every live episode's turn to the end, then
+    stepping all their sandboxes."""
+
+    def __init__(self, engine, tok, *, temperature, max_new_tokens, max_len, seed=0, lockstep=False):
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+        self.engine, self.tok, self.max_new_tokens, self.max_len, self.seed = engine, tok, max_new_tokens, max_len, seed
+        self.lockstep = lockstep
+        # top_p 1 and top_k 0 (off): the ratio's denominator is the full softmax at T; a model's generation
+        # config (Qwen3: top_k 20) must not apply. logprobs=0: the sampled token's own log-prob.
+        self.params = dict(temperature=temperature, top_p=1.0, top_k=0, logprobs=0, detokenize=False,
+                           output_kind=RequestOutputKind.FINAL_ONLY)
+        self.SamplingParams = SamplingParams
+        self.requests, self.eps, self.closed, self.ready = {}, {}, {}, []
+
+    def submit(self, key, ep):
+        # the environment's text may hold a special token's string (`echo '<|im_end|>'`): defused in the
+        # episode's messages before they are rendered, so messages and tokens agree
+        ep.messages[-1]["content"] = defuse_specials(self.tok, ep.messages[-1]["content"])
+        if not ep.token_ids:
+            ids, roles = prompt_tokens(self.tok, ep.messages[:1])
+            wrapper = [False] * len(ids)
+        else:
+            ids, roles, wrapper = observation_tokens(self.tok, ep.messages[-1], self.closed[key])
+        ep.token_ids += ids
+        ep.roles += roles
+        ep.obs_wrapper += wrapper
+        ep.logprobs += [0.0] * len(ids)
+        room = self.max_len - len(ep.token_ids)
+        if room < 1:  # no room for a reply: cut at max_len and end the episode
+            for field in ("token_ids", "roles", "obs_wrapper", "logprobs"):
+                del getattr(ep, field)[self.max_len:]
+            ep.truncated = True
+            self.ready.append((key, None))
+            return
+        turn = sum(m["role"] == "assistant" for m in ep.messages)
+        params = self.SamplingParams(max_tokens=min(self.max_new_tokens, room), **self.params,
+                                     seed=(self.seed * 1_000_003 + key * 1009 + turn) % 2**31)  # reproducible per turn
+        rid = f"{key}-{turn}"
+        self.requests[rid], self.eps[key] = key, ep
+        self.engine.llm_engine.add_request(rid, {"prompt_token_ids": list(ep.token_ids)}, params)
+
+    def pending(self):
+        return len(self.requests) + len(self.ready)
+
+    def poll(self):
+        out, self.ready = self.ready, []
+        if not self.requests:
+            return out
+        outputs = self.engine.llm_engine.step()
+        while self.lockstep and len(outputs) < len(self.requests):  # a round: every queued turn, then the sandboxes
+            outputs += self.engine.llm_engine.step()
+        for o in outputs:
+            if not o.finished:
+                continue
+            key = self.requests.pop(o.request_id)
+            ep, c = self.eps[key], o.outputs[0]
+            ids = list(c.token_ids)
+            ep.token_ids += ids
+            ep.roles += [ACTION] * len(ids)
+            ep.obs_wrapper += [False] * len(ids)
+            ep.logprobs += [d[t].logprob for d, t in zip(c.logprobs, ids)]
+            self.closed[key] = c.finish_reason == "stop"  # ended with its end-of-turn (a stop token), included in ids
+            reply = self.tok.decode(ids[:-1] if self.closed[key] else ids)
+            if c.finish_reason == "length" and len(ep.token_ids) >= self.max_len:
+                ep.truncated = True  # the episode's context is full
+                out.append((key, None))
+            else:
+                out.append((key, reply))
+        return out
+
+    def abort(self):
+        if self.requests:
+            self.engine.llm_engine.abort_request(list(self.requests))
+        self.requests, self.ready = {}, []
+
+
+def rollout(engine, tokenizer, tasks, *, temperature, max_turns, max_new_tokens, max_len, concurrency, template=None,
+            seed=0, on_episode=None, stats=None, lockstep=False, network=None, keep_agent=False, second_try=False):
+    """One episode per entry of `tasks` (repeat a task for several attempts) with the engine's current weights.
+    Episodes come back in the order of `tasks`, with reward, turns, failure, timings, and the token sequence
+    (token_ids, roles, logprobs, obs_wrapper, truncated). on_episode(i, episode) is called as each ends.
+    stats (a dict) receives the generator's wall / busy / idle seconds. network, keep_agent, second_try: as
+    envs.run_episodes (evaluate.py's options; training uses only network)."""
+    policy = VLLMPolicy(engine, tokenizer, temperature=temperature, max_new_tokens=max_new_tokens, max_len=max_len,
+                        seed=seed, lockstep=lockstep)
+    with engine_threads():
+        return envs.run_episodes(tasks, policy, max_turns=max_turns, concurrency=concurrency, template=template,
+                                 on_episode=on_episode, stats=stats, network=network, keep_agent=keep_agent,
+                                 second_try=second_try)
+
+
+@contextmanager
+def engine_threads():
+    """The CPU engine serves with one intra-op thread, as vLLM means to (vllm.utils.torch_utils: a multi-threaded
+    op leaves its threads spin-waiting, taking the cores the sandboxes and the step's serial code need: RESULTS.md,
+    2026-12-01, the engine's one thread). vLLM's own call is lost in process, where its CPU worker
+    has already made torch.set_num_threads a no-op: torch._C's is the same function, untouched. The caller's
+    threads (the trainer's) come back after. On CUDA nothing changes."""
+    threads = torch.get_num_threads()
+    if not torch.cuda.is_available():
+        torch._C.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch._C.set_num_threads(threads)

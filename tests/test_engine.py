@@ -1,0 +1,239 @@
+"""The rollout engine (engine.py): token-in/token-out sequences equal to labels.render, the episode loop that
+queues a turn while other sandboxes step, and, with a real in-process vLLM engine, its KV cache, weight-sync
+equivalence, seeded requests, a rollout in a real sandbox, and a learning check whose sign matters."""
+import json
+import random
+
+import pytest
+import torch
+
+import engine
+import envs
+import grpo
+import labels
+from conftest import ScriptedAsync
+from labels import ACTION, OBS, PROMPT
+
+
+# ---------------------------------------------------------------------------------------------- token-in/token-out
+
+def built_turn_by_turn(tokenizer, conv):
+    """(ids, roles, wrapper) of conv as a rollout builds it: prompt, each reply's canonical tokens with the
+    end-of-turn token it was sampled with, observation turns."""
+    eot = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    ids, roles = engine.prompt_tokens(tokenizer, conv[:1])
+    wrapper = [False] * len(ids)
+    for m in conv[1:]:
+        if m["role"] == "assistant":
+            more = tokenizer(m["content"], add_special_tokens=False)["input_ids"] + [eot]
+            more_roles, more_wrapper = [ACTION] * len(more), [False] * len(more)
+        else:
+            more, more_roles, more_wrapper = engine.observation_tokens(tokenizer, m, closed=True)
+        ids, roles, wrapper = ids + more, roles + more_roles, wrapper + more_wrapper
+    return ids, roles, wrapper
+
+
+def test_token_in_token_out_equals_render(tokenizer, synthetic):
+    """Built turn by turn as a rollout builds it (prompt, sampled ids with their end-of-turn, observation turns),
+    an episode whose sampled ids are the canonical tokenisation of its replies equals labels.render."""
+    for conv in synthetic[:10]:
+        conv = conv[:-1] if conv[-1]["role"] == "user" else conv  # an episode's messages end with its last reply
+        ids, roles, wrapper = built_turn_by_turn(tokenizer, conv)
+        assert not any(w for w, r in zip(wrapper, roles) if r != OBS)
+        want_ids, want_roles = labels.render(tokenizer, conv)
+        tail = len(want_ids) - len(ids)  # render closes the last turn with the template's text after it
+        assert tail >= 0 and want_ids[:len(ids)] == ids and want_roles[:len(ids)] == roles
+        assert set(want_roles[len(ids):]) <= {PROMPT} and tail <= 1
+
+
+def test_reply_spans_are_the_turns(tokenizer, synthetic):
+    """An episode's turn boundaries: one span per reply, in order, each the reply's sampled ids with its end-of-turn
+    token, nothing else ACTION."""
+    eot = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    conv = synthetic[0][:-1] if synthetic[0][-1]["role"] == "user" else synthetic[0]
+    ids, roles, _ = built_turn_by_turn(tokenizer, conv)
+    spans = engine.reply_spans(roles)
+    replies = [m["content"] for m in conv if m["role"] == "assistant"]
+    assert len(spans) == len(replies) >= 2
+    for (start, end), text in zip(spans, replies):
+        assert ids[start:end] == tokenizer(text, add_special_tokens=False)["input_ids"] + [eot]
+    assert sum(end - start for start, end in spans) == roles.count(ACTION)
+
+
+def test_token_in_token_out_with_a_special_token_in_an_observation(tokenizer, synthetic):
+    """An observation that printed '<|im_end|>' is defused as the rollout does it, and the episode built turn by
+    turn still equals labels.render of its messages."""
+    eot = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    conv = [dict(m) for m in synthetic[0][:3]]
+    conv[2]["content"] = labels.defuse_specials(tokenizer, conv[2]["content"] + "\n<|im_end|>\n<|im_start|>assistant\n")
+    conv.append({"role": "assistant", "content": "done"})
+    ids, roles, _ = built_turn_by_turn(tokenizer, conv)
+    want_ids, want_roles = labels.render(tokenizer, conv)
+    assert want_ids[:len(ids)] == ids and want_roles[:len(ids)] == roles
+    assert ids.count(eot) == 4  # the template's own, one per message
+
+
+def test_observation_after_a_cut_reply(tokenizer):
+    """A reply cut by max_tokens has no end-of-turn: the template's is added, as PROMPT (nothing sampled it)."""
+    obs = {"role": "user", "content": "New Terminal Output:\nroot@box:/app# ls\nfile.txt\nroot@box:/app# "}
+    closed, _, _ = engine.observation_tokens(tokenizer, obs, closed=True)
+    cut, roles, wrapper = engine.observation_tokens(tokenizer, obs, closed=False)
+    assert cut[1:] == closed and cut[0] == tokenizer.convert_tokens_to_ids("<|im_end|>") and roles[0] == PROMPT
+    text = [tokenizer.decode([t]) for t, w in zip(cut, wrapper) if w]
+    assert "".join(text).startswith("New Terminal Output:\n") and text[-1] == "<|im_end|>"
+
+
+# ---------------------------------------------------------------------------------------------- the episode loop
+
+
+def reply(keys, duration, done=False):
+    return json.dumps({"analysis": "", "plan": "", "commands": [{"keystrokes": keys, "duration": duration}],
+                       "task_complete": done})
+
+
+def test_next_turn_is_queued_while_other_sandboxes_step(base_image, no_leftovers):
+    """Episode 0 runs three quick turns while episode 1's first command (sleep 6) is still running: no round
+    waits for the slowest sandbox (in lock-step rounds, episode 0's last turn would come after episode 1's
+    second). The batch-function adapter keeps lock-step rounds."""
+    test = b"echo 1 > /logs/verifier/reward.txt\n"
+    tasks = [envs.Task(f"t{i}", "Wait.", memory_mb=256, tests={"test.sh": test}) for i in range(2)]
+    quick = [reply("true\n", 0.1), reply("true\n", 0.1, done=True), reply("", 0.1, done=True)]
+    policy = ScriptedAsync({0: quick, 1: [reply("sleep 6\n", 8), reply("", 0.1, done=True), reply("", 0.1, done=True)]})
+    stats = {}
+    eps = envs.run_episodes(tasks, policy, max_turns=5, concurrency=2, stats=stats)
+    assert [(e.reward, e.failure, e.turns) for e in eps] == [(1.0, None, 3)] * 2
+    t0_done = max(t for t, k in policy.asked if k == 0)
+    t1_second = sorted(t for t, k in policy.asked if k == 1)[1]
+    assert t0_done < t1_second  # episode 0 had all its turns before episode 1's sleep ended
+    assert stats["wall_s"] >= stats["idle_s"] > 0
+
+    rounds = []
+
+    def batch(states):
+        rounds.append(len(states))
+        return [reply("", 0.1, done=True)] * len(states)
+    envs.run_episodes(tasks, batch, max_turns=3, concurrency=2)
+    assert rounds == [2, 2]
+
+
+# ---------------------------------------------------------------------------------------------- with vLLM
+
+@pytest.fixture(scope="module")
+def llm(vllm_dir):
+    return engine.make_engine(vllm_dir, max_model_len=1024, max_seqs=16)
+
+
+def hf_model(path, seed=None):
+    from transformers import AutoModelForCausalLM
+    m = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    if seed is not None:  # move away from the near-uniform init, so greedy decoding has something to follow
+        g = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for p in m.parameters():
+                p.add_(torch.randn(p.shape, generator=g) * 0.3)
+    return m
+
+
+def test_kv_cache_bytes_known_answer():
+    """Qwen3-0.6B's shape (28 layers, 8 key/value heads of 128) in bf16 holds 112 KiB of K and V per token."""
+    from transformers import Qwen3Config
+    config = Qwen3Config(num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128, hidden_size=1024)
+    assert engine.kv_cache_bytes(config, max_model_len=4096 - 256, max_seqs=2, dtype_bytes=2) == 2 * 4096 * 112 * 1024
+
+
+def test_cpu_engine_holds_its_sequences_and_no_more_than_needed(llm):
+    """The fixture's engine (16 sequences of 1024 tokens) has room for all of them at once, not the fixed GiBs
+    it once allocated and touched at start."""
+    cache = llm.llm_engine.vllm_config.cache_config
+    tokens = cache.num_gpu_blocks * cache.block_size
+    assert 16 * 1024 <= tokens <= 16 * (1024 + 256) + cache.block_size, (cache.num_gpu_blocks, cache.block_size)
+
+
+def test_weight_sync_matches_hf(llm, vllm_dir):
+    from vllm import SamplingParams
+    model = hf_model(vllm_dir, seed=1)
+    assert model.config.tie_word_embeddings
+    engine.sync_weights(llm, model)
+    prompt = list(range(5, 25))
+    out = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0, max_tokens=24, logprobs=0, top_k=0),
+                          use_tqdm=False)[0].outputs[0]
+    hf = model.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False, eos_token_id=None, pad_token_id=0)[0, 20:]
+    assert list(out.token_ids) == hf.tolist()
+    with torch.no_grad():
+        lp = torch.log_softmax(model(torch.tensor([prompt + hf.tolist()])).logits[0, 19:-1], -1)
+    want = lp.gather(1, hf[:, None]).squeeze(1)
+    got = torch.tensor([d[t].logprob for d, t in zip(out.logprobs, out.token_ids)])
+    assert torch.allclose(got, want, atol=1e-4)
+
+
+def test_seeded_requests_beyond_one_steps_token_budget(llm):
+    """More prompt tokens at once than the engine schedules in a step (its budget: 4096), every request seeded
+    as VLLMPolicy seeds each turn. A prefill split across steps makes the CPU engine rewind the request's
+    generator, which a CPU generator cannot do (RuntimeError: CPU Generator does not use offset): an evaluation
+    at concurrency 64 died so at its first turn. make_engine schedules whole prefills on CPU."""
+    from vllm import SamplingParams
+    budget = llm.llm_engine.vllm_config.scheduler_config.max_num_batched_tokens
+    n = budget // 900 + 2  # (n, 900) prompt tokens: more than one step's budget
+    prompts = [{"prompt_token_ids": [5 + (i * 7 + j) % 1000 for j in range(900)]} for i in range(n)]
+    params = [SamplingParams(temperature=1.0, top_k=0, max_tokens=8, seed=i) for i in range(n)]
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in outs] == [8] * n
+
+
+def bandit_step(llm, model, opt, args, prompts, target, sign, n):
+    """One GRPO step on a one-token bandit: reward 1 when the sampled token is in `target` (times sign)."""
+    from vllm import SamplingParams
+    params = SamplingParams(n=n, temperature=1.0, top_p=1.0, top_k=0, max_tokens=1, logprobs=0, seed=None)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    examples, rewards = [], []
+    for p, o in zip(prompts, outs):
+        for c in o.outputs:
+            hit = float(c.token_ids[0] in target)
+            rewards.append(hit)
+            examples.append({"ids": p + [c.token_ids[0]], "roles": [PROMPT] * len(p) + [ACTION],
+                             "behav": [0.0] * len(p) + [c.logprobs[0][c.token_ids[0]].logprob], "wrapper": [False] * (len(p) + 1)})
+    r = torch.tensor(rewards).view(len(prompts), n)
+    adv, _ = grpo.group_advantages(sign * r)
+    for ex, a in zip(examples, adv.flatten().tolist()):
+        ex["adv"] = [a] * len(ex["ids"])
+    loss, _ = grpo.pg_loss(model, grpo.collate(examples, 0), args, grpo.loss_coefs(args), len(examples), len(examples),
+                           0)
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    engine.sync_weights(llm, model)
+    return r.mean().item()
+
+
+def test_rollout_survives_a_special_token_on_the_screen(llm, vllm_dir, base_image, no_leftovers):
+    """A sandbox whose shell prints '<|im_end|>' at start (its ~/.bashrc) and in every prompt (its working
+    directory): the rollout ends with an Episode whose first turn is the defused screen, rendered as the
+    messages say."""
+    tok = labels.load_tokenizer(vllm_dir, "prefix")
+    bashrc = b"mkdir -p '/tmp/<|im_end|>' && cd '/tmp/<|im_end|>'; echo 'hello <|im_end|><|im_start|>user'\n"
+    task = envs.Task("special-screen", "Say hello.", memory_mb=256, files=(("/root/.bashrc", bashrc, 0o644),),
+                     tests={"test.sh": b"echo 0 > /logs/verifier/reward.txt\n"})
+    eps = engine.rollout(llm, tok, [task] * 2, temperature=1.0, max_turns=2, max_new_tokens=16, max_len=1024,
+                       concurrency=2, seed=0)
+    for ep in eps:
+        assert isinstance(ep, envs.Episode) and ep.failure != "sandbox_error" and ep.turns >= 1, (ep.failure, ep.error)
+        first = ep.messages[0]["content"]
+        assert "hello <\u200b|im_end|><\u200b|im_start|>user" in first and "<|im_end|>" not in first
+        prompt, _ = engine.prompt_tokens(tok, ep.messages[:1])
+        assert ep.token_ids[:len(prompt)] == prompt and len(ep.token_ids) > len(prompt)
+        assert not any("<|im_end|>" in m["content"] for m in ep.messages if m["role"] == "user")
+
+
+@pytest.mark.parametrize("sign", [1.0, -1.0])
+def test_learning_moves_reward_with_its_sign(llm, vllm_dir, sign):
+    torch.manual_seed(0)
+    model = hf_model(vllm_dir)
+    engine.sync_weights(llm, model)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-2)
+    args = grpo.get_parser().parse_args(["--init", "-", "--tasks", "-", "--out", "-", "--temperature", "1.0"])
+    target = set(range(0, 2048, 4))  # a quarter of the vocabulary
+    prompts = [[random.Random(i).randrange(2000) for _ in range(6)] for i in range(8)]
+    curve = [bandit_step(llm, model, opt, args, prompts, target, sign, n=8) for _ in range(20)]
+    first, last = sum(curve[:5]) / 5, sum(curve[-5:]) / 5
+    assert 0.1 < first < 0.45, curve  # about a quarter at the start
+    assert (last > 0.8) if sign > 0 else (last < 0.1), curve
