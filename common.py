@@ -92,7 +92,8 @@ class _TokenLogprobs(torch.autograd.Function):
         Wc = W.to(dtype)
         need_h, need_W = terms is not None and ctx.needs_input_grad[0], terms is not None and ctx.needs_input_grad[1]
         grad_h, grad_W = _head_grads(h, W, need_h, need_W)
-        ctx.chunk, ctx.dtype, ctx.fused = chunk or head_chunk(W.shape[0]), dtype, terms is not None  # backward: one block
+        ctx.chunk, ctx.dtype = chunk or head_chunk(W.shape[0]), dtype  # the recompute's backward has one block
+        ctx.fused = terms is not None
         chunk = chunk or head_chunk(W.shape[0], 2 if entropy else 1)
         for s in range(0, N, chunk):
             hc, tc = h[s: s + chunk].to(dtype), targets[s: s + chunk]  # (c, H), (c,)

@@ -423,8 +423,9 @@ def pg_loss(model, batch, args, n_tok, n_seq, n_echo):
         unclipped, clipped = ratio * adv[i], ratio.clamp(*clip_range(args)) * adv[i]
         d_ref = ref[i] - lp if ref is not None else torch.zeros_like(lp)  # log pi_init - log pi
         k3 = d_ref.exp() - d_ref - 1
+        flows = unclipped <= clipped  # the min takes the unclipped branch: the gradient flows through the ratio
         return {"pg": -w[i] * w_is * torch.minimum(unclipped, clipped), "kl": args.kl_coef * w[i] * k3, "k3": k3,
-                "d_ref": d_ref, "w_is": w_is, "old": o, "flows": unclipped <= clipped}  # flows: the min's unclipped side
+                "d_ref": d_ref, "w_is": w_is, "old": o, "flows": flows}
 
     def terms(lp, rows):  # (c,) the loss of rows `rows`, each row's from its own log-prob
         a = act[rows]

@@ -16,8 +16,9 @@ read on that clock too), which other processes' load disturbs far less. Peak mem
 resident-set high-water mark above its level before the pass, sampled every 0.2 ms by a thread (bench.loss.PeakRSS),
 measured in a fresh process after all timing (--part peak), with glibc made to map every allocation over 64 KiB on
 its own and unmap it when freed (it otherwise keeps freed blocks of up to 32 MiB resident for reuse, and the resident
-set would not follow the tensors; the setting slows allocation, so no timing runs under it); on CUDA torch.cuda.max_memory_allocated above the same baseline. Each line also gives
-the bound the kernel's docstring states: one block of logits, the fp32 gradients of the head and of the rows.
+set would not follow the tensors; the setting slows allocation, so no timing runs under it); on CUDA
+torch.cuda.max_memory_allocated above the same baseline. Each line also gives the bound the kernel's docstring
+states: one block of logits, the fp32 gradients of the head and of the rows.
 """
 import argparse
 import ctypes
@@ -181,7 +182,8 @@ def bench_sft(V, L, args, device, ctx, clock, tmp):
                                                              common.token_loss),
                 "sft.py, recompute": lambda run: sft_run(model_dir, out / "data.jsonl", run, L, args, clock,
                                                          recompute_loss),
-                "bare full-logits loop": lambda run: bare_loop(model_dir, examples, args.sft_steps, 4, device, ctx, clock)}
+                "bare full-logits loop": lambda run: bare_loop(model_dir, examples, args.sft_steps, 4, device, ctx,
+                                                               clock)}
     tot = {k: [0.0, 0.0] for k in variants}
     for r in range(args.sft_rounds):
         for i, (name, run) in enumerate(variants.items()):
