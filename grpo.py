@@ -188,47 +188,59 @@ def may_skip(example, coefs):
 
 
 def pg_loss(model, batch, args, coefs, n_tok, n_seq, n_echo):
-    """-> (this micro-batch's part of the step's loss, stats of sums): the objective of the module docstring,
-    written on the per-token log-probs of common.token_logprobs (the chunked head, differentiable: the (N, V)
-    logits never exist) and left to autograd. coefs: loss_coefs. n_tok, n_seq, n_echo: the step's action tokens,
-    sequences with action tokens and sequences with ECHO tokens, over all micro-batches and ranks (the
-    normalisers)."""
+    """-> (this micro-batch's part of the step's loss, stats of sums): the objective of the module docstring, a sum
+    of per-token terms, each a function of its own token's log-prob, so common.token_loss forms the head's
+    gradients in the forward pass (the chunked head: the (N, V) logits never exist). coefs: loss_coefs, each term's
+    weight. n_tok, n_seq, n_echo: the step's action tokens, sequences with action tokens and sequences with ECHO
+    tokens, over all micro-batches and ranks (the normalisers)."""
     echo = echo_mask(batch["roles"], batch["wrapper"], args.echo_payload_only) & (coefs["echo"] != 0)  # (B, T-1)
     h, targets, act, row, sel = selected_rows(model, batch, args.temperature, echo)
-    logp_all, ent = common.token_logprobs(h, model.get_output_embeddings().weight, targets, entropy=True)  # (N,)
-    logp, obs_logp = logp_all[act], logp_all[~act]  # (n_act,) at T, (n_obs,) at T = 1
     a_row, o_row = row[act], row[~act]
 
-    def at_act(key):  # a (B, T) per-token field at the action positions, (n_act,)
-        return batch[key][:, 1:][sel][act]
-    adv, behav = at_act("adv"), at_act("behav")
-    lp = logp.detach()
-    old = at_act("old") if "old" in batch else lp  # the trainer before this step's first update
+    def at_rows(key):  # a (B, T) per-token field at the selected positions, (N,)
+        return batch[key][:, 1:][sel]
+    adv, behav = at_rows("adv"), at_rows("behav")
+    old = at_rows("old") if "old" in batch else None  # None: the trainer before this step's first update is this one
+    ref = at_rows("ref") if "ref" in batch else None
+    w = torch.zeros(len(targets), device=h.device)  # (N,): n_i on action rows, ECHO's weight on observation rows
     if args.loss_norm == "token":
-        norm = torch.full_like(lp, 1.0 / n_tok)
+        w[act] = 1.0 / n_tok
     elif args.loss_norm == "sequence":
-        norm = 1.0 / (torch.bincount(a_row, minlength=len(sel)).float()[a_row] * n_seq)
+        w[act] = 1.0 / (torch.bincount(a_row, minlength=len(sel)).float()[a_row] * n_seq)
     else:  # constant (Dr. GRPO): every action token weighs the same, however long its sequence
-        norm = torch.full_like(lp, 1.0 / (args.max_len * n_seq))
-    if args.tis_cap > 0:
-        ratio, w_is = (logp - old).exp(), (old - behav).exp().clamp(max=args.tis_cap)
-    else:
-        ratio, w_is = (logp - behav).exp(), torch.ones_like(lp)
-    unclipped, clipped = ratio * adv, ratio.clamp(*clip_range(args)) * adv
-    d_ref = at_act("ref") - logp if "ref" in batch else torch.zeros_like(logp)  # log pi_init - log pi
-    k3 = d_ref.exp() - d_ref - 1
-    n_obs_row = torch.bincount(o_row, minlength=len(sel)).float()  # (B,)
-    terms = {"pg": -(norm * w_is * torch.minimum(unclipped, clipped)).sum(), "kl": (norm * k3).sum(),
-             "echo": (1.0 / (n_obs_row[o_row] * max(n_echo, 1)) * -obs_logp).sum()}
-    weighted = {k: coefs[k] * v for k, v in terms.items()}
-    loss = sum(weighted.values())
-    flows = (unclipped <= clipped).detach()  # the min takes the unclipped branch: the gradient flows through rho
-    stats = {"loss": loss.item(), "pg_loss": weighted["pg"].item(), "echo_loss": weighted["echo"].item(),
-             "act_tokens": len(lp), "entropy_sum": float(ent[act].sum()), "kl_init_sum": float(-d_ref.detach().sum()),
-             "kl_init_k3_sum": float(k3.detach().sum()), "mismatch_sum": float((behav - old).sum()),
-             "mismatch_abs_sum": float((behav - old).abs().sum()), "clipped_sum": float((~flows & (adv != 0)).sum()),
-             "tis_w_sum": float(w_is.sum()), "obs_tokens": len(obs_logp),
-             "obs_nll_sum": float(-obs_logp.detach().sum())}
+        w[act] = 1.0 / (args.max_len * n_seq)
+    w[~act] = coefs["echo"] / (torch.bincount(o_row, minlength=len(sel)).float()[o_row] * max(n_echo, 1))
+
+    def act_parts(lp, i):  # the objective's parts at action rows i (indices into the N rows), lp their log-probs
+        o = old[i] if old is not None else lp.detach()
+        if args.tis_cap > 0:
+            ratio, w_is = (lp - o).exp(), (o - behav[i]).exp().clamp(max=args.tis_cap)
+        else:
+            ratio, w_is = (lp - behav[i]).exp(), torch.ones_like(o)
+        unclipped, clipped = ratio * adv[i], ratio.clamp(*clip_range(args)) * adv[i]
+        d_ref = ref[i] - lp if ref is not None else torch.zeros_like(lp)  # log pi_init - log pi
+        k3 = d_ref.exp() - d_ref - 1
+        flows = unclipped <= clipped  # the min takes the unclipped branch: the gradient flows through the ratio
+        return {"pg": -coefs["pg"] * w[i] * w_is * torch.minimum(unclipped, clipped), "kl": coefs["kl"] * w[i] * k3,
+                "k3": k3, "d_ref": d_ref, "w_is": w_is, "old": o, "flows": flows}
+
+    def terms(lp, rows):  # (c,) the loss of rows `rows`, each row's from its own log-prob
+        a = act[rows]
+        t = torch.zeros_like(lp)
+        p = act_parts(lp[a], a.nonzero().squeeze(1) + rows.start)
+        t[a] = p["pg"] + p["kl"]
+        t[~a] = -w[rows][~a] * lp[~a]
+        return t
+    W = model.get_output_embeddings().weight
+    loss, logp_all, ent = common.token_loss(h, W, targets, terms, entropy=True)  # (), (N,) at T or 1, (N,)
+    p, obs_logp = act_parts(logp_all[act], act.nonzero().squeeze(1)), logp_all[~act]  # the stats, detached
+    pg, echo_term = p["pg"].sum(), -(w[~act] * obs_logp).sum()
+    stats = {"loss": loss.item(), "pg_loss": pg.item(), "echo_loss": echo_term.item(), "act_tokens": int(act.sum()),
+             "entropy_sum": float(ent[act].sum()), "kl_init_sum": float(-p["d_ref"].sum()),
+             "kl_init_k3_sum": float(p["k3"].sum()), "mismatch_sum": float((behav[act] - p["old"]).sum()),
+             "mismatch_abs_sum": float((behav[act] - p["old"]).abs().sum()),
+             "clipped_sum": float((~p["flows"] & (adv[act] != 0)).sum()), "tis_w_sum": float(p["w_is"].sum()),
+             "obs_tokens": len(obs_logp), "obs_nll_sum": float(-obs_logp.sum())}
     return loss, stats
 
 

@@ -73,6 +73,42 @@ def test_the_chunked_head_matches_full_logits(entropy):
         assert not common.token_logprobs(h, W, t, chunk=7)[0].requires_grad
 
 
+@pytest.mark.parametrize("entropy", [False, True])
+def test_the_head_with_per_token_terms_matches_full_logits(entropy):
+    """common.token_loss forms the head's gradients in the forward pass: for a loss whose per-token terms are
+    non-linear in their own log-probs (a clipped ratio, a square), the loss, log-probs, entropies and both gradients
+    equal autograd's through the full-logits log-softmax, in chunks that do not divide the rows, with the loss scaled
+    downstream, and the backward reads neither h nor W (both zeroed before it); under no_grad no gradient."""
+    torch.manual_seed(0)
+    h, W = torch.randn(50, 16, requires_grad=True), torch.randn(300, 16, requires_grad=True)
+    t, a, b = torch.randint(0, 300, (50,)), torch.randn(50), torch.randn(50) - 5
+
+    def f(lp, a, b):  # (n,) terms
+        return a * torch.minimum((lp - b).exp(), (lp - b).exp().clamp(0.8, 1.2)) + 0.1 * lp ** 2
+    full = torch.log_softmax(h @ W.T, -1)  # (N, V)
+    ref_lp = full.gather(1, t[:, None]).squeeze(1)
+    ref = f(ref_lp, a, b).sum()
+    (3 * ref).backward()
+    want = h.grad.clone(), W.grad.clone()
+    h.grad = W.grad = None
+    loss, logp, ent = common.token_loss(h, W, t, lambda lp, rows: f(lp, a[rows], b[rows]), entropy=entropy, chunk=7)
+    assert not logp.requires_grad
+    with torch.no_grad():
+        h.zero_(), W.zero_()
+    (3 * loss).backward()
+    torch.testing.assert_close(loss, ref)
+    torch.testing.assert_close(logp, ref_lp)
+    assert want[0].abs().max() > 0 and want[1].abs().max() > 0
+    torch.testing.assert_close(h.grad, want[0])
+    torch.testing.assert_close(W.grad, want[1])
+    if entropy:
+        torch.testing.assert_close(ent, -(full.exp() * full).sum(-1))
+    else:
+        assert ent is None
+    with torch.no_grad():
+        assert not common.token_loss(h, W, t, lambda lp, rows: -lp, chunk=7)[0].requires_grad
+
+
 def test_stats_report_both_nlls_whatever_lambda(model, examples, tokenizer):
     batch = common.collate(examples, tokenizer.pad_token_id)
     with torch.no_grad():
