@@ -50,6 +50,8 @@ STANDIN_ONLINE = {"UV_OFFLINE": "0", "UV_NATIVE_TLS": "1"}
 DISK_POLL_S = 0.2  # how often a sandbox's writable layer is measured (a walk of a small one: ~0.2 ms)
 QUOTA_MARGIN_MB = 16  # the kernel's cap is the budget plus this, so a sandbox stopped by the cap shows as over budget
 STANDIN_TOOLS = ("/root/.local/bin", "/opt/actobs-wheels")  # the stand-in's verifier tool kit: uv, uvx, env, wheels
+# docker exec's PATH in an image that sets none
+DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 STEP_READS = 3  # reads of a terminal step's result file when its exec's output came back incomplete
 
 # ----------------------------------------------------------------------------------------------------------
@@ -133,6 +135,20 @@ def image_archive(image, path):
         raise SandboxError(f"{image} has no {path}") from None
     finally:
         c.remove(force=True)
+
+
+@functools.lru_cache(maxsize=64)
+def image_commands(image):
+    """(the image's PATH folders and the stand-in's uv folder, the names of the commands in them), as a fresh
+    container of the image lists them: what a verifier's command resolves to before any agent ran."""
+    env = dict(e.split("=", 1) for e in docker_client().images.get(image).attrs["Config"].get("Env") or ())
+    dirs = tuple(dict.fromkeys(d for d in env.get("PATH", DEFAULT_PATH).split(":") + [STANDIN_TOOLS[0]]
+                               if d.startswith("/")))
+    out = docker_client().containers.run(image, list(dirs), entrypoint=["bash", "-c", 'ls -1A "$@" 2>/dev/null; :',
+                                                                        "ls"],
+                                         labels={LABEL: owner_label()}, network_mode="none", remove=True)
+    names = decode(out).splitlines()
+    return dirs, frozenset(n for n in names if n and not n.endswith(":"))  # "folder:" heads each listing
 
 
 def _tree_bytes(path):
