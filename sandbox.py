@@ -618,10 +618,18 @@ class Sandbox:
                 return
 
     def stop_agent(self):
-        """Kill every process the agent could have started (the terminal, daemons, setsid/nohup children)."""
+        """Kill every process the agent could have started (the terminal, daemons, setsid/nohup children). The
+        kill runs the container's bash, which the agent may have replaced: the container's process count, as the
+        daemon reads it from the cgroup, must then come down to init and its sleep."""
         code, out = self.exec(["bash", "-c", STOP_AGENT], user="root")
         if code != 0:
             raise SandboxError(f"agent processes could not be stopped: {decode(out)[-300:]}")
+        for _ in range(20):  # the last killed ones may take a moment to be reaped
+            left = self._pids()
+            if left <= 2:
+                return
+            time.sleep(0.05)
+        raise SandboxError(f"{left - 2} processes left after stopping the agent (was its bash replaced?)")
 
     def close(self):
         self._closed.set()
@@ -717,9 +725,12 @@ class Sandbox:
                                '[ -d /proc/$p ] && echo alive || echo gone'])
         return out.strip() == b"gone"
 
+    def _pids(self):
+        """Processes in the container, from its cgroup (no program of the container is asked)."""
+        return self.container.stats(stream=False, one_shot=True).get("pids_stats", {}).get("current", 0)
+
     def _pids_full(self):
-        stats = self.container.stats(stream=False, one_shot=True)
-        return stats.get("pids_stats", {}).get("current", 0) >= 0.95 * self.pids
+        return self._pids() >= 0.95 * self.pids
 
     def screen(self):
         """Initial observation: the visible screen; also marks the read position for the first diff."""
