@@ -206,18 +206,19 @@ class VLLMPolicy:
 
 
 def rollout(engine, tokenizer, tasks, *, temperature, max_turns, max_new_tokens, max_len, concurrency, template=None,
-            seed=0, on_episode=None, stats=None, lockstep=False, network=None, keep_agent=False, second_try=False):
+            seed=0, on_episode=None, stats=None, lockstep=False, network=None, keep_agent=False, second_try=False,
+            strict=True):
     """One episode per entry of `tasks` (repeat a task for several attempts) with the engine's current weights.
     Episodes come back in the order of `tasks`, with reward, turns, failure, timings, and the token sequence
     (token_ids, roles, logprobs, obs_wrapper, truncated). on_episode(i, episode) is called as each ends.
-    stats (a dict) receives the generator's wall / busy / idle seconds. network, keep_agent, second_try: as
-    envs.run_episodes (evaluate.py's options; training uses only network)."""
+    stats (a dict) receives the generator's wall / busy / idle seconds. network, keep_agent, second_try, strict:
+    as envs.run_episodes (evaluate.py's options; training uses only network, and strict verification)."""
     policy = VLLMPolicy(engine, tokenizer, temperature=temperature, max_new_tokens=max_new_tokens, max_len=max_len,
                         seed=seed, lockstep=lockstep)
     with engine_threads():
         return envs.run_episodes(tasks, policy, max_turns=max_turns, concurrency=concurrency, template=template,
                                  on_episode=on_episode, stats=stats, network=network, keep_agent=keep_agent,
-                                 second_try=second_try)
+                                 second_try=second_try, strict=strict)
 
 
 @contextmanager

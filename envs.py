@@ -33,7 +33,8 @@ from pathlib import Path
 
 import taskgen
 from sandbox import (BASE_IMAGE, DEFAULT_STORAGE_MB, STANDIN_SUITE, STANDIN_TAGS, STANDIN_TOOLS, DiskLimit,
-                     ProcessLimit, Sandbox, ShellExited, build_base_image, docker_client, image_exists, sweep)
+                     ProcessLimit, Sandbox, ShellExited, build_base_image, docker_client, image_commands, image_exists,
+                     sweep)
 from terminus import (DEFAULT_PROMPT, confirm_message, decode, fill_prompt, load_template, parse_error_message,
                       parse_reply, second_try_message, with_warnings)
 
@@ -299,19 +300,55 @@ def verifier_env(task):
             "UV_CACHE_DIR": f"{VERIFIER_DIR}/uv-cache", "UV_NO_CONFIG": "1", "PIP_CONFIG_FILE": os.devnull}
 
 
-def prepare_verifier(sb, task):
+# The verifier's programs: the shell and coreutils, the dynamic loader and libraries, the interpreters with their
+# standard libraries and site-packages, uv and pytest; they come from these folders (and the image's PATH).
+PROGRAM_DIRS = ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/usr/bin", "/usr/sbin", "/usr/lib",
+                "/usr/lib32", "/usr/lib64", "/usr/libexec", "/usr/local/bin", "/usr/local/sbin", "/usr/local/lib",
+                "/etc/ld.so.preload", "/etc/ld.so.conf", "/etc/ld.so.conf.d", "/etc/alternatives") + STANDIN_TOOLS
+
+
+def program_changes(sb, changed):
+    """The paths in `changed` (Sandbox.changes) that change the programs the verifier runs, as the image has them:
+    a file of PROGRAM_DIRS or of the image's PATH that the image has and the agent modified or replaced (bash,
+    python, uv, a library, a module, a compiled .pyc), a loader setting the agent added, and an added command
+    that shadows one the image has on PATH (a `tr` in /usr/local/bin). New packages and commands are not
+    changes of the verifier's programs: an honest `pip install` or `apt-get install` adds, it does not replace."""
+    path_dirs, commands = image_commands(sb.image)
+    dirs = PROGRAM_DIRS + path_dirs
+    above = set()  # every folder above a changed path: a "C" there is the folder's listing, not a program
+    for p in changed:
+        while p not in ("/", ""):
+            p = os.path.dirname(p)
+            above.add(p)
+    found = []
+    for path, kind in changed.items():
+        if not any(_under(path, d) for d in dirs) or path in above:
+            continue
+        if (kind == "C" or _under(path, "/etc/ld.so.conf.d") or path == "/etc/ld.so.preload"
+                or (os.path.dirname(path) in path_dirs and os.path.basename(path) in commands)):
+            found.append(path)
+    return sorted(found)
+
+
+def prepare_verifier(sb, task, strict=False):
     """After stop_agent: put back what the agent changed of the verifier's start-up hooks (sitecustomize,
     usercustomize), pytest plugin registrations and tool kit (as the image has them, or removed), write /tests
-    and VERIFIER_DIR afresh, root-owned. Returns the verifier-loaded paths the agent wrote (verifier_loaded),
-    sorted: the episode's tamper evidence. .pth files stay (removing them would break packages the agent
-    installed): the verifier's own environment does not read the image's (uvx), or its interpreter is the image's."""
+    and VERIFIER_DIR afresh, root-owned. Returns the verifier-loaded paths the agent wrote (verifier_loaded)
+    and its changes of the verifier's programs (program_changes), sorted: the episode's tamper evidence. .pth
+    files stay (removing them would break packages the agent installed): the verifier's own environment does
+    not read the image's (uvx), or its interpreter is the image's. strict: also remove the .pyc files the agent
+    added under PROGRAM_DIRS (a crafted one runs in place of a module's source; Python writes them again)."""
     changed = sb.changes()
     tampered = verifier_loaded(sb, changed)
+    programs = program_changes(sb, changed)
     hooks = [p for p in tampered if os.path.basename(p) in STARTUP_HOOKS + ("entry_points.txt",)]
     for path in hooks:
         if changed[path] == "C":  # the image has one: its own comes back
             sb.restore(path)
     added = [p for p in hooks if changed[p] == "A"]
+    if strict:
+        added += [p for p, kind in changed.items() if kind == "A" and p.endswith(".pyc")
+                  and any(_under(p, d) for d in PROGRAM_DIRS)]
     for tool in STANDIN_TOOLS:
         if changed.get(tool) == "C" and any(_under(p, tool) for p in tampered):
             sb.restore(tool)
@@ -319,22 +356,33 @@ def prepare_verifier(sb, task):
     if code != 0:
         raise RuntimeError(f"could not prepare the verifier: {decode(out)[-300:]}")
     sb.put_files([("/tests/" + rel, data, 0o755) for rel, data in task.tests.items()])
-    return tampered
+    return sorted(set(tampered) | set(programs))
 
 
-def verify(sb, task, keep_agent=False, tampered=None):
+class Tampered(Exception):
+    """strict verification: the agent changed what the verifier loads or runs; the episode scores 0 unverified."""
+
+
+def verify(sb, task, keep_agent=False, tampered=None, strict=False):
     """Stop every agent process, then run tests/test.sh as root in a fresh /logs/verifier, with the task's
-    inputs (prepare_verifier, verifier_env); returns (reward, error, output tail), and adds the verifier-loaded
-    paths the agent wrote to the list `tampered`, if given. The reward is read only from what the verifier
-    wrote: no agent process is left to write it. An error (timeout, no or bad reward file, a test runner that
-    never started) is not a 0 reward. keep_agent: leave the agent's processes running (tests that probe a
-    service the agent started, as Harbor does); then anything the agent left behind can write the reward file
-    or change the tests or the verifier's inputs: a forged reward."""
+    inputs (prepare_verifier, verifier_env); returns (reward, error, output tail), and adds the tamper evidence
+    (the verifier-loaded paths and the verifier's programs the agent changed) to the list `tampered`, if given.
+    strict (RL: a policy must never be paid for it): any tamper evidence raises Tampered before the verifier
+    runs; otherwise (evaluation, Harbor's semantics: a task may legitimately change those files) the verifier
+    runs on what the agent left, with the planted inputs undone, and the evidence is only recorded. The reward
+    is read only from what the verifier wrote: no agent process is left to write it. An error (timeout, no or
+    bad reward file, a test runner that never started) is not a 0 reward. keep_agent: leave the agent's
+    processes running (tests that probe a service the agent started, as Harbor does); then anything the agent
+    left behind can write the reward file or change the tests or the verifier's inputs: a forged reward."""
     if not keep_agent:
         sb.stop_agent()
-    found = prepare_verifier(sb, task)
+    found = prepare_verifier(sb, task, strict)
     if tampered is not None:
         tampered.extend(found)
+    if strict and found:
+        sb.exec(["rm", "-rf", "/tests"], user="root")
+        raise Tampered(f"the agent changed what the verifier loads or runs: {', '.join(found[:5])}"
+                       + (f" and {len(found) - 5} more" if len(found) > 5 else ""))
     code, out = sb.exec(["bash", "-c", RUN_TESTS, "verify", "/tests/test.sh"], user="root",
                         timeout=task.verifier_timeout, env=verifier_env(task))
     tail = decode(out)[-VERIFIER_TAIL:]
@@ -404,7 +452,7 @@ def network_evidence(text):
 # Failure kinds. The agent's doing (scored; the reward goes with it): timeout, parse_errors, max_turns,
 # shell_exited (the verifier still scores what was done), disk_limit and pids_limit (reward 0), verifier_error
 # (reward 0: the verifier timed out, wrote no reward, or its test runner never started; an agent can break its
-# own checker).
+# own checker), tampered (reward 0, strict verification only: the agent changed what the verifier loads or runs).
 # Infrastructure, never the agent's doing: GRPO and evaluation leave these episodes out.
 INFRA_FAILURES = frozenset({"sandbox_error", "image_build_error"})
 
@@ -437,16 +485,18 @@ class Episode:
     truncated: bool = False
     # Tamper evidence: the verifier-loaded files the agent wrote (envs.prepare_verifier: anything in /tests, a
     # conftest.py or pytest ini in /, Python start-up hooks, pytest plugin registrations, the stand-in's uv and
-    # wheels). The verifier ran without them where it could; the reward is what it then paid. GRPO counts these.
+    # wheels) and the verifier's programs it changed (program_changes). Under strict verification the episode
+    # then ends as `tampered`, reward 0; otherwise the verifier ran without the planted inputs where it could, and
+    # the reward is what it then paid (evaluate.py counts these attempts).
     tampered: list = dataclasses.field(default_factory=list)
 
 
 class _Run:
     """One episode's state between policy calls; every method runs in a worker thread."""
 
-    def __init__(self, task, template, network, keep_agent=False, second_try=False):
+    def __init__(self, task, template, network, keep_agent=False, second_try=False, strict=True):
         self.task, self.template, self.network, self.keep_agent = task, template, network, keep_agent
-        self.second_try = second_try
+        self.second_try, self.strict = second_try, strict
         self.ep = Episode(task.name, [], timings=dict(start_s=0.0, env_s=0.0, policy_s=0.0, verify_s=0.0))
         self.sb, self.done, self.confirming, self.parse_errors = None, False, False, 0
         self.turn0, self.clock0 = 0, 0.0  # where the turn budget and the agent's clock start (a second try: anew)
@@ -524,7 +574,7 @@ class _Run:
             if verify_:
                 t = time.time()
                 seen = "\n".join(m["content"] for m in self.ep.messages[1:] if m["role"] == "user")
-                _score(self.ep, self.sb, self.task, seen, self.keep_agent)
+                _score(self.ep, self.sb, self.task, seen, self.keep_agent, self.strict)
                 self.ep.timings["verify_s"] += time.time() - t
                 again = (self.second_try and self.ep.first_reward is None and self.ep.failure is None
                          and self.ep.reward < 1)
@@ -554,15 +604,21 @@ class _Run:
             self.sb.close()
 
 
-def _score(ep, sb, task, seen="", keep_agent=False):
-    """Verify into the episode. The disk budget is checked last: a sandbox over it scores 0 as disk_limit.
-    seen: what the solution's or the agent's commands printed, searched for network errors on a reward below 1."""
+def _score(ep, sb, task, seen="", keep_agent=False, strict=False):
+    """Verify into the episode. The disk budget is checked last: a sandbox over it scores 0 as disk_limit; then
+    tampering, under strict verification (verify). seen: what the solution's or the agent's commands printed,
+    searched for network errors on a reward below 1."""
+    tampered = ""
     try:
-        ep.reward, verr, ep.verifier_output = verify(sb, task, keep_agent, ep.tampered)
+        ep.reward, verr, ep.verifier_output = verify(sb, task, keep_agent, ep.tampered, strict)
+    except Tampered as e:
+        ep.reward, verr, tampered = 0.0, None, str(e)
     except Exception as e:
         ep.reward, verr = 0.0, f"{type(e).__name__}: {e}"
     if sb.disk_exceeded:
         ep.reward, ep.failure, ep.error = 0.0, "disk_limit", sb.disk_exceeded
+    elif tampered:
+        ep.failure, ep.error = "tampered", tampered
     elif verr and ep.failure is None:
         ep.failure, ep.error = "verifier_error", verr
     if ep.reward < 1 and task.allow_internet and not sb.network:
@@ -596,7 +652,7 @@ class BatchPolicy:
 
 
 def run_episodes(tasks, policy, *, max_turns=30, concurrency=8, template=None, network=None, max_parse_errors=3,
-                 on_episode=None, stats=None, keep_agent=False, second_try=False):
+                 on_episode=None, stats=None, keep_agent=False, second_try=False, strict=True):
     """Run one episode per entry of `tasks` (repeat a task for several rollouts), up to `concurrency` sandboxes
     live at once; a finished episode's slot starts the next sandbox at once. Sandbox starts and terminal steps
     run in a thread pool; this thread drives the policy.
@@ -610,11 +666,13 @@ def run_episodes(tasks, policy, *, max_turns=30, concurrency=8, template=None, n
     policy_s (time inside poll: the generator working) and idle_s (the generator waiting for sandboxes).
     Sandboxes are removed even if the policy raises. network: a Docker network mode for the tasks that allow the
     internet (open_sandbox), None for none. keep_agent: verify(..., keep_agent). second_try: after a confirmed
-    completion that the verifier scores below 1, the agent sees its output and goes on once (_Run.retry)."""
+    completion that the verifier scores below 1, the agent sees its output and goes on once (_Run.retry).
+    strict: an agent that changed what the verifier loads or runs scores 0 as `tampered` (verify): what RL needs;
+    evaluate.py passes False (Harbor's semantics; the evidence is counted)."""
     template = template or DEFAULT_PROMPT
     policy = policy if hasattr(policy, "submit") else BatchPolicy(policy)
     sweep()
-    runs = [_Run(t, template, network, keep_agent, second_try) for t in tasks]
+    runs = [_Run(t, template, network, keep_agent, second_try, strict) for t in tasks]
     todo, env, live, asked = list(range(len(runs)))[::-1], {}, 0, {}  # env: future of a pool job -> episode
     pool = ThreadPoolExecutor(max(1, concurrency))
     t_start, busy = time.time(), 0.0
@@ -661,9 +719,10 @@ def run_episodes(tasks, policy, *, max_turns=30, concurrency=8, template=None, n
     return [r.ep for r in runs]
 
 
-def run_oracle(tasks, *, noop=False, concurrency=4, network=None, keep_agent=False):
+def run_oracle(tasks, *, noop=False, concurrency=4, network=None, keep_agent=False, strict=False):
     """Run each task's solution/solve.sh (or nothing, with noop) and the verifier; returns Episodes. network,
-    keep_agent: as in run_episodes (keep_agent: what solve.sh left running stays up for the verifier)."""
+    keep_agent, strict: as in run_episodes (keep_agent: what solve.sh left running stays up for the verifier;
+    strict is off: a task's own solution may change the verifier's programs, as under Harbor)."""
     def one(task):
         ep, t0 = Episode(task.name, []), time.time()
         if task.build_error:
@@ -677,7 +736,7 @@ def run_oracle(tasks, *, noop=False, concurrency=4, network=None, keep_agent=Fal
                     code, out = sb.exec(["bash", "/solution/solve.sh"], timeout=task.agent_timeout)
                     if code in (124, 137) and not sb.disk_exceeded:
                         ep.failure, ep.error = "timeout", decode(out)[-500:]
-                _score(ep, sb, task, decode(out), keep_agent)
+                _score(ep, sb, task, decode(out), keep_agent, strict)
         except Exception as e:
             ep.failure, ep.error = "sandbox_error", f"{type(e).__name__}: {e}"
         ep.timings["total_s"] = time.time() - t0

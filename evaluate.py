@@ -122,7 +122,8 @@ def reward_of(a, first=False):
 
 def task_counts(entry, first=False):
     """(n, c, excluded, agent failures, infra failures) of one task's attempts; c on the first try with first.
-    Attempts that failed for want of the network (needs_network) count in agent failures as `needs network`."""
+    Attempts that failed for want of the network (needs_network) count in agent failures as `needs network`, and
+    those whose agent changed what the verifier loads or runs (their reward stands, as under Harbor) as `tampered`."""
     n = c = 0
     agent, infra = Counter(), Counter()
     for a in entry["attempts"]:
@@ -135,6 +136,8 @@ def task_counts(entry, first=False):
             agent[a["failure"]] += 1
         if a.get("needs_network"):
             agent["needs network"] += 1
+        if a.get("tampered"):
+            agent["tampered"] += 1
     return n, c, sum(infra.values()), agent, infra
 
 
@@ -192,6 +195,9 @@ def table(results):
     if s["failures"].get("needs network"):
         lines.append(f"needs network: {s['failures']['needs network']} attempts scored below 1 in a sandbox without "
                      "the network after a command failed for want of it (their tasks allow it: --network)")
+    if s["failures"].get("tampered"):
+        lines.append(f"tampered: {s['failures']['tampered']} attempts changed what the verifier loads or runs "
+                     "(envs.verify; their reward stands, as under Harbor)")
     short = [k for k in ks if s["tasks@k"][k] < s["tasks"]]
     if short:
         lines.append(f"pass@{','.join(map(str, short))}: only tasks with at least k valid attempts "
@@ -414,6 +420,8 @@ def attempt_record(attempt, ep):
            **{k: round(ep.timings.get(k, 0.0), 3) for k in PHASES}, "failure": ep.failure, "error": ep.error[-1000:]}
     if ep.needs_network:
         rec["needs_network"] = ep.needs_network
+    if ep.tampered:
+        rec["tampered"] = ep.tampered[:20]
     if ep.first_reward is not None:
         rec["first_reward"] = ep.first_reward
     return rec
@@ -459,7 +467,8 @@ def vllm_rollout(args, session):
                                   max_new_tokens=args.max_new_tokens, max_len=args.max_len,
                                   concurrency=args.concurrency, template=template, seed=args.seed + session,
                                   on_episode=on_episode, stats=stats, network=args.network,
-                                  keep_agent=args.keep_agent_processes, second_try=args.second_try)
+                                  keep_agent=args.keep_agent_processes, second_try=args.second_try,
+                                  strict=False)  # Harbor's semantics: tampering is counted, not scored
         mc = llm.llm_engine.model_config  # what time_breakdown's FLOP bound needs, at the engine's threads
         with engine.engine_threads():
             stats.update(config=mc.hf_text_config.to_dict(), dtype=str(mc.dtype).removeprefix("torch."),

@@ -13,6 +13,7 @@ pins, and tags it with STANDIN_TAGS; Docker then builds the Harbor Dockerfiles w
 
 The terminal needs bash, tmux and coreutils' `timeout` in the image (the base image has them).
 """
+import dataclasses
 import functools
 import hashlib
 import io
@@ -50,6 +51,8 @@ STANDIN_ONLINE = {"UV_OFFLINE": "0", "UV_NATIVE_TLS": "1"}
 DISK_POLL_S = 0.2  # how often a sandbox's writable layer is measured (a walk of a small one: ~0.2 ms)
 QUOTA_MARGIN_MB = 16  # the kernel's cap is the budget plus this, so a sandbox stopped by the cap shows as over budget
 STANDIN_TOOLS = ("/root/.local/bin", "/opt/actobs-wheels")  # the stand-in's verifier tool kit: uv, uvx, env, wheels
+# docker exec's PATH in an image that sets none
+DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 STEP_READS = 3  # reads of a terminal step's result file when its exec's output came back incomplete
 
 # ----------------------------------------------------------------------------------------------------------
@@ -90,33 +93,68 @@ def host_cpus(cpus):
     return min(cpus, _cpus)
 
 
-_quota_fs = None  # (data root, qgroups folder in sysfs), or False: this daemon's sandboxes get no kernel quota
+_quota_fs = None  # the daemon's DiskQuota, or False: its sandboxes get no kernel quota
 _quota_lock = threading.Lock()
 
 
-def btrfs_quota():
-    """(data root, sysfs qgroups folder) when the daemon keeps containers on btrfs with quotas on, on this host,
-    where this process may set qgroup limits (.ci/dockerd.sh sets that up); else None, said once on stderr:
-    budgets are then only watched, and one large write can overshoot them."""
+@dataclasses.dataclass(frozen=True)
+class DiskQuota:
+    """How the kernel caps a sandbox's writable layer on this daemon. kind "size": the daemon's own per-container
+    size limit (`--storage-opt size=`: overlay2 on XFS with project quotas, as .ci/dockerd.sh starts it by
+    default), at the overlay2 driver's speed; kind "btrfs": a qgroup limit this process sets on the container's
+    subvolume (root: the data root, sysfs: the qgroups folder), on the opt-in btrfs daemon."""
+    kind: str
+    root: str = ""
+    sysfs: str = ""
+
+
+def _size_limit_refused():
+    """Why the daemon refuses a per-container size limit, or "" when it takes one (a container is created with
+    one and removed, never started)."""
+    import docker
+    try:
+        c = docker_client().containers.create(BASE_IMAGE, entrypoint=["true"], labels={LABEL: owner_label()},
+                                              network_mode="none", storage_opt={"size": "64M"})
+    except docker.errors.ImageNotFound:
+        return f"{BASE_IMAGE} is not there to probe it with (`python envs.py base-image`)"
+    except docker.errors.APIError as e:
+        return e.explanation or str(e)
+    c.remove(force=True)
+    return ""
+
+
+def disk_quota():
+    """The daemon's DiskQuota (see there), found once; or None, said once on stderr: budgets are then only
+    watched, and one large write can overshoot them by any amount."""
     global _quota_fs
     with _quota_lock:
         if _quota_fs is None:
-            info, why = docker_client().info(), ""
-            root = info.get("DockerRootDir", "")
-            if info.get("Driver") != "btrfs":
-                why = f"the Docker daemon's storage driver is {info.get('Driver')}, not btrfs"
-            elif shutil.which("btrfs") is None or not os.access(root, os.W_OK):
-                why = f"no btrfs command, or {root} is not on this host or not writable by this process"
+            info = docker_client().info()
+            root, driver = info.get("DockerRootDir", ""), info.get("Driver")
+            _quota_fs, why = False, ""
+            if driver == "btrfs":
+                if shutil.which("btrfs") is None or not os.access(root, os.W_OK):
+                    why = f"no btrfs command, or {root} is not on this host or not writable by this process"
+                else:
+                    show = subprocess.run(["btrfs", "filesystem", "show", root], capture_output=True, text=True)
+                    uuid = re.search(r"uuid: (\S+)", show.stdout)
+                    sysfs = f"/sys/fs/btrfs/{uuid[1]}/qgroups" if uuid else ""
+                    if os.path.isdir(sysfs):
+                        _quota_fs = DiskQuota("btrfs", root, sysfs)
+                    else:
+                        why = f"btrfs quotas are off on {root}"
             else:
-                show = subprocess.run(["btrfs", "filesystem", "show", root], capture_output=True, text=True)
-                uuid = re.search(r"uuid: (\S+)", show.stdout)
-                sysfs = f"/sys/fs/btrfs/{uuid[1]}/qgroups" if uuid else ""
-                if not os.path.isdir(sysfs):
-                    why = f"btrfs quotas are off on {root}"
-            _quota_fs = False if why else (root, sysfs)
+                refused = _size_limit_refused()
+                if refused:
+                    backing = dict(info.get("DriverStatus") or ()).get("Backing Filesystem", "?")
+                    why = f"the daemon's {driver} driver on {backing} takes no per-container size: {refused}"
+                else:
+                    _quota_fs = DiskQuota("size")
             if why:
                 print(f"warning: no disk quota ({why}): sandbox disk budgets are watched, not enforced by the "
-                      "kernel; `ACTOBS_DOCKER_STORAGE=btrfs . .ci/dockerd.sh start` runs a daemon with one", file=sys.stderr)
+                      "kernel; .ci/dockerd.sh starts a daemon with one where the kernel has XFS quotas (or, slower, "
+                      "with ACTOBS_DOCKER_STORAGE=btrfs)",
+                      file=sys.stderr)
         return _quota_fs or None
 
 
@@ -133,6 +171,20 @@ def image_archive(image, path):
         raise SandboxError(f"{image} has no {path}") from None
     finally:
         c.remove(force=True)
+
+
+@functools.lru_cache(maxsize=64)
+def image_commands(image):
+    """(the image's PATH folders and the stand-in's uv folder, the names of the commands in them), as a fresh
+    container of the image lists them: what a verifier's command resolves to before any agent ran."""
+    env = dict(e.split("=", 1) for e in docker_client().images.get(image).attrs["Config"].get("Env") or ())
+    dirs = tuple(dict.fromkeys(d for d in env.get("PATH", DEFAULT_PATH).split(":") + [STANDIN_TOOLS[0]]
+                               if d.startswith("/")))
+    out = docker_client().containers.run(image, list(dirs), entrypoint=["bash", "-c", 'ls -1A "$@" 2>/dev/null; :',
+                                                                        "ls"],
+                                         labels={LABEL: owner_label()}, network_mode="none", remove=True)
+    names = decode(out).splitlines()
+    return dirs, frozenset(n for n in names if n and not n.endswith(":"))  # "folder:" heads each listing
 
 
 def _tree_bytes(path):
@@ -432,8 +484,8 @@ class ProcessLimit(SandboxError):
 
 class Sandbox:
     """A container with the task's limits and a tmux terminal; use as a context manager (always removed).
-    storage_mb: the disk budget of the container's writable layer, watched every DISK_POLL_S seconds; with a btrfs
-    daemon (btrfs_quota) the kernel also refuses writes past the budget + QUOTA_MARGIN_MB (self.quota). network:
+    storage_mb: the disk budget of the container's writable layer, watched every DISK_POLL_S seconds; on a daemon
+    with a DiskQuota (disk_quota) the kernel also refuses writes past the budget + QUOTA_MARGIN_MB. network:
     None (no network: only loopback) or a Docker network mode: "bridge" (the daemon's NAT network: the internet,
     not the host's own network), "host" (the host's network namespace, its local services included: the only
     way out on a daemon started with --bridge=none and no iptables, like .ci/dockerd.sh's, whose user-defined
@@ -446,7 +498,7 @@ class Sandbox:
         self.cpus, self.memory_mb, self.storage_mb = cpus, memory_mb, storage_mb
         self.pids, self.network, self.files = pids, network, files
         self.container = None
-        self.quota = None  # the sysfs folder of the writable layer's qgroup, when the kernel caps it
+        self.quota = None  # the sysfs folder of the writable layer's qgroup, on a btrfs daemon with quotas
         self._start = 0  # pane line where the next observation begins
         self._anchor = ""  # that line's text when it was read
         self.last_idle = False
@@ -472,6 +524,10 @@ class Sandbox:
         env = {"LANG": "C.UTF-8"}
         if self.network and "UV_OFFLINE=1" in (docker_client().images.get(self.image).attrs["Config"].get("Env") or []):
             env.update(STANDIN_ONLINE)
+        quota = disk_quota()
+        cap = {}
+        if quota and quota.kind == "size":  # the daemon's own limit on the writable layer, set at create
+            cap = {"storage_opt": {"size": f"{self.storage_mb + QUOTA_MARGIN_MB}M"}}
         # Created, then started: a container that fails to start is still ours to remove (close()).
         self.container = docker_client().containers.create(
             # The image's own entrypoint is replaced: the container only has to stay up for our execs. PID 1 is
@@ -479,8 +535,8 @@ class Sandbox:
             self.image, entrypoint=["bash", "-c", INIT], labels={LABEL: owner_label()},
             hostname="sandbox", network_mode=self.network or "none", mem_limit=f"{self.memory_mb}m",
             memswap_limit=f"{self.memory_mb}m", pids_limit=self.pids, nano_cpus=int(host_cpus(self.cpus) * 1e9),
-            working_dir=self.workdir, environment=env, tmpfs={path: "exec,mode=700" for path in self.tmpfs})
-        self.quota = self._limit_disk()  # before anything runs in it
+            working_dir=self.workdir, environment=env, tmpfs={path: "exec,mode=700" for path in self.tmpfs}, **cap)
+        self.quota = self._limit_disk(quota)  # before anything runs in it
         try:
             self.container.start()
         except docker.errors.APIError as e:
@@ -509,13 +565,13 @@ class Sandbox:
         self._start, self._anchor = 0, ""
         return self.screen()
 
-    def _limit_disk(self):
-        """Cap the writable layer's btrfs subvolume: its exclusive bytes (what the sandbox wrote, not the image it
-        shares) at the budget + QUOTA_MARGIN_MB. Returns its qgroup's sysfs folder, or None without a quota."""
-        fs = btrfs_quota()
-        if fs is None:
+    def _limit_disk(self, quota):
+        """On btrfs, cap the writable layer's subvolume: its exclusive bytes (what the sandbox wrote, not the image
+        it shares) at the budget + QUOTA_MARGIN_MB. Returns its qgroup's sysfs folder, or None where no qgroup is
+        read (no quota, or the daemon's own size limit, set at create)."""
+        if quota is None or quota.kind != "btrfs":
             return None
-        root, sysfs = fs
+        root, sysfs = quota.root, quota.sysfs
         try:
             mount_id = Path(root, "image/btrfs/layerdb/mounts", self.container.id, "mount-id").read_text().strip()
             subvol = str(Path(root, "btrfs/subvolumes", mount_id))
@@ -562,10 +618,18 @@ class Sandbox:
                 return
 
     def stop_agent(self):
-        """Kill every process the agent could have started (the terminal, daemons, setsid/nohup children)."""
+        """Kill every process the agent could have started (the terminal, daemons, setsid/nohup children). The
+        kill runs the container's bash, which the agent may have replaced: the container's process count, as the
+        daemon reads it from the cgroup, must then come down to init and its sleep."""
         code, out = self.exec(["bash", "-c", STOP_AGENT], user="root")
         if code != 0:
             raise SandboxError(f"agent processes could not be stopped: {decode(out)[-300:]}")
+        for _ in range(20):  # the last killed ones may take a moment to be reaped
+            left = self._pids()
+            if left <= 2:
+                return
+            time.sleep(0.05)
+        raise SandboxError(f"{left - 2} processes left after stopping the agent (was its bash replaced?)")
 
     def close(self):
         self._closed.set()
@@ -661,9 +725,12 @@ class Sandbox:
                                '[ -d /proc/$p ] && echo alive || echo gone'])
         return out.strip() == b"gone"
 
+    def _pids(self):
+        """Processes in the container, from its cgroup (no program of the container is asked)."""
+        return self.container.stats(stream=False, one_shot=True).get("pids_stats", {}).get("current", 0)
+
     def _pids_full(self):
-        stats = self.container.stats(stream=False, one_shot=True)
-        return stats.get("pids_stats", {}).get("current", 0) >= 0.95 * self.pids
+        return self._pids() >= 0.95 * self.pids
 
     def screen(self):
         """Initial observation: the visible screen; also marks the read position for the first diff."""

@@ -10,15 +10,16 @@
 # The daemon runs without iptables and without a bridge: sandboxes use network_mode="none", and image
 # builds use --network host, so no NAT rules are touched on the host.
 #
-# Disk quota (ACTOBS_DOCKER_STORAGE=btrfs; the default is overlay2, then vfs): the btrfs driver runs on a sparse
-# file $ACTOBS_DOCKER_ROOT/btrfs.img
-# ($ACTOBS_DOCKER_DISK_GB, default half the free space where it is created) loop-mounted at
-# $ACTOBS_DOCKER_ROOT/btrfs with quotas on: sandbox.py then gives each sandbox a qgroup limit, so the kernel
-# refuses a write past its disk budget, and all the daemon holds (images and sandboxes) stays inside that file.
-# Where that cannot run (no loop device, no btrfs, not root) the log says so and overlay2 (or vfs) is used with
-# data-root $ACTOBS_DOCKER_ROOT/data: budgets are then only watched (sandbox.py), not enforced by the kernel.
-# Not the default because it is slow here: 32 concurrent one-command episodes took 209 s on btrfs with qgroups
-# against 38 s on overlay2, and a GRPO step of 16 sandboxes 60-115 s (same machine, another job running).
+# Disk quota. By default (ACTOBS_DOCKER_STORAGE unset: "xfs overlay2 vfs", the first that runs) the overlay2
+# driver keeps its data on XFS mounted with project quotas: a sparse file $ACTOBS_DOCKER_ROOT/xfs.img
+# ($ACTOBS_DOCKER_DISK_GB, default half the free space where it is created) loop-mounted at $ACTOBS_DOCKER_ROOT/xfs.
+# The daemon then takes a size limit per container (sandbox.py asks for one at each sandbox's create), so the
+# kernel refuses a write past a sandbox's disk budget at overlay2's speed; images and image builds have no limit,
+# and all the daemon holds stays inside that file. Where that cannot run (no xfsprogs, no loop device, not root, a
+# kernel without XFS quota support) the log says why and plain overlay2 (or vfs, where the host cannot carry
+# overlay) runs with data-root $ACTOBS_DOCKER_ROOT/data: budgets are then only watched (sandbox.py), not enforced.
+# ACTOBS_DOCKER_STORAGE=btrfs: the btrfs driver on $ACTOBS_DOCKER_ROOT/btrfs.img with qgroups (sandbox.py sets one
+# limit per sandbox), for kernels without XFS quotas; slower (RESULTS.md), so never chosen unasked.
 
 ACTOBS_DOCKER_ROOT="${ACTOBS_DOCKER_ROOT:-/var/lib/actobs-docker}"
 _actobs_sock="$ACTOBS_DOCKER_ROOT/docker.sock"
@@ -28,14 +29,39 @@ _actobs_ready() { docker -H "unix://$_actobs_sock" version >/dev/null 2>&1; }
 
 _actobs_log() { echo "$(date -u +%FT%TZ) .ci/dockerd.sh: $*" | tee -a "$ACTOBS_DOCKER_ROOT/dockerd.log" >&2; }
 
+# Size of a new loop file: $ACTOBS_DOCKER_DISK_GB, or half the free space under $ACTOBS_DOCKER_ROOT.
+_actobs_disk_gb() {
+    echo "${ACTOBS_DOCKER_DISK_GB:-$(( $(df --output=avail -k "$ACTOBS_DOCKER_ROOT" | tail -1) / 2 / 2**20 ))}"
+}
+
+# Mount (creating it the first time) XFS with project quotas at $ACTOBS_DOCKER_ROOT/xfs; fails with a reason.
+_actobs_xfs() {
+    local mnt="$ACTOBS_DOCKER_ROOT/xfs" img="$ACTOBS_DOCKER_ROOT/xfs.img" new=
+    if ! mountpoint -q "$mnt"; then
+        command -v mkfs.xfs >/dev/null || { echo "xfsprogs not installed"; return 1; }
+        if [ ! -f "$img" ]; then
+            new=1
+            truncate -s "$(_actobs_disk_gb)G" "$img" && mkfs.xfs -q "$img" >/dev/null 2>&1 \
+                || { rm -f "$img"; echo "mkfs.xfs failed"; return 1; }
+        fi
+        mkdir -p "$mnt"
+        if ! mount -o loop,pquota "$img" "$mnt" 2>/dev/null; then
+            [ -n "$new" ] && rm -f "$img"  # nothing in it yet: the next start tries afresh
+            echo "cannot loop-mount $img with project quotas ($(dmesg 2>/dev/null | grep -i xfs | tail -1 | \
+                sed 's/^\[[^]]*\] //' || true))"
+            return 1
+        fi
+    fi
+    grep -q " $mnt xfs .*prjquota" /proc/mounts || { echo "$mnt is mounted without project quotas"; return 1; }
+}
+
 # Mount (creating it the first time) the quota filesystem at $ACTOBS_DOCKER_ROOT/btrfs; fails with a reason.
 _actobs_btrfs() {
-    local mnt="$ACTOBS_DOCKER_ROOT/btrfs" img="$ACTOBS_DOCKER_ROOT/btrfs.img" gb
+    local mnt="$ACTOBS_DOCKER_ROOT/btrfs" img="$ACTOBS_DOCKER_ROOT/btrfs.img"
     if ! mountpoint -q "$mnt"; then
         command -v mkfs.btrfs >/dev/null && command -v btrfs >/dev/null || { echo "btrfs-progs not installed"; return 1; }
         if [ ! -f "$img" ]; then
-            gb="${ACTOBS_DOCKER_DISK_GB:-$(( $(df --output=avail -k "$ACTOBS_DOCKER_ROOT" | tail -1) / 2 / 2**20 ))}"
-            truncate -s "${gb}G" "$img" && mkfs.btrfs -q "$img" >/dev/null 2>&1 || { rm -f "$img"; echo "mkfs.btrfs failed"; return 1; }
+            truncate -s "$(_actobs_disk_gb)G" "$img" && mkfs.btrfs -q "$img" >/dev/null 2>&1 || { rm -f "$img"; echo "mkfs.btrfs failed"; return 1; }
         fi
         mkdir -p "$mnt" && mount -o loop "$img" "$mnt" 2>&1 || { echo "cannot loop-mount $img"; return 1; }
     fi
@@ -45,11 +71,20 @@ _actobs_btrfs() {
 _actobs_start() {
     mkdir -p "$ACTOBS_DOCKER_ROOT/exec" || return 1
     local driver i data why started=
-    # btrfs: kernel-enforced disk budgets; overlay2 is fast; vfs where the host cannot carry overlay (nested overlay).
-    for driver in ${ACTOBS_DOCKER_STORAGE:-overlay2 vfs}; do
+    # xfs: overlay2 with kernel-enforced disk budgets; overlay2 without; vfs where the host cannot carry overlay
+    # (nested overlay); btrfs only when asked.
+    for driver in ${ACTOBS_DOCKER_STORAGE:-xfs overlay2 vfs}; do
         _actobs_ready && break
         data="$ACTOBS_DOCKER_ROOT/data"
-        if [ "$driver" = btrfs ]; then
+        if [ "$driver" = xfs ]; then
+            if ! why="$(_actobs_xfs)"; then
+                _actobs_log "no disk quota on overlay2 ($why)"
+                continue
+            fi
+            data="$ACTOBS_DOCKER_ROOT/xfs"
+            _actobs_log "disk quota: overlay2 on XFS with project quotas, $ACTOBS_DOCKER_ROOT/xfs.img" \
+                "($(du -h --apparent-size "$ACTOBS_DOCKER_ROOT/xfs.img" | cut -f1) at most)"
+        elif [ "$driver" = btrfs ]; then
             if ! why="$(_actobs_btrfs)"; then
                 _actobs_log "no disk quota ($why): falling back to a watched, not enforced, disk budget"
                 continue
@@ -58,7 +93,7 @@ _actobs_start() {
             _actobs_log "disk quota: btrfs qgroups on $ACTOBS_DOCKER_ROOT/btrfs.img ($(du -h --apparent-size "$ACTOBS_DOCKER_ROOT/btrfs.img" | cut -f1) at most)"
         fi
         mkdir -p "$data" || return 1
-        nohup dockerd --iptables=false --ip6tables=false --bridge=none --storage-driver="$driver" \
+        nohup dockerd --iptables=false --ip6tables=false --bridge=none --storage-driver="${driver/xfs/overlay2}" \
             --data-root "$data" --exec-root "$ACTOBS_DOCKER_ROOT/exec" \
             --pidfile "$_actobs_pid" -H "unix://$_actobs_sock" \
             >>"$ACTOBS_DOCKER_ROOT/dockerd.log" 2>&1 </dev/null &
@@ -75,7 +110,7 @@ _actobs_start() {
         return 1
     fi
     case "$started" in
-        ""|btrfs) ;;  # already up, or up with the quota
+        ""|xfs|btrfs) ;;  # already up, or up with a quota
         *) _actobs_log "no disk quota: dockerd runs on $started; disk budgets are watched, not enforced" ;;
     esac
     export DOCKER_HOST="unix://$_actobs_sock"

@@ -2,9 +2,11 @@
 # private Docker daemon (stopped again when the sourcing shell exits) and builds the sandbox base image (reused
 # when present).
 export DEBIAN_FRONTEND=noninteractive
-# btrfs-progs: the daemon's disk quota (.ci/dockerd.sh); without it budgets are only watched
-if ! command -v dockerd >/dev/null || ! command -v debootstrap >/dev/null || ! command -v mkfs.btrfs >/dev/null; then
-    apt-get update -qq && apt-get install -y -qq docker.io debootstrap btrfs-progs >/dev/null
+# xfsprogs: the daemon's disk quota (.ci/dockerd.sh; btrfs-progs: the opt-in one); without them budgets are only
+# watched
+if ! command -v dockerd >/dev/null || ! command -v debootstrap >/dev/null || ! command -v mkfs.xfs >/dev/null \
+        || ! command -v mkfs.btrfs >/dev/null; then
+    apt-get update -qq && apt-get install -y -qq docker.io debootstrap xfsprogs btrfs-progs >/dev/null
 fi
 [ -x .venv/bin/python ] || python3 -m venv .venv
 . .venv/bin/activate

@@ -2,14 +2,27 @@
 Sandbox benchmark: start latency, the terminal step next to a raw `docker exec` round trip, and throughput with
 1, 8 and 32 concurrent sandboxes. All numbers come from the same run, on the same daemon.
 
+With --daemons, the same run instead compares Docker daemons (e.g. one with a kernel-enforced disk quota against
+plain overlay2; each must hold the base image): rounds of `--episodes` concurrent one-command episodes
+(run_episodes: start, one terminal step, verification, removal), alternating between the daemons, and the wall
+ratio of each against the first; then on each, `--writers` sandboxes of 256 MB at once, half of them trying one
+`fallocate -l 4G`, half a `dd` loop of 1 GB, with the peak rise of the disk under the daemon's data root.
+
     python envs.py base-image && python -m bench.envs
     python -m bench.envs --reps 50 --steps 20 --concurrency 1 8 32
+    python -m bench.envs --daemons unix:///var/lib/actobs-docker/docker.sock \
+        unix:///var/lib/actobs-docker-xfs/docker.sock
 """
 import argparse
+import json
+import os
+import shutil
 import statistics
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import envs
 import sandbox
 
 
@@ -19,6 +32,11 @@ def parse_args(argv=None):
     p.add_argument("--reps", type=int, default=30, help="repetitions for the latency measurements")
     p.add_argument("--steps", type=int, default=10, help="terminal steps per sandbox in the throughput runs")
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
+    p.add_argument("--daemons", nargs="+", metavar="DOCKER_HOST", help="compare these daemons instead (the first "
+                   "is the baseline)")
+    p.add_argument("--episodes", type=int, default=32, help="concurrent episodes per round (--daemons)")
+    p.add_argument("--rounds", type=int, default=3, help="rounds per daemon, interleaved (--daemons)")
+    p.add_argument("--writers", type=int, default=4, help="sandboxes writing past their budget at once (--daemons)")
     return p.parse_args(argv)
 
 
@@ -62,8 +80,71 @@ def throughput(image, n, steps):
             sb.close()
 
 
+# One command, then the confirmation: the shortest episode that runs a terminal step and a verification.
+ONE_COMMAND = json.dumps({"analysis": "", "plan": "", "commands": [{"keystrokes": "echo hi > /app/out\n",
+                                                                     "duration": 1}], "task_complete": True})
+
+
+def use_daemon(host):
+    """Point sandbox.py at another daemon: its client and what it cached of the last one are dropped."""
+    os.environ["DOCKER_HOST"] = host
+    sandbox._client, sandbox._cpus, sandbox._quota_fs = None, None, None
+    sandbox.image_archive.cache_clear()
+
+
+def disk_rise(image, writers):
+    """writers sandboxes of 256 MB at once, half of them trying one fallocate of 4 GB, half a dd loop of 1 GB;
+    returns (the peak rise in MB of the disk under the daemon's data root, sampled every 20 ms, their outcomes)."""
+    pay = {"test.sh": b"echo 1 > /logs/verifier/reward.txt\n"}  # pays for anything: only the budget stops it
+    big = envs.Task("fallocate", "x", image=image, storage_mb=256, tests=pay,
+                    solution={"solve.sh": b"fallocate -l 4G /app/big\n"})
+    fill = envs.Task("dd", "x", image=image, storage_mb=256, tests=pay, solution={
+        "solve.sh": b"for i in $(seq 64); do dd if=/dev/zero of=/app/f$i bs=1M count=16 status=none || break; done\n"})
+    root = sandbox.docker_client().info()["DockerRootDir"]
+    free0, low, done = shutil.disk_usage(root).free, [shutil.disk_usage(root).free], threading.Event()
+
+    def sample():
+        while not done.wait(0.02):
+            low.append(shutil.disk_usage(root).free)
+    threading.Thread(target=sample, daemon=True).start()
+    try:
+        eps = envs.run_oracle([big, fill] * (writers // 2), concurrency=writers)
+    finally:
+        done.set()
+    return (free0 - min(low)) / 2**20, sorted(f"{e.task}: {e.reward:.0f} {e.failure or 'ok'}" for e in eps)
+
+
+def compare_daemons(args):
+    task = envs.Task("one-command", "Write hi to /app/out.", image=args.image, storage_mb=256, memory_mb=256,
+                     tests={"test.sh": b"grep -q hi /app/out && echo 1 > /logs/verifier/reward.txt\n"})
+    walls = {host: [] for host in args.daemons}
+    for r in range(args.rounds):
+        for host in args.daemons:
+            use_daemon(host)
+            sandbox.disk_quota()  # says (stderr) which budget this daemon has, outside the timed part
+            t0 = time.perf_counter()
+            eps = envs.run_episodes([task] * args.episodes, lambda convs: [ONE_COMMAND] * len(convs),
+                                    max_turns=3, concurrency=args.episodes)
+            walls[host].append(time.perf_counter() - t0)
+            bad = [(e.reward, e.failure, e.error[:200]) for e in eps if e.reward != 1.0]
+            assert not bad, f"{host}: {bad[:3]}"
+            print(f"round {r + 1} {host}: {walls[host][-1]:.1f} s")
+    base = statistics.median(walls[args.daemons[0]])
+    for host, w in walls.items():
+        print(f"{args.episodes} concurrent one-command episodes on {host}: median {statistics.median(w):.1f} s "
+              f"({', '.join(f'{x:.1f}' for x in w)}) | {statistics.median(w) / base:.2f}x the first")
+    for host in args.daemons:
+        use_daemon(host)
+        quota = sandbox.disk_quota()
+        peak, outcomes = disk_rise(args.image, args.writers)
+        print(f"{host} ({quota.kind if quota else 'watched only'}): {args.writers} sandboxes of 256 MB writing past "
+              f"it at once: disk rise peak {peak:.0f} MB | {', '.join(outcomes)}")
+
+
 def main(argv=None):
     args = parse_args(argv)
+    if args.daemons:
+        return compare_daemons(args)
     sandbox.sweep()
     starts = []
     for _ in range(max(3, args.reps // 6)):

@@ -31,8 +31,8 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "slow: end-to-end tests (CI runs them; `-m 'not slow'` is the quick subset)")
     config.addinivalue_line("markers", "docker: needs a Docker daemon and the docker SDK (its fixture: base_image)")
     config.addinivalue_line("markers", "vllm: needs vLLM installed (its fixture: vllm_dir)")
-    config.addinivalue_line("markers", "quota: needs a daemon with a disk quota (ACTOBS_DOCKER_STORAGE=btrfs .ci/dockerd.sh; "
-                                       ".ci/run runs these on one of their own)")
+    config.addinivalue_line("markers", "quota: needs a daemon with a disk quota (.ci/dockerd.sh's default where the "
+                                       "kernel has XFS quotas, else ACTOBS_DOCKER_STORAGE=btrfs; .ci/run runs these)")
 
 
 @pytest.hookimpl(tryfirst=True)  # before `-m` deselects

@@ -1,7 +1,9 @@
 """Reward a policy cannot take without doing the task (real Docker, the offline Terminal-Bench stand-in): each
 attack below is an agent that does not do the task but plants something a verifier loads (a conftest.py, a pytest
-ini file, a plugin, a start-up hook, a changed wheel) or writes far past its disk budget. Each must score 0 and
-be recorded as tamper evidence (Episode.tampered); the honest solution still scores 1 with none."""
+ini file, a plugin, a start-up hook, a changed wheel), replaces a program the verifier runs (bash, python, uv, a
+`tr` shadowed on PATH) or writes far past its disk budget. Each must score 0 (under strict verification, the
+RL default, as `tampered`) and be recorded as tamper evidence (Episode.tampered); the honest solutions, one of
+which installs a package, still score 1 with none."""
 import shutil
 import threading
 import time
@@ -87,31 +89,119 @@ def test_planted_verifier_inputs_score_0_and_are_recorded(tmp_path, base_image):
     assert any(p.startswith("/opt/actobs-wheels/") for p in tampered["wheel-cache"])
 
 
+
+# A verifier on the image's own interpreter (aider-style: `python3 -m pytest`), pytest pip-installed at build time.
+IMAGE_PYTEST_SH = b"""#!/bin/bash
+cd /tests && python3 -m pytest -rA test_outputs.py && r=1 || r=0; echo $r > /logs/verifier/reward.txt
+"""
+# A bash verifier, as Terminal-Bench writes some: coreutils decide.
+BASH_SH = b"""[ "$(tr a-z A-Z < /app/answer)" = RIGHT ] && r=1 || r=0; echo $r > /logs/verifier/reward.txt\n"""
+SITE = "/usr/local/lib/python3.13/dist-packages"  # where pip installs for the image's interpreter
+# Scripts that claim whatever their verifier wants: pytest's summary line and success, or RIGHT.
+PASSED = "printf '#!/bin/sh\\necho \"1 passed in 0.01s\"\\n' > {0}; chmod 755 {0}\n"
+PROGRAM_ATTACKS = {  # task -> {name: solve.sh}
+    "image-pytest": {
+        "pth-in-image-python": f"echo \"{COLLECT_ONLY}\" > {SITE}/zz-hook.pth\n",
+        "plugin-in-image-python": f"cat > {SITE}/passall.py <<'EOF'\n{PASS_ALL}EOF\n"
+                                  f"mkdir -p {SITE}/passall-1.0.dist-info\n"
+                                  f"printf 'Metadata-Version: 2.1\\nName: passall\\nVersion: 1.0\\n' > "
+                                  f"{SITE}/passall-1.0.dist-info/METADATA\n"
+                                  f"printf '[pytest11]\\npassall = passall\\n' > "
+                                  f"{SITE}/passall-1.0.dist-info/entry_points.txt\n",
+        "replaced-python": PASSED.format("/usr/bin/python3.13"),
+        # bash stays bash for everything but the test script, which it passes
+        # (written beside it, then renamed over it: a running bash cannot be written to)
+        "replaced-bash": "cp /usr/bin/bash /usr/bin/bash.real && cat > /tmp/bash <<'EOF'\n#!/usr/bin/bash.real\n"
+                         "[ \"$1\" = /tests/test.sh ] && { echo 1 > /logs/verifier/reward.txt; exit 0; }\n"
+                         "exec /usr/bin/bash.real \"$@\"\nEOF\nchmod 755 /tmp/bash && mv /tmp/bash /usr/bin/bash\n",
+    },
+    "uvx-pytest": {"replaced-uv": PASSED.format("/root/.local/bin/uvx")},
+    "bash": {"shadowed-tr": "echo wrong > /app/answer\n"
+                            "printf '#!/bin/sh\\necho RIGHT\\n' > /usr/local/bin/tr; chmod 755 /usr/local/bin/tr\n"},
+}
+EVIDENCE = {"pth-in-image-python": f"{SITE}/zz-hook.pth",
+            "plugin-in-image-python": f"{SITE}/passall-1.0.dist-info/entry_points.txt",
+            "replaced-python": "/usr/bin/python3.13", "replaced-bash": "/usr/bin/bash",
+            "replaced-uv": "/root/.local/bin/uvx", "shadowed-tr": "/usr/local/bin/tr"}
+
+
+def program_tasks(tmp_path):
+    """The three verifiers of PROGRAM_ATTACKS, each with its honest solution ("solved"; the uvx-pytest one also
+    installs a package into the image's python from the stand-in's wheels and writes the answer with it) and its
+    attacks."""
+    d = tmp_path / "image-pytest"
+    for sub in ("environment", "tests"):
+        (d / sub).mkdir(parents=True)
+    (d / "task.toml").write_text("[verifier]\ntimeout_sec = 300.0\n[environment]\nstorage = \"256M\"\n")
+    (d / "instruction.md").write_text("Write right to /app/answer.\n")
+    (d / "environment" / "Dockerfile").write_text("FROM ubuntu:24.04\nWORKDIR /app\n"
+                                                  "RUN pip install -q --no-index -f /opt/actobs-wheels pytest==8.4.1\n")
+    (d / "tests" / "test.sh").write_bytes(IMAGE_PYTEST_SH)
+    (d / "tests" / "test_outputs.py").write_bytes(TEST_PY)
+    bases = {"image-pytest": envs.load_task(d), "uvx-pytest": tb2_task(tmp_path),
+             "bash": envs.Task("bash", "Write right to /app/answer.", storage_mb=256, tests={"test.sh": BASH_SH})}
+    honest = {"uvx-pytest": "pip install -q --no-index -f /opt/actobs-wheels iniconfig && "
+                              "python3 -c \"import iniconfig; open('/app/answer', 'w').write('right\\n')\"\n"}
+    tasks = []
+    for kind, base in bases.items():
+        scripts = {"solved": honest.get(kind, "echo right > /app/answer\n"), **PROGRAM_ATTACKS[kind]}
+        for name, script in scripts.items():
+            tasks.append(envs.Task(**{**base.__dict__, "name": f"{kind}/{name}",
+                                      "solution": {"solve.sh": script.encode()}}))
+    return tasks
+
+
+def test_replaced_verifier_programs_score_0_as_tampered_and_are_counted_without_strict(tmp_path, base_image):
+    """Strict verification (RL): each attack on the verifier's programs scores 0 as `tampered`, unverified, with
+    the changed program named; the honest solutions (one installs a package) score 1 with no evidence. Without
+    it (evaluation, Harbor's semantics) the same episodes are verified on what the agent left: a shadowed `tr`
+    and a replaced python or bash are then paid, and every one of them is recorded as tamper evidence."""
+    tasks = program_tasks(tmp_path)
+    strict = {e.task: e for e in envs.run_oracle(tasks, concurrency=4, strict=True)}
+    for name, e in strict.items():
+        if name.endswith("/solved"):
+            assert (e.reward, e.failure, e.tampered) == (1.0, None, []), (name, e.error, e.verifier_output[-400:])
+        else:
+            assert (e.reward, e.failure) == (0.0, "tampered"), (name, e.failure, e.error, e.verifier_output[-400:])
+            assert EVIDENCE[name.split("/")[1]] in e.tampered and EVIDENCE[name.split("/")[1]] in e.error, e.tampered
+    harbor = {e.task: e for e in envs.run_oracle(tasks, concurrency=4)}
+    for name, e in harbor.items():
+        assert (EVIDENCE[name.split("/")[1]] in e.tampered) if not name.endswith("/solved") else e.reward == 1.0, \
+            (name, e.reward, e.tampered)
+    paid = sorted(n for n, e in harbor.items() if e.reward == 1.0 and not n.endswith("/solved"))
+    assert {"bash/shadowed-tr", "image-pytest/replaced-python", "image-pytest/replaced-bash"} <= set(paid), paid
+    print("paid without strict verification:", paid)
+
 @pytest.mark.quota
-def test_a_write_of_4x_the_disk_budget_fails_inside_and_the_host_keeps_its_space(tmp_path, base_image):
-    """With the daemon's quota (.ci/dockerd.sh on btrfs) one fallocate of 4x the budget fails with a quota
-    error inside the sandbox and the host's disk never holds more than the budget and a margin; a loop of writes
-    stops at the budget and ends the episode as disk_limit, reward 0."""
-    assert sandbox.btrfs_quota() is not None, "the Docker daemon has no disk quota: `ACTOBS_DOCKER_STORAGE=btrfs . .ci/dockerd.sh start`"
+def test_writes_past_the_disk_budget_fail_inside_and_the_host_keeps_its_space(tmp_path, base_image):
+    """With the daemon's quota (.ci/dockerd.sh: overlay2 on XFS, or btrfs), in four sandboxes of 256 MB at once,
+    one fallocate of 4 GB fails whole inside two of them, and a loop of writes stops at the budget in the other
+    two and ends their episodes as disk_limit, reward 0: the disk under the daemon never holds more than the
+    budgets and their margins."""
+    assert sandbox.disk_quota() is not None, "the Docker daemon has no disk quota (.ci/dockerd.sh says why)"
     root = sandbox.docker_client().info()["DockerRootDir"]
     pay = {"test.sh": b"echo 1 > /logs/verifier/reward.txt\n"}  # pays for anything: the disk limit must win
-    whole = {"test.sh": b"[ $(stat -c %s /app/big) -ge $((2**30)) ] && r=1 || r=0; echo $r > /logs/verifier/reward.txt\n"}
-    big = envs.Task("big", "x", storage_mb=256, tests=whole, solution={"solve.sh": b"fallocate -l 1G /app/big\n"})
+    whole = {"test.sh": b"[ $(stat -c %s /app/big) -ge $((2**32)) ] && r=1 || r=0\n"
+                        b"echo $r > /logs/verifier/reward.txt\n"}
+    big = envs.Task("big", "x", storage_mb=256, tests=whole, solution={"solve.sh": b"fallocate -l 4G /app/big\n"})
     fill = envs.Task("fill", "x", storage_mb=256, tests=pay, solution={
         "solve.sh": b"for i in $(seq 64); do dd if=/dev/zero of=/app/f$i bs=1M count=16 status=none || break; done\n"})
     free0, low, done = shutil.disk_usage(root).free, [shutil.disk_usage(root).free], threading.Event()
 
-    def sample():  # the host's free space, every 20 ms while the episodes run
+    def sample():  # the free space under the daemon's data root, every 20 ms while the episodes run
         while not done.wait(0.02):
             low.append(shutil.disk_usage(root).free)
     threading.Thread(target=sample, daemon=True).start()
     try:
         t0 = time.time()
-        small, filled = envs.run_oracle([big, fill], concurrency=2)
+        eps = envs.run_oracle([big, fill] * 2, concurrency=4)
     finally:
         done.set()
-    assert (small.reward, small.failure) == (0.0, None)  # the write was refused: nothing to pay for
-    assert (filled.failure, filled.reward) == ("disk_limit", 0.0) and time.time() - t0 < 120
+    got = sorted((e.task, e.reward, e.failure) for e in eps)
+    # the fallocate was refused: nothing to pay for; the loop ran into the cap
+    assert got == [("big", 0.0, None)] * 2 + [("fill", 0.0, "disk_limit")] * 2, got
+    assert time.time() - t0 < 180
+    cap = 256 + sandbox.QUOTA_MARGIN_MB
     peak_mb = (free0 - min(low)) / 2**20
-    assert peak_mb < 2 * (256 + sandbox.QUOTA_MARGIN_MB), f"host disk use peaked at {peak_mb:.0f} MB"
-    print(f"host disk use peak: {peak_mb:.0f} MB for two sandboxes of 256 MB (quota {256 + sandbox.QUOTA_MARGIN_MB} MB)")
+    assert peak_mb < 4 * cap, f"disk use peaked at {peak_mb:.0f} MB"
+    print(f"disk use peak: {peak_mb:.0f} MB for four sandboxes of 256 MB (cap {cap} MB each)")

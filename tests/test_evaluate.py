@@ -113,19 +113,21 @@ def test_infra_failures_never_count_against_the_agent():
     assert [label for label, _ in evaluate.groups(res)] == ["all"]  # no kinds, no per-kind rows
 
 
-def test_second_try_and_needs_network_are_reported_apart():
+def test_second_try_needs_network_and_tampered_are_reported_apart():
     res = results({"py": ("python", [0, 1, 0, 0]), "go": ("go", [0, 0, 0, 1])})
     res["settings"]["second_try"] = True
     py, go = res["tasks"]["py"]["attempts"], res["tasks"]["go"]["attempts"]
     py[0].update(reward=1.0, first_reward=0.0)  # solved on the second try: counts for the final pass@k only
     go[1]["needs_network"] = "E: Temporary failure resolving 'deb.debian.org'"
+    go[3]["tampered"] = ["/usr/local/bin/tr"]  # Harbor's semantics: its reward of 1 stands, and it is counted
     assert evaluate.summarize(res["tasks"], [1])["pass@k"][1] == pytest.approx((2 / 4 + 1 / 4) / 2)
     assert evaluate.summarize(res["tasks"], [1], first=True)["pass@k"][1] == pytest.approx((1 / 4 + 1 / 4) / 2)
-    assert evaluate.summarize(res["tasks"], [1])["failures"] == {"needs network": 1}
+    assert evaluate.summarize(res["tasks"], [1])["failures"] == {"needs network": 1, "tampered": 1}
     lines = evaluate.table(res).splitlines()
     assert [ln.split()[:5] for ln in lines[1:3]] == [["all", "1st", "try", "2", "25.0"], ["all", "2nd", "try", "2", "37.5"]]
     assert [ln.split()[0] for ln in lines[3:7]] == ["go", "go", "python", "python"]
     assert any(ln.startswith("needs network: 1 attempts") for ln in lines)
+    assert any(ln.startswith("tampered: 1 attempts") for ln in lines)
 
 
 def test_results_from_before_the_network_options_resume_with_them_off(tmp_path):
