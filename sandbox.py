@@ -173,10 +173,19 @@ def image_archive(image, path):
         c.remove(force=True)
 
 
-@functools.lru_cache(maxsize=64)
+_commands_lock = threading.Lock()
+
+
 def image_commands(image):
     """(the image's PATH folders and the stand-in's uv folder, the names of the commands in them), as a fresh
-    container of the image lists them: what a verifier's command resolves to before any agent ran."""
+    container of the image lists them: what a verifier's command resolves to before any agent ran. Once per image:
+    the sandboxes verifying at once wait for the first one's listing."""
+    with _commands_lock:
+        return _image_commands(image)
+
+
+@functools.lru_cache(maxsize=64)
+def _image_commands(image):
     env = dict(e.split("=", 1) for e in docker_client().images.get(image).attrs["Config"].get("Env") or ())
     dirs = tuple(dict.fromkeys(d for d in env.get("PATH", DEFAULT_PATH).split(":") + [STANDIN_TOOLS[0]]
                                if d.startswith("/")))

@@ -80,9 +80,10 @@ def throughput(image, n, steps):
             sb.close()
 
 
-# One command, then the confirmation: the shortest episode that runs a terminal step and a verification.
+# One command, then the confirmation: the shortest episode that runs a terminal step and a verification (the
+# step returns once the shell is idle: 10 s is only its bound, for a daemon slow under load).
 ONE_COMMAND = json.dumps({"analysis": "", "plan": "", "commands": [{"keystrokes": "echo hi > /app/out\n",
-                                                                     "duration": 1}], "task_complete": True})
+                                                                     "duration": 10}], "task_complete": True})
 
 
 def use_daemon(host):
@@ -90,6 +91,7 @@ def use_daemon(host):
     os.environ["DOCKER_HOST"] = host
     sandbox._client, sandbox._cpus, sandbox._quota_fs = None, None, None
     sandbox.image_archive.cache_clear()
+    sandbox._image_commands.cache_clear()
 
 
 def disk_rise(image, writers):
@@ -126,9 +128,9 @@ def compare_daemons(args):
             eps = envs.run_episodes([task] * args.episodes, lambda convs: [ONE_COMMAND] * len(convs),
                                     max_turns=3, concurrency=args.episodes)
             walls[host].append(time.perf_counter() - t0)
-            bad = [(e.reward, e.failure, e.error[:200]) for e in eps if e.reward != 1.0]
-            assert not bad, f"{host}: {bad[:3]}"
-            print(f"round {r + 1} {host}: {walls[host][-1]:.1f} s")
+            bad = [f"{e.failure}: {e.error[:200]}" for e in eps if e.reward != 1.0]
+            print(f"round {r + 1} {host}: {walls[host][-1]:.1f} s"
+                  + (f" | {len(bad)} episodes not scored 1, e.g. {bad[0]}" if bad else ""))
     base = statistics.median(walls[args.daemons[0]])
     for host, w in walls.items():
         print(f"{args.episodes} concurrent one-command episodes on {host}: median {statistics.median(w):.1f} s "
