@@ -378,7 +378,8 @@ def test_a_new_loss_term_reaches_groups_without_signal(model, tokenizer, synthet
     assert tot["episodes_trained"] == 3 and gnorm > 0
 
     n_tok = sum(ex["roles"][1:].count(ACTION) for ex in examples)
-    nll = sum(-naive_logprobs(theirs, ex["ids"], 1.0)[1][torch.tensor(ex["roles"][1:]) == ACTION].sum() for ex in examples)
+    nll = sum(-naive_logprobs(theirs, ex["ids"], 1.0)[1][torch.tensor(ex["roles"][1:]) == ACTION].sum()
+              for ex in examples)
     (0.5 * nll / n_tok).backward()
     torch.optim.SGD(theirs.parameters(), lr=1.0).step()
     assert max((a - b).abs().max() for a, b in zip(theirs.parameters(), model.parameters())) > 1e-4
