@@ -54,7 +54,8 @@ def parse_args(argv=None):
     b.add_argument("--with-uv", action="store_true", help="add uv and offline pytest wheels (Harbor verifiers)")
     b.add_argument("--suite", default="bookworm", help="Debian release to debootstrap (image actobs-base:SUITE)")
     b.add_argument("--standin", action="store_true",
-                   help=f"the offline Terminal-Bench 2.0 stand-in: --suite {STANDIN_SUITE} --with-uv, tagged {STANDIN_TAGS}")
+                   help=f"the offline Terminal-Bench 2.0 stand-in: --suite {STANDIN_SUITE} --with-uv, "
+                   f"tagged {STANDIN_TAGS}")
 
     o = sub.add_parser("oracle", help="run Harbor tasks with solution/solve.sh and print rewards")
     o.add_argument("tasks", nargs="+", type=Path, help="Harbor task folders")
@@ -779,7 +780,8 @@ def corpus(args):
     for e in episodes:
         if e.failure:
             print(f"  {e.task}: {e.failure} {e.error[:200]}")
-    print(f"rl: {len(splits['rl'])} tasks -> {args.out / 'rl'} | eval: {len(splits['eval'])} tasks -> {args.out / 'eval'}")
+    print(f"rl: {len(splits['rl'])} tasks -> {args.out / 'rl'} | "
+          f"eval: {len(splits['eval'])} tasks -> {args.out / 'eval'}")
 
 
 def main(argv=None):

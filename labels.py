@@ -41,7 +41,8 @@ def _check_row(row, where):
             if k not in m:
                 raise ValueError(f"{where}: {field}: missing field '{k}'")
         if m["role"] not in VALID_ROLES:
-            raise ValueError(f"{where}: {field}.role: unknown role {m['role']!r} (expected one of {', '.join(VALID_ROLES)})")
+            raise ValueError(f"{where}: {field}.role: unknown role {m['role']!r} "
+                             f"(expected one of {', '.join(VALID_ROLES)})")
         if not isinstance(m["content"], str):
             raise ValueError(f"{where}: {field}.content: expected a string, got {type(m['content']).__name__}")
         for k in ("tool_calls", "reasoning_content"):  # dropping them would silently lose the action

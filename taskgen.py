@@ -45,7 +45,8 @@ class Spec:
 
 def _verifier(condition):
     """A test.sh that writes 1 if the bash condition holds, else 0."""
-    return f"#!/bin/bash\nif {condition}; then\n  echo 1 > /logs/verifier/reward.txt\nelse\n  echo 0 > /logs/verifier/reward.txt\nfi\n"
+    return (f"#!/bin/bash\nif {condition}; then\n  echo 1 > /logs/verifier/reward.txt\n"
+            "else\n  echo 0 > /logs/verifier/reward.txt\nfi\n")
 
 
 def _py_verifier(code):
@@ -142,7 +143,8 @@ def gen_permissions(rng):
     instr = ("Fix the permissions under /app: every .sh file in /app/bin must be executable by everyone "
              "(mode 755) and every .key file in /app/secrets readable and writable by its owner only (mode 600)."
              + (" Leave other files as they are." if keep else ""))
-    files = ([(s, "#!/bin/sh\necho ok\n", 0o644) for s in scripts] + [(k, f"{rng.randrange(16**16):016x}\n", 0o666) for k in keys]
+    files = ([(s, "#!/bin/sh\necho ok\n", 0o644) for s in scripts]
+             + [(k, f"{rng.randrange(16**16):016x}\n", 0o666) for k in keys]
              + [(k, "notes\n", 0o644) for k in keep])
     want = [(s, 755) for s in scripts] + [(k, 600) for k in keys] + [(k, 644) for k in keep]
     test = _verifier(" && ".join(f'[ "$(stat -c %a {p})" = {m} ]' for p, m in want))
@@ -194,9 +196,11 @@ def gen_rename(rng):
     old, new = rng.choice([("jpeg", "jpg"), ("txt", "md"), ("htm", "html"), ("yml", "yaml")])
     names = sorted({rng.choice(WORDS) + str(rng.randint(1, 99)) for _ in range(rng.randint(2, 10))})
     others = ["README"] + ([f"{rng.choice(WORDS)}.{old}.bak", f"{old}_list.dat"] if rng.random() < 0.5 else [])
-    files = [(f"/app/photos/{n}.{old}", f"{n}\n", 0o644) for n in names] + [(f"/app/photos/{o}", "keep\n", 0o644) for o in others]
+    files = ([(f"/app/photos/{n}.{old}", f"{n}\n", 0o644) for n in names]
+             + [(f"/app/photos/{o}", "keep\n", 0o644) for o in others])
     want = " ".join(sorted([f"{n}.{new}" for n in names] + others))
-    instr = f"Rename every file ending in .{old} in /app/photos so that it ends in .{new} instead. Leave other files alone."
+    instr = (f"Rename every file ending in .{old} in /app/photos so that it ends in .{new} instead. "
+             "Leave other files alone.")
     test = _verifier(f"[ \"$(cd /app/photos && ls | sort | tr '\\n' ' ' | sed 's/ $//')\" = '{want}' ]")
     solve = f"cd /app/photos && for f in *.{old}; do mv \"$f\" \"${{f%.{old}}}.{new}\"; done\n"
     return instr, files, test, solve, {"old": old, "new": new, "others": others}
@@ -232,7 +236,8 @@ def gen_archive(rng):
     want = " ".join(f"{n}.md" for n in names)
     instr = ("Create /app/backup.tar.gz, a gzip-compressed tar archive of the .md files in /app/docs, stored with "
              "paths relative to /app/docs (e.g. notes.md, not app/docs/notes.md).")
-    test = _verifier(f"[ \"$(tar -tzf /app/backup.tar.gz | sed 's|^./||' | sort | tr '\\n' ' ' | sed 's/ $//')\" = '{want}' ]")
+    test = _verifier("[ \"$(tar -tzf /app/backup.tar.gz | sed 's|^./||' | sort | tr '\\n' ' ' | sed 's/ $//')\" "
+                     f"= '{want}' ]")
     return instr, files, test, "cd /app/docs && tar -czf /app/backup.tar.gz *.md\n", {"names": names}
 
 
@@ -276,8 +281,10 @@ def write_harbor(spec, path, base_image):
         (path / rel).chmod(mode)
     (path / "task.toml").write_text(
         f'version = "1.0"\n\n[task]\nname = "actobs/{spec.name}"\n\n[metadata]\nkind = "{spec.kind}"\n\n'
-        f"[verifier]\ntimeout_sec = {LIMITS['verifier_timeout']}\n\n[agent]\ntimeout_sec = {LIMITS['agent_timeout']}\n\n"
-        f"[environment]\ncpus = {LIMITS['cpus']}\nmemory_mb = {LIMITS['memory_mb']}\nstorage_mb = {LIMITS['storage_mb']}\n"
+        f"[verifier]\ntimeout_sec = {LIMITS['verifier_timeout']}\n\n"
+        f"[agent]\ntimeout_sec = {LIMITS['agent_timeout']}\n\n"
+        f"[environment]\ncpus = {LIMITS['cpus']}\nmemory_mb = {LIMITS['memory_mb']}\n"
+        f"storage_mb = {LIMITS['storage_mb']}\n"
         "allow_internet = false\n")
 
 
@@ -307,7 +314,8 @@ def _fix_config(m, obs):
     port, workers, level = m.group(1), m.group(2), m.group(3)
     look = ("The config file has to be repaired; I have not seen it yet.", "Print /app/config/service.ini.",
             ["cat /app/config/service.ini\n"])
-    bad_port, bad_level = (_lines(obs, r"^port = (.*)$") or ["?"])[-1], (_lines(obs, r"^log_level = (.*)$") or ["?"])[-1]
+    bad_port = (_lines(obs, r"^port = (.*)$") or ["?"])[-1]
+    bad_level = (_lines(obs, r"^log_level = (.*)$") or ["?"])[-1]
     act = (f"port is '{bad_port}' and log_level is '{bad_level}'; both are invalid. The other keys look fine.",
            f"Rewrite just those lines with sed: port = {port}, log_level = {level}" +
            (f", workers = {workers}." if workers else "."),
@@ -325,7 +333,8 @@ def _csv_summary(m, obs):
     header = next((ln for ln in _lines(obs, r"^([a-z,]+)$") if "region" in ln and "units" in ln), None)
     seen = (f"The header is {header}; the column order varies, so the script reads columns by name." if header
             else "The header did not show up; reading the columns by name works whatever their order.")
-    script = ("cat > /app/summarise.py << 'EOF'\nimport csv, json\n\ntotals = {}\nwith open('/app/data/sales.csv') as f:\n"
+    script = ("cat > /app/summarise.py << 'EOF'\nimport csv, json\n\ntotals = {}\n"
+              "with open('/app/data/sales.csv') as f:\n"
               "    for row in csv.DictReader(f):\n        region = row['region']\n"
               f"        totals[region] = totals.get(region, 0) + {_CSV_TERM[measure].replace('r[', 'row[')}\n"
               "with open('/app/summary.json', 'w') as f:\n"
@@ -341,7 +350,8 @@ def _permissions(m, obs):
     look = ("I have to see the current modes first.", "List /app/bin and /app/secrets with ls -l.",
             ["ls -l /app/bin /app/secrets\n"])
     scripts, keys = _lines(obs, r"(\S+\.sh)$"), _lines(obs, r"(\S+\.key)$")
-    act = (f"Scripts: {', '.join(scripts) or 'none seen'}; keys: {', '.join(keys) or 'none seen'}. Their modes are wrong.",
+    act = (f"Scripts: {', '.join(scripts) or 'none seen'}; keys: {', '.join(keys) or 'none seen'}. "
+           "Their modes are wrong.",
            "chmod 755 the scripts and 600 the keys.",
            [f"chmod 755 {' '.join('/app/bin/' + s for s in scripts) or '/app/bin/*.sh'}\n",
             f"chmod 600 {' '.join('/app/secrets/' + k for k in keys) or '/app/secrets/*.key'}\n"])

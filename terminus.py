@@ -11,7 +11,7 @@ speaks it, probes.py splits observations with it.
 
     reply, error, warnings = parse_reply(text)      # Reply(analysis, plan, commands [(keys, duration)], task_complete)
     obs = OUTPUT_HEADER + truncate_output(diff)      # what the agent sees after its commands ran
-    wrapper_spans(obs)                               # [(start, end)] of harness text; None if not a Terminus-2 observation
+    wrapper_spans(obs)                               # [(start, end)] of harness text; None if not Terminus-2's
 """
 import dataclasses
 import json
