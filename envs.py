@@ -31,6 +31,7 @@ import tomllib
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from pathlib import Path
 
+import labels
 import taskgen
 from sandbox import (BASE_IMAGE, DEFAULT_STORAGE_MB, STANDIN_SUITE, STANDIN_TAGS, STANDIN_TOOLS, DiskLimit,
                      ProcessLimit, Sandbox, ShellExited, build_base_image, docker_client, image_commands, image_exists,
@@ -749,15 +750,6 @@ def run_oracle(tasks, *, noop=False, concurrency=4, network=None, keep_agent=Fal
 
 # ----------------------------------------------------------------------------------------------------------
 
-def write_jsonl(path, rows):
-    """Written to a temp name, then renamed: a killed run never leaves a truncated file that looks complete."""
-    tmp = Path(f"{path}.tmp")
-    with open(tmp, "w") as f:
-        for row in rows:
-            f.write(json.dumps(row, ensure_ascii=False) + "\n")
-    os.replace(tmp, path)
-
-
 def corpus(args):
     template = load_template(args.prompt_template)
     splits = taskgen.make_splits(args.n_sft, args.n_rl, args.n_eval, args.seed)
@@ -765,14 +757,14 @@ def corpus(args):
     for split in ("rl", "eval"):
         for spec in splits[split]:
             taskgen.write_harbor(spec, args.out / split / spec.name, BASE_IMAGE)
-        write_jsonl(args.out / f"{split}.jsonl", [dataclasses.asdict(s) for s in splits[split]])
+        labels.write_jsonl(args.out / f"{split}.jsonl", [dataclasses.asdict(s) for s in splits[split]])
     tasks = [task_from_spec(s) for s in splits["sft"]]
     t0 = time.time()
     episodes = run_episodes(tasks, taskgen.expert_policy, max_turns=args.max_turns, concurrency=args.concurrency,
                             template=template)
     rows = [{"conversations": e.messages, "task": e.task, "reward": e.reward} for e in episodes
             if args.keep_failed or (e.reward >= 1.0 and e.failure is None)]
-    write_jsonl(args.out / "sft.jsonl", rows)
+    labels.write_jsonl(args.out / "sft.jsonl", rows)
     solved = sum(e.reward >= 1.0 for e in episodes)
     turns = sum(e.turns for e in episodes) / max(1, len(episodes))
     print(f"sft: {solved}/{len(episodes)} solved | {turns:.1f} turns/episode | {len(rows)} rows -> "

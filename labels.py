@@ -65,6 +65,16 @@ def dataset_rows(source):
     return [(f"{name}[{s}]: row {i}", r) for s in ([split] if split else parts) for i, r in enumerate(parts[s])]
 
 
+def write_jsonl(path, rows):
+    """rows (dicts) as a JSONL file, written to a temp name, then renamed: a killed run never leaves a truncated
+    file that looks complete."""
+    tmp = Path(f"{path}.tmp")
+    with open(tmp, "w") as f:
+        for row in rows:
+            f.write(json.dumps(row, ensure_ascii=False) + "\n")
+    os.replace(tmp, path)
+
+
 def read_trajectories(path, skip_bad=False, where=None):
     """-> (list of message lists, number of bad rows skipped) from a JSONL file, a JSON array, or what
     dataset_rows reads (a parquet file, a Hugging Face dataset id). Errors name the file, line (row) and field;

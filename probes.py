@@ -400,7 +400,7 @@ def main(argv=None):
             rows.append({"checkpoint": str(ck), "step": _step(ck), **{f"probe/{k}": v for k, v in geo.items()}})
             print(f"{ck} | cos {geo['cos']:.4f} | r {geo['r']:.3f} | |g_act| {geo['norm_act']:.4g} | "
                   f"|g_obs| {geo['norm_obs']:.4g}")
-        out.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        labels.write_jsonl(out, rows)
         if any(r["step"] is not None for r in rows):
             plot_geometry(out, png)
         return rows

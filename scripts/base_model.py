@@ -571,8 +571,8 @@ def main(argv=None):
         convs = record_sessions(args.sessions + args.heldout, args.commands, args.seed, args.concurrency,
                                 terminus.load_template(args.prompt_template))
         split = [_session_rng(c[0]["content"])[1] >= args.sessions for c in convs]
-        envs.write_jsonl(heldout, [{"conversations": c} for c, h in zip(convs, split) if h])
-        envs.write_jsonl(data, [{"conversations": c} for c, h in zip(convs, split) if not h])
+        labels.write_jsonl(heldout, [{"conversations": c} for c, h in zip(convs, split) if h])
+        labels.write_jsonl(data, [{"conversations": c} for c, h in zip(convs, split) if not h])
         print(f"recorded {len(convs)}/{args.sessions + args.heldout} sessions ({sum(split)} held out, "
               f"{sum(len(m['content']) for c in convs for m in c) / 1e6:.2f} MB) -> {data} | {time.time() - t0:.0f}s")
     if not (out / "model" / "config.json").exists():
@@ -627,7 +627,7 @@ def pretrain(args, data):
     mixed = out / "pretrain.jsonl"  # the sessions and the copy chats, in sft.py's seeded order
     if not mixed.exists():
         chats = copy_chats(args.seed, round(args.copy_chats * len(convs)))
-        envs.write_jsonl(mixed, [{"conversations": c} for c in convs + chats])
+        labels.write_jsonl(mixed, [{"conversations": c} for c in convs + chats])
     t0 = time.time()
     sft.main(["--model", str(start), "--data", str(mixed), "--out", str(run), "--lam", "1", "--seed", str(args.seed),
               "--epochs", str(args.epochs), "--batch-size", str(args.batch_size), "--lr", str(args.lr),
