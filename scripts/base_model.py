@@ -632,7 +632,8 @@ def pretrain(args, data):
     sft.main(["--model", str(start), "--data", str(mixed), "--out", str(run), "--lam", "1", "--seed", str(args.seed),
               "--epochs", str(args.epochs), "--batch-size", str(args.batch_size), "--lr", str(args.lr),
               "--warmup-ratio", "0.05", "--dtype", "bf16", "--max-len", str(args.max_len), "--micro-tokens", "1",
-              "--val-size", str(min(16, len(convs) // 10)), "--eval-every", "0", "--save-every", "20", "--keep", "1", "--resume"])
+              "--val-size", str(min(16, len(convs) // 10)), "--eval-every", "0", "--save-every", "20", "--keep", "1",
+              "--resume"])
     os.replace(run / "final", out / "model")
     print(f"base model: {out / 'model'} | pre-training on the sessions {time.time() - t0:.0f}s")
 
