@@ -145,6 +145,9 @@ PREFIX_TEMPLATE = (
 def load_tokenizer(path, chat_template="prefix"):
     """The tokenizer with the chat template that training, rollouts and evaluation will all use."""
     from transformers import AutoTokenizer
+    p = Path(path)  # a local folder mistyped or not written yet (runs/x/final), not a hub id (Qwen/Qwen3-4B, gpt2):
+    if len(p.parts) > 1 and p.parent.is_dir() and not p.exists():  # Hugging Face would call it a bad repo id
+        raise FileNotFoundError(f"{path}: no such checkpoint folder")
     tok = AutoTokenizer.from_pretrained(path)
     if chat_template == "prefix":
         if "<|im_start|>" not in tok.get_vocab():

@@ -226,6 +226,11 @@ def test_template_choice_is_saved_with_the_tokenizer(tokenizer, tmp_path):
     assert again.chat_template == labels.PREFIX_TEMPLATE
 
 
+def test_a_missing_checkpoint_folder_is_named(tmp_path):
+    with pytest.raises(FileNotFoundError, match=f"{tmp_path / 'final'}: no such checkpoint folder"):
+        labels.load_tokenizer(tmp_path / "final")
+
+
 def test_message_labels():
     msgs = [{"role": r, "content": ""} for r in ["system", "user", "assistant", "user", "assistant", "tool", "user"]]
     assert labels.message_labels(msgs) == [P, P, A, O, A, O, O]
