@@ -1,7 +1,8 @@
 """
 Benchmark of the rollout engine's generated tokens/s at the ablation's settings: each lever as a ratio against
-today's configuration (engine.make_engine and engine.VLLMPolicy as grpo.py and evaluate.py use them), in one
-process, interleaved.
+today's configuration (engine.make_engine and engine.VLLMPolicy's defaults: grpo.py's, and evaluate.py's before it
+dropped the log-probs: the no-logprobs lever), in one process, interleaved. Ratios are of tokens per second of the
+engine's CPU time: on a shared machine the wall of a step also counts the time other processes hold the core.
 
 1. record (once, cached in --record): episodes in real sandboxes with today's engine: GRPO's first draw
    (--tasks-per-step tasks x --group-size at --concurrency), or with --eval an evaluation's (--attempts of
@@ -211,7 +212,7 @@ def main(argv=None):
                       f"{n / busy:5.0f} over its steps' wall | {n / wall:5.0f} over the replay's wall", flush=True)
         summary(eps, res, engines["today"][0])
         print("\ntoday's decode step, ms: total | attention kernel | matmuls | the rest (scheduler, sampler, Python)")
-        for spec in args.profile.split(","):
+        for spec in filter(None, args.profile.split(",")):
             seqs, context = map(int, spec.split("x"))
             ms, attn, mm = step_profile(engines["today"][0], seqs, context)
             print(f"  {seqs:3} sequences x {context:5} tokens: {ms:6.1f} | {attn:6.1f} | {mm:6.1f} | "
