@@ -31,11 +31,13 @@ def kv_cache_bytes(config, *, max_model_len, max_seqs, dtype_bytes):
     return max_seqs * (max_model_len + 256) * per_token
 
 
-def make_engine(model_dir, *, max_model_len, max_seqs, seed=0, dtype="auto", gpu_memory=0.35, kv_cache_gb=None):
+def make_engine(model_dir, *, max_model_len, max_seqs, seed=0, dtype="auto", gpu_memory=0.35, kv_cache_gb=None,
+                **engine_args):
     """An in-process vLLM engine for up to max_seqs sequences at once. logprobs_mode='processed_logprobs': the
     log-probs it returns are those of the distribution actually sampled from (after temperature), which the
     importance ratio needs. Sleep mode (free the engine's GPU memory while training) exists on CUDA only. On CPU
-    the KV cache is kv_cache_gb, or by default what max_seqs sequences of max_model_len tokens need."""
+    the KV cache is kv_cache_gb, or by default what max_seqs sequences of max_model_len tokens need. engine_args:
+    further vLLM engine arguments over these (bench/rollout.py's levers)."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # same process: weights can be passed as tensors
     cuda = torch.cuda.is_available()
     from vllm import LLM
@@ -53,8 +55,9 @@ def make_engine(model_dir, *, max_model_len, max_seqs, seed=0, dtype="auto", gpu
                              max_seqs=max_seqs, dtype_bytes=getattr(torch, dtype).itemsize))
         kw = dict(enable_chunked_prefill=False, max_num_batched_tokens=max(max_model_len, 4096),
                   kv_cache_memory_bytes=kv)
-    return LLM(model=str(model_dir), dtype=dtype, max_model_len=max_model_len, seed=seed, enforce_eager=not cuda,
-               logprobs_mode="processed_logprobs", **kw)
+    kw = dict(model=str(model_dir), dtype=dtype, max_model_len=max_model_len, seed=seed, enforce_eager=not cuda,
+              logprobs_mode="processed_logprobs", **kw)
+    return LLM(**(kw | engine_args))
 
 
 def sync_weights(engine, model):
@@ -129,17 +132,18 @@ class VLLMPolicy:
     Episode (token_ids, roles, logprobs, obs_wrapper, truncated). A turn is queued with add_request the moment
     its observation is back; poll() runs one engine step (one decoding iteration of every running request).
     lockstep=True is the benchmark's baseline: rounds of generating every live episode's turn to the end, then
-    stepping all their sandboxes."""
+    stepping all their sandboxes. logprobs=False: replies without their log-probs (ep.logprobs 0.0 for them), for
+    runs that do not train on them."""
 
-    def __init__(self, engine, tok, *, temperature, max_new_tokens, max_len, seed=0, lockstep=False):
+    def __init__(self, engine, tok, *, temperature, max_new_tokens, max_len, seed=0, lockstep=False, logprobs=True):
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
         self.engine, self.tok, self.max_new_tokens, self.max_len, self.seed = engine, tok, max_new_tokens, max_len, seed
         self.lockstep = lockstep
         # top_p 1 and top_k 0 (off): the ratio's denominator is the full softmax at T; a model's generation
         # config (Qwen3: top_k 20) must not apply. logprobs=0: the sampled token's own log-prob.
-        self.params = dict(temperature=temperature, top_p=1.0, top_k=0, logprobs=0, detokenize=False,
-                           output_kind=RequestOutputKind.FINAL_ONLY)
+        self.params = dict(temperature=temperature, top_p=1.0, top_k=0, logprobs=0 if logprobs else None,
+                           detokenize=False, output_kind=RequestOutputKind.FINAL_ONLY)
         self.SamplingParams = SamplingParams
         self.requests, self.eps, self.closed, self.ready = {}, {}, {}, []
 
@@ -164,11 +168,15 @@ class VLLMPolicy:
             self.ready.append((key, None))
             return
         turn = sum(m["role"] == "assistant" for m in ep.messages)
-        params = self.SamplingParams(max_tokens=min(self.max_new_tokens, room), **self.params,
-                                     seed=(self.seed * 1_000_003 + key * 1009 + turn) % 2**31)  # reproducible per turn
-        rid = f"{key}-{turn}"
-        self.requests[rid], self.eps[key] = key, ep
-        self.engine.llm_engine.add_request(rid, {"prompt_token_ids": list(ep.token_ids)}, params)
+        self.requests[f"{key}-{turn}"], self.eps[key] = key, ep
+        self.add(key, turn, ep.token_ids, min(self.max_new_tokens, room))
+
+    def add(self, key, turn, token_ids, max_tokens):
+        """Queue the reply of episode `key`'s turn `turn` to the context token_ids (request id f"{key}-{turn}"),
+        sampled with a seed of (seed, key, turn) alone: reproducible per turn, whatever else runs."""
+        params = self.SamplingParams(max_tokens=max_tokens, **self.params,
+                                     seed=(self.seed * 1_000_003 + key * 1009 + turn) % 2**31)
+        self.engine.llm_engine.add_request(f"{key}-{turn}", {"prompt_token_ids": list(token_ids)}, params)
 
     def pending(self):
         return len(self.requests) + len(self.ready)
@@ -189,7 +197,7 @@ class VLLMPolicy:
             ep.token_ids += ids
             ep.roles += [ACTION] * len(ids)
             ep.obs_wrapper += [False] * len(ids)
-            ep.logprobs += [d[t].logprob for d, t in zip(c.logprobs, ids)]
+            ep.logprobs += [d[t].logprob for d, t in zip(c.logprobs, ids)] if c.logprobs else [0.0] * len(ids)
             self.closed[key] = c.finish_reason == "stop"  # ended with its end-of-turn (a stop token), included in ids
             reply = self.tok.decode(ids[:-1] if self.closed[key] else ids)
             if c.finish_reason == "length" and len(ep.token_ids) >= self.max_len:
@@ -207,14 +215,16 @@ class VLLMPolicy:
 
 def rollout(engine, tokenizer, tasks, *, temperature, max_turns, max_new_tokens, max_len, concurrency, template=None,
             seed=0, on_episode=None, stats=None, lockstep=False, network=None, keep_agent=False, second_try=False,
-            strict=True):
+            strict=True, logprobs=True):
     """One episode per entry of `tasks` (repeat a task for several attempts) with the engine's current weights.
     Episodes come back in the order of `tasks`, with reward, turns, failure, timings, and the token sequence
     (token_ids, roles, logprobs, obs_wrapper, truncated). on_episode(i, episode) is called as each ends.
     stats (a dict) receives the generator's wall / busy / idle seconds. network, keep_agent, second_try, strict:
-    as envs.run_episodes (evaluate.py's options; training uses only network, and strict verification)."""
+    as envs.run_episodes (evaluate.py's options; training uses only network, and strict verification).
+    logprobs=False: replies without their log-probs, for runs that do not train on them (evaluate.py): the same
+    tokens, and the engine computes no log-softmax or rank per sampled token."""
     policy = VLLMPolicy(engine, tokenizer, temperature=temperature, max_new_tokens=max_new_tokens, max_len=max_len,
-                        seed=seed, lockstep=lockstep)
+                        seed=seed, lockstep=lockstep, logprobs=logprobs)
     with engine_threads():
         return envs.run_episodes(tasks, policy, max_turns=max_turns, concurrency=concurrency, template=template,
                                  on_episode=on_episode, stats=stats, network=network, keep_agent=keep_agent,

@@ -468,7 +468,8 @@ def vllm_rollout(args, session):
                                   concurrency=args.concurrency, template=template, seed=args.seed + session,
                                   on_episode=on_episode, stats=stats, network=args.network,
                                   keep_agent=args.keep_agent_processes, second_try=args.second_try,
-                                  strict=False)  # Harbor's semantics: tampering is counted, not scored
+                                  strict=False,  # Harbor's semantics: tampering is counted, not scored
+                                  logprobs=False)  # nothing trains on them
         mc = llm.llm_engine.model_config  # what time_breakdown's FLOP bound needs, at the engine's threads
         with engine.engine_threads():
             stats.update(config=mc.hf_text_config.to_dict(), dtype=str(mc.dtype).removeprefix("torch."),

@@ -180,6 +180,28 @@ def test_seeded_requests_beyond_one_steps_token_budget(llm):
     assert [len(o.outputs[0].token_ids) for o in outs] == [8] * n
 
 
+def test_replies_without_logprobs_are_the_same_tokens(llm, vllm_dir):
+    """evaluate.py's policy asks for no log-probs (engine.rollout(logprobs=False)): its seeded replies are the
+    tokens of the policy that does (GRPO's), whose every sampled token carries a log-prob below 0 (the random
+    model's near-uniform softmax), while its own carry 0.0."""
+    tok = labels.load_tokenizer(vllm_dir, "prefix")
+    runs = {}
+    for logprobs in (True, False):
+        llm.reset_prefix_cache()  # both runs prefill alike
+        policy = engine.VLLMPolicy(llm, tok, temperature=1.0, max_new_tokens=24, max_len=1024, seed=3,
+                                   logprobs=logprobs)
+        eps = [envs.Episode("t", [{"role": "user", "content": f"Task {i}: list the files."}]) for i in range(3)]
+        for i, ep in enumerate(eps):
+            policy.submit(i, ep)
+        while policy.pending():
+            policy.poll()
+        runs[logprobs] = eps
+    for a, b in zip(runs[True], runs[False]):
+        assert a.roles.count(ACTION) > 0 and a.token_ids == b.token_ids and a.roles == b.roles
+        assert all(lp < 0 for lp, r in zip(a.logprobs, a.roles) if r == ACTION)
+        assert b.logprobs == [0.0] * len(b.token_ids)
+
+
 def bandit_step(llm, model, opt, args, prompts, target, sign, n):
     """One GRPO step on a one-token bandit: reward 1 when the sampled token is in `target` (times sign)."""
     from vllm import SamplingParams
