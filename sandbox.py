@@ -397,7 +397,10 @@ cat > "$d/rc" <<'RC'
 PS1='\u@\h:\w\$ '
 set -o ignoreeof
 __actobs_n=0
-PROMPT_COMMAND='__actobs_n=$((__actobs_n+1)); printf "%s\n%s\n" "$__actobs_n" "${PS1@P}" >| /dev/shm/.actobs-$UID/prompt'
+__actobs_prompt() {
+    __actobs_n=$((__actobs_n+1)); printf "%s\n%s\n" "$__actobs_n" "${PS1@P}" >| /dev/shm/.actobs-$UID/prompt
+}
+PROMPT_COMMAND=__actobs_prompt
 RC
 printf 'set -g history-limit 10000\nset -g status off\n' > "$d/tmux.conf"
 tmux -S "$d/tmux" -f "$d/tmux.conf" new-session -d -s main -x "$1" -y "$2" "bash --rcfile $d/rc -i"
@@ -416,7 +419,9 @@ echo "shell prompt did not appear" >&2; exit 1
 TERMINAL_STEP = r"""
 d=/dev/shm/.actobs-$UID; keys=$1; literal=$2; wait_s=$3; newline=$4; seq=$6
 tmux() { command tmux -S "$d/tmux" "$@"; }
-emit() { LC_ALL=C; printf '%s %s\n%s' "$seq" "${#1}" "$1" >| "$d/step"; printf '%s %s\n%s' "$seq" "${#1}" "$1"; exit 0; }
+emit() {
+    LC_ALL=C; printf '%s %s\n%s' "$seq" "${#1}" "$1" >| "$d/step"; printf '%s %s\n%s' "$seq" "${#1}" "$1"; exit 0
+}
 gone() { emit "exited 0 1"$'\n'; }
 read -r shell 2>/dev/null < "$d/shellpid" && [ -d "/proc/$shell" ] || gone
 { read -r c0; read -r _; } < "$d/prompt"
