@@ -168,15 +168,16 @@ class VLLMPolicy:
             self.ready.append((key, None))
             return
         turn = sum(m["role"] == "assistant" for m in ep.messages)
-        self.requests[f"{key}-{turn}"], self.eps[key] = key, ep
-        self.add(key, turn, ep.token_ids, min(self.max_new_tokens, room))
+        self.requests[self.add(key, turn, ep.token_ids, min(self.max_new_tokens, room))], self.eps[key] = key, ep
 
     def add(self, key, turn, token_ids, max_tokens):
-        """Queue the reply of episode `key`'s turn `turn` to the context token_ids (request id f"{key}-{turn}"),
-        sampled with a seed of (seed, key, turn) alone: reproducible per turn, whatever else runs."""
+        """Queue the reply of episode `key`'s turn `turn` to the context token_ids, sampled with a seed of (seed,
+        key, turn) alone: reproducible per turn, whatever else runs -> its request id."""
         params = self.SamplingParams(max_tokens=max_tokens, **self.params,
                                      seed=(self.seed * 1_000_003 + key * 1009 + turn) % 2**31)
-        self.engine.llm_engine.add_request(f"{key}-{turn}", {"prompt_token_ids": list(token_ids)}, params)
+        rid = f"{key}-{turn}"
+        self.engine.llm_engine.add_request(rid, {"prompt_token_ids": list(token_ids)}, params)
+        return rid
 
     def pending(self):
         return len(self.requests) + len(self.ready)

@@ -74,8 +74,7 @@ def replay(llm, policy, eps, concurrency):
     t0 = time.perf_counter()
 
     def add(i, k):
-        policy.add(i, k, turns[i][k], min(policy.max_new_tokens, policy.max_len - len(turns[i][k])))
-        live[f"{i}-{k}"] = (i, k)
+        live[policy.add(i, k, turns[i][k], min(policy.max_new_tokens, policy.max_len - len(turns[i][k])))] = (i, k)
 
     while todo or live or later:
         while todo and len({i for i, _ in live.values()}) + len(later) < concurrency:
