@@ -47,9 +47,11 @@ SFT=(--lr 2e-3 --warmup-ratio 0.05 --min-lr-ratio 0.1 --batch-size 4 --epochs 2 
      --dtype bf16 --val-size 16 --eval-every 0 --save-every 40 --keep 1 --probe-every 40)  # sft.py, all arms
 # RL and evaluation roll out with the same limits; the expert needs ~5 turns of ~80 tokens, but its csv_summary script
 # reply is up to ~330 (`report.py limits` checks the corpus against these). One engine step decodes a token for every
-# live episode, so 32 sandboxes at once cost little more per step than 8.
+# live episode, so 32 sandboxes at once cost little more per step than 8. --micro-tokens 1: the update forwards one
+# episode a pass; grpo.py's default pads episodes into micro-batches, which on CPU took 1.4-2x the update's time
+# (bench/grpo_micro.py)
 GRPO=(--steps 4 --tasks-per-step 4 --group-size 8 --lr 1e-5 --max-turns 10 --max-new-tokens 384 --max-len 4096
-      --concurrency 32 --save-every 4 --keep 1)                                             # grpo.py, all arms
+      --concurrency 32 --micro-tokens 1 --save-every 4 --keep 1)                            # grpo.py, all arms
 # 36 evaluation tasks (4 of each kind) x 8 attempts: the attempts of 18 x 16, with the pass@1 interval narrower (it is
 # bounded by how much tasks differ, more than by the attempts on each)
 EVAL=(--attempts 8 --max-turns 10 --max-new-tokens 384 --max-len 4096 --concurrency 64)  # evaluate.py, all models
@@ -68,7 +70,7 @@ if [ $MODE = quick ]; then
     SFT=(--lr 2e-3 --batch-size 4 --epochs 1 --max-len 1024 --micro-tokens 1 --val-size 4 --eval-every 0
          --save-every 0 --keep 1 --probe-every 2)
     GRPO=(--steps 2 --tasks-per-step 1 --group-size 2 --lr 1e-5 --max-turns 2 --max-new-tokens 48 --max-len 1024
-          --concurrency 2 --save-every 1 --keep 1)
+          --concurrency 2 --micro-tokens 1 --save-every 1 --keep 1)
     EVAL=(--attempts 2 --max-turns 2 --max-new-tokens 48 --max-len 1024 --concurrency 4)
     EVAL_SFT=(--attempts 2)
     EVAL_BASE=(--attempts 1)
