@@ -107,6 +107,17 @@ def mean_pass_at_k(counts, k):
     return (sum(vals) / len(vals) if vals else None), len(vals)
 
 
+def rise_z(early, late):
+    """How many standard errors the rate of `late` is above `early`'s, each (solved, attempts): the one-sided
+    two-proportion z with the pooled rate (0 when every attempt failed or every one passed: no rise to see). A
+    GRPO run's learning curve asks for z >= 3 between its first and last steps (p ~ 0.001)."""
+    (k1, n1), (k2, n2) = early, late
+    pooled = (k1 + k2) / (n1 + n2)
+    if pooled in (0.0, 1.0):
+        return 0.0
+    return (k2 / n2 - k1 / n1) / math.sqrt(pooled * (1 - pooled) * (1 / n1 + 1 / n2))
+
+
 def ks_up_to(n):
     return [2 ** i for i in range(n.bit_length()) if 2 ** i <= n]  # 1, 2, 4, 8, 16 for n = 16
 

@@ -29,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo's modul
 
 import envs  # noqa: E402
 import evaluate  # noqa: E402
+import grpo  # noqa: E402
 import labels  # noqa: E402
 import taskgen  # noqa: E402
 
@@ -465,16 +466,25 @@ def rl_time(log):
             "entropy_last": ent[-1], "kl_end": kl[-1], "kl_k3_end": k3[-1]}
 
 
+def solve_rise(log):
+    """The solve rate over a GRPO run's first steps' episodes and over its last steps', and z: how far the later is
+    above the earlier (evaluate.rise_z). First and last are a third of the steps each, at most 3 (1 of 2 steps)."""
+    k = max(1, min(3, len(log) // 3))
+    early, late = grpo.solved(log[:k]), grpo.solved(log[-k:])
+    return k, early[0] / max(early[1], 1), late[0] / max(late[1], 1), evaluate.rise_z(early, late)
+
+
 def rl_table(grpo, names):
-    """One row per GRPO run: reward, solve rate, signal, and its rl_time; then which kept the most entropy and
-    which ended closest to its SFT checkpoint."""
-    lines = ["| GRPO run | steps (trained) | reward first → last | solve rate last | groups with signal (sum) | "
-             "entropy first / mean / last | KL from the SFT checkpoint at the end, k1 / k3 |", "|---|---|---|---|---|---|---|"]
+    """One row per GRPO run: reward, the solve rate's rise (solve_rise), signal, and its rl_time; then which kept the
+    most entropy and which ended closest to its SFT checkpoint."""
+    lines = ["| GRPO run | steps (trained) | reward first → last | solve rate, first → last steps (z) | "
+             "groups with signal (sum) | entropy first / mean / last | KL from the SFT checkpoint at the end, k1 / k3 |",
+             "|---|---|---|---|---|---|---|"]
     rl = {m: rl_time(g) for m, g in grpo.items()}
     for m, g in grpo.items():
-        t = rl[m]
+        t, (k, first, last, z) = rl[m], solve_rise(g)
         lines.append(f"| {names[m]} | {len(g)} ({t['trained_steps']}) | {g[0]['rollout/reward_mean']:.3f} → "
-                     f"{g[-1]['rollout/reward_mean']:.3f} | {g[-1]['rollout/solve_rate']:.3f} | "
+                     f"{g[-1]['rollout/reward_mean']:.3f} | {first:.3f} → {last:.3f}, {k} each ({z:+.1f}) | "
                      f"{sum(r['rollout/groups_with_signal'] for r in g):.0f} | "
                      + (f"{t['entropy_first']:.3f} / {t['entropy_mean']:.3f} / {t['entropy_last']:.3f} | "
                         f"{t['kl_end']:.2e} / {t['kl_k3_end']:.2e} |" if t["trained_steps"] else "no step trained | — |"))

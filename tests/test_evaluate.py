@@ -54,6 +54,14 @@ def test_mean_pass_at_k_skips_tasks_with_too_few_attempts():
     assert evaluate.mean_pass_at_k([(1, 1)], 2) == (None, 0)
 
 
+def test_rise_z_known_answers():
+    # 10/40 -> 20/40: pooled 30/80 = 0.375, se = sqrt(0.375 * 0.625 * (2 / 40)) = 0.10825..., z = 0.25 / se
+    assert evaluate.rise_z((10, 40), (20, 40)) == pytest.approx(0.25 / math.sqrt(0.375 * 0.625 / 20))
+    assert evaluate.rise_z((20, 40), (10, 40)) == pytest.approx(-evaluate.rise_z((10, 40), (20, 40)))  # one-sided
+    assert evaluate.rise_z((5, 20), (10, 40)) == 0.0  # the same rate
+    assert evaluate.rise_z((0, 16), (0, 128)) == evaluate.rise_z((16, 16), (128, 128)) == 0.0  # nothing to compare
+
+
 # ----------------------------------------------------------------------------------------------------------
 # Synthetic results
 

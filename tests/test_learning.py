@@ -7,13 +7,13 @@ four words equally often, so it solves about a quarter of its episodes and only 
 word is right. GRPO must raise the solve rate from the first steps to the last; the same run with the
 advantage's sign flipped must not. The rollout/trainer log-prob mismatch stays ≤ 0.01 at every step."""
 import json
-import math
 import random
 
 import pytest
 
 import common
 import envs
+import evaluate
 import grpo
 import sandbox
 import sft
@@ -39,7 +39,6 @@ PROMPT = ('Reply with one JSON object: {"analysis": "", "plan": "", "commands": 
 # two-proportion z of 3 or more (p ≈ 0.001; the three runs had 4.2, 4.8 and 6.0).
 STEPS, LR, KL, TWIN_STEPS = 24, "1e-3", "0.1", 8
 TASKS_PER_STEP, GROUP = 2, 8
-EPISODES = TASKS_PER_STEP * GROUP  # a step's
 
 
 def reply(keys, done):
@@ -93,23 +92,12 @@ def mean(xs):
     return sum(xs) / len(xs)
 
 
-def rise_z(early, late):
-    """How many standard errors the solve rate over the `late` steps is above the `early` steps' (each a step's rate
-    over its EPISODES): the two-proportion z with the pooled rate."""
-    n1, n2 = len(early) * EPISODES, len(late) * EPISODES
-    p1, p2 = mean(early), mean(late)
-    pooled = (p1 * n1 + p2 * n2) / (n1 + n2)
-    if pooled in (0.0, 1.0):  # every episode failed, or every one solved: no rise
-        return 0.0
-    return (p2 - p1) / math.sqrt(pooled * (1 - pooled) * (1 / n1 + 1 / n2))
-
-
 def test_grpo_raises_the_solve_rate(world, tmp_path, no_leftovers):
     rows = run_grpo(world, tmp_path / "run", STEPS)
     curve = [r["rollout/solve_rate"] for r in rows]
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
     assert mean(curve[:3]) <= 0.4, curve  # the SFT'd policy guesses
-    assert rise_z(curve[:3], curve[-8:]) >= 3, curve  # GRPO found the word
+    assert evaluate.rise_z(grpo.solved(rows[:3]), grpo.solved(rows[-8:])) >= 3, curve  # GRPO found the word
     mismatch = [r.get("train/mismatch_abs", 0.0) for r in rows]  # absent on a step that trained nothing
     assert max(mismatch) <= 0.01, mismatch
 

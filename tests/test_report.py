@@ -85,12 +85,14 @@ def grpo_run(run, steps, bad_step=None, bare_step=None, trained=True, name="arm-
     checkpoint(d)
     (d / "config.json").write_text(json.dumps({"args": {"init": str(run / init / "final"), "echo_coef": echo_coef}}))
     (d / "curves.png").write_bytes(b"")
-    rows = [{"step": s, "rollout/reward_mean": 0.5, "rollout/solve_rate": 0.5, "rollout/groups_with_signal": 1,
+    rows = [{"step": s, "rollout/reward_mean": 0.5, "rollout/solve_rate": 0.5, "rollout/episodes_valid": 8,
+             "rollout/groups_with_signal": 1,
              "train/entropy": entropy[min(s, len(entropy)) - 1], "train/kl_init": kl[min(s, len(kl)) - 1],
              "train/kl_init_k3": kl[min(s, len(kl)) - 1] / 2,
              "train/loss": float("nan") if s == bad_step else 0.1} for s in range(1, steps + 1)]
     if bare_step:
         rows[bare_step - 1] = {"step": bare_step, "rollout/reward_mean": 0.0, "rollout/solve_rate": 0.0,
+                               "rollout/episodes_valid": 8,
                                "rollout/groups_with_signal": 0, **({} if trained else {"train/optimizer_steps": 0})}
     (d / "log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     return rows
@@ -234,6 +236,16 @@ def pass1(model, tasks):
     return [sum(REWARDS[model][i]) / 2 for i in range(len(tasks))]
 
 
+def test_solve_rise_is_over_the_first_and_last_steps_episodes():
+    """A third of the steps each, at most 3; the rates are over the steps' valid episodes, not means of rates."""
+    log = [{"rollout/solve_rate": r, "rollout/episodes_valid": n}
+           for r, n in [(0.1, 10), (0.2, 10), (0.3, 10), (0.5, 8), (0.5, 8), (0.5, 8), (0.75, 4), (0.8, 10), (0.9, 10)]]
+    k, first, last, z = report.solve_rise(log)
+    assert (k, first, last) == (3, 0.2, pytest.approx(20 / 24))
+    assert z == pytest.approx(evaluate.rise_z((6, 30), (20, 24))) and z > 3
+    assert report.solve_rise(log[:2])[:3] == (1, 0.1, 0.2)  # two steps: the first against the last
+
+
 def test_build_reports_every_comparison(tmp_path):
     tasks = synthetic_run(tmp_path)
     assert report.build(tmp_path) == []
@@ -268,7 +280,7 @@ def test_build_reports_every_comparison(tmp_path):
     assert f"| 0.5 | λ=0.5 + GRPO | 33.3 | +16.7 [{100 * lo:+.1f}, {100 * hi:+.1f}] |" in md
     assert (tmp_path / "lambda_sweep.png").stat().st_size > 0 and "![λ sweep](lambda_sweep.png)" in md
     # RL time: entropy first / mean / last and the final KL of every GRPO run; the most entropy and least KL: ActObs
-    assert "| ActObs (λ=1) + GRPO | 2 (2) | 0.500 → 0.500 | 0.500 | 2 | 0.900 / 0.850 / 0.800 | 2.00e-02 / 1.00e-02 |" in md
+    assert "| ActObs (λ=1) + GRPO | 2 (2) | 0.500 → 0.500 | 0.500 → 0.500, 1 each (+0.0) | 2 | 0.900 / 0.850 / 0.800 | 2.00e-02 / 1.00e-02 |" in md
     assert "| ActionSFT (λ=0) + GRPO + ECHO | 2 (2) |" in md and "| λ=0.5 + GRPO | 2 (2) |" in md
     assert "Most entropy kept during GRPO (mean over the trained steps): ActObs (λ=1) + GRPO; closest to its SFT " \
            "checkpoint at the end (k3): ActObs (λ=1) + GRPO" in md
