@@ -48,7 +48,7 @@ SFT=(--lr 2e-3 --warmup-ratio 0.05 --min-lr-ratio 0.1 --batch-size 4 --epochs 2 
 # RL and evaluation roll out with the same limits; the expert needs ~5 turns of ~80 tokens, but its csv_summary script
 # reply is up to ~330 (`report.py limits` checks the corpus against these). One engine step decodes a token for every
 # live episode, so 32 sandboxes at once cost little more per step than 8. --micro-tokens 1: the update forwards one
-# episode a pass; grpo.py's default pads episodes into micro-batches, which on CPU took 1.4-2x the update's time
+# episode a pass; grpo.py's default pads episodes into micro-batches, which on CPU took 1.4-3.2x the update's time
 # (bench/grpo_micro.py)
 GRPO=(--steps 4 --tasks-per-step 4 --group-size 8 --lr 1e-5 --max-turns 10 --max-new-tokens 384 --max-len 4096
       --concurrency 32 --micro-tokens 1 --save-every 4 --keep 1)                            # grpo.py, all arms
