@@ -54,6 +54,10 @@ STANDIN_TOOLS = ("/root/.local/bin", "/opt/actobs-wheels")  # the stand-in's ver
 # docker exec's PATH in an image that sets none
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 STEP_READS = 3  # reads of a terminal step's result file when its exec's output came back incomplete
+# How long a terminal step may run past its duration before it is killed (and its episode lost to the
+# infrastructure): its own tmux calls take milliseconds on an idle host, seconds in a CPU-starved container (dozens of
+# sandboxes on two cores); a step with 5 s of slack failed in 1 of 5-10 episodes there (RESULTS.md, 2026-12-03)
+STEP_SLACK_S = 60.0
 
 # ----------------------------------------------------------------------------------------------------------
 # Docker client, labels, base image
@@ -776,7 +780,7 @@ class Sandbox:
         newline = "1" if ("\n" in keystrokes or "\r" in keystrokes or literal == "0") else "0"
         self._steps += 1
         code, out = self.exec(["bash", "-c", TERMINAL_STEP, "step", keystrokes, literal, f"{duration:.3f}",
-                               newline, "1" if read else "0", str(self._steps)], timeout=duration + 5)
+                               newline, "1" if read else "0", str(self._steps)], timeout=duration + STEP_SLACK_S)
         result = self._step_result(out)
         for _ in range(STEP_READS if result is None and code == 0 else 0):  # ran, but its output went missing
             self.recovered_steps += 1

@@ -55,6 +55,16 @@ def test_endless_output_is_truncated_and_bounded_in_time(base_image):
         assert "\nback\n" in sb.send("echo back\n", 2)
 
 
+def test_a_step_in_a_cpu_starved_sandbox_returns_its_output(base_image):
+    """A hundredth of a CPU (Docker's least) makes the step's own tmux calls take seconds, as dozens of sandboxes on two
+    cores did: 5 s of slack past the duration killed such a step (exit 124) and lost its episode to the
+    infrastructure; the step must return what the command printed."""
+    with sandbox.Sandbox(base_image, cpus=0.01, memory_mb=256) as sb:
+        sb.screen()
+        obs, took = timed_send(sb, "echo starved-$((6 * 7))\n", 1)
+        assert "\nstarved-42\n" in obs and took < 1 + sandbox.STEP_SLACK_S
+
+
 def test_sleep_is_interrupted_and_the_shell_is_usable(base_image):
     with sandbox.Sandbox(base_image) as sb:
         sb.screen()
