@@ -56,7 +56,7 @@ DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 STEP_READS = 3  # reads of a terminal step's result file when its exec's output came back incomplete
 # How long a terminal step may run past its duration before it is killed (and its episode lost to the
 # infrastructure): its own tmux calls take milliseconds on an idle host, seconds in a CPU-starved container (dozens of
-# sandboxes on two cores); a step with 5 s of slack failed in 1 of 5-10 episodes there (RESULTS.md, 2026-12-03)
+# sandboxes on two cores), where 5 s of slack lost up to 60 of a GRPO step's 64 episodes (RESULTS.md, 2026-12-03)
 STEP_SLACK_S = 60.0
 
 # ----------------------------------------------------------------------------------------------------------
