@@ -118,6 +118,13 @@ def rise_z(early, late):
     return (k2 / n2 - k1 / n1) / math.sqrt(pooled * (1 - pooled) * (1 / n1 + 1 / n2))
 
 
+def solved_counts(rows):
+    """(episodes solved, valid episodes) over GRPO log rows (steps): the counts behind their solve rates, rise_z's
+    input."""
+    return (sum(round(r["rollout/solve_rate"] * r["rollout/episodes_valid"]) for r in rows),
+            sum(r["rollout/episodes_valid"] for r in rows))
+
+
 def ks_up_to(n):
     return [2 ** i for i in range(n.bit_length()) if 2 ** i <= n]  # 1, 2, 4, 8, 16 for n = 16
 

@@ -438,7 +438,7 @@ def step_record(step, episodes, valid, has_signal, tot, gnorm, gen, times, args,
     na, nv, turns = sums.get("act_tokens", 0), max(sums["valid"], 1), max(sums["turns"], 1)
     rec = {"step": step + 1,
            "rollout/reward_mean": sums["reward_sum"] / nv, "rollout/solve_rate": sums["solved"] / nv,
-           "rollout/episodes_valid": int(sums["valid"]),  # the solve rate's denominator (solved)
+           "rollout/episodes_valid": int(sums["valid"]),  # the solve rate's denominator (evaluate.solved_counts)
            "rollout/groups_drawn": sums["groups"], "rollout/groups_with_signal": sums["signal"],
            "rollout/groups_zero_variance": sums["groups"] - sums["signal"],
            "rollout/infra_excluded": sums["episodes"] - sums["valid"],
@@ -474,12 +474,6 @@ def step_line(rec, args):
             f"{rec['rollout/groups_drawn']:.0f} | {trained} | gen {rec['time/generate_s']:.0f}s "
             f"idle {rec['rollout/generator_idle_frac']:.0%} | train {rec['time/train_s']:.0f}s | "
             f"{rec['time/step_s']:.0f}s")
-
-
-def solved(rows):
-    """(episodes solved, valid episodes) over log rows (steps): the counts of their solve rate (evaluate.rise_z's)."""
-    return (sum(round(r["rollout/solve_rate"] * r["rollout/episodes_valid"]) for r in rows),
-            sum(r["rollout/episodes_valid"] for r in rows))
 
 
 # curves.png: the KL from the initial policy is k3's (never below 0; train/kl_init, the k1 estimate, can be)

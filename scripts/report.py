@@ -29,7 +29,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo's modul
 
 import envs  # noqa: E402
 import evaluate  # noqa: E402
-import grpo  # noqa: E402
 import labels  # noqa: E402
 import taskgen  # noqa: E402
 
@@ -470,7 +469,7 @@ def solve_rise(log):
     """The solve rate over a GRPO run's first steps' episodes and over its last steps', and z: how far the later is
     above the earlier (evaluate.rise_z). First and last are a third of the steps each, at most 3 (1 of 2 steps)."""
     k = max(1, min(3, len(log) // 3))
-    early, late = grpo.solved(log[:k]), grpo.solved(log[-k:])
+    early, late = evaluate.solved_counts(log[:k]), evaluate.solved_counts(log[-k:])
     return k, early[0] / max(early[1], 1), late[0] / max(late[1], 1), evaluate.rise_z(early, late)
 
 
