@@ -222,6 +222,14 @@ QWEN_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^
               r"|\s*[\r\n]+|\s+(?!\S)|\s+")  # Qwen2/3's pre-tokenizer split pattern
 
 
+# Letters, digits, punctuation and white space each their own pieces: a name has the same tokens wherever it stands
+# (QWEN_SPLIT glues one space or punctuation mark to the letters after it, so d8n8n.ini in an `ls` listing and in
+# /etc/svc/d8n8n.ini start with different tokens, and a copy by content finds no earlier occurrence to follow).
+# About 1.33x the tokens of QWEN_SPLIT on the base model's terminal sessions.
+NAME_SPLIT = r"\p{L}+|\p{N}|[^\s\p{L}\p{N}]+|\s+"
+SPLITS = {"qwen": QWEN_SPLIT, "names": NAME_SPLIT}
+
+
 QWEN_SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
 
@@ -238,14 +246,14 @@ def tiny_config(vocab_size, hidden, layers, heads, kv_heads, **overrides):
                           **overrides})
 
 
-def build_tiny(out_dir, texts, vocab_size=4096, hidden=256, layers=4, heads=4, kv_heads=2, seed=0):
-    """Train a byte-level BPE with Qwen's special tokens on `texts`, build a random Qwen3 around it, and
-    save both (with the prefix-preserving chat template) to out_dir. Returns out_dir."""
+def build_tiny(out_dir, texts, vocab_size=4096, hidden=256, layers=4, heads=4, kv_heads=2, seed=0, split="qwen"):
+    """Train a byte-level BPE with Qwen's special tokens on `texts` (pre-split by SPLITS[split]), build a random
+    Qwen3 around it, and save both (with the prefix-preserving chat template) to out_dir. Returns out_dir."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast, Qwen3ForCausalLM
     bpe = Tokenizer(models.BPE())
     bpe.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(QWEN_SPLIT), behavior="isolated"),
+        pre_tokenizers.Split(Regex(SPLITS[split]), behavior="isolated"),
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     bpe.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size - len(QWEN_SPECIAL) - len(QWEN_ADDED), show_progress=False,

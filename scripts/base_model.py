@@ -57,6 +57,8 @@ def get_parser():
                    "Terminus-2's); give the one SFT, RL and evaluation use")
     # model
     p.add_argument("--vocab", type=int, default=4096, help="BPE vocabulary, Qwen's special tokens included")
+    p.add_argument("--split", default="qwen", choices=sorted(common.SPLITS), help="the BPE's pre-tokenizer: qwen "
+                   "(Qwen's) or names (a name's tokens the same wherever it stands; common.NAME_SPLIT)")
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--heads", type=int, default=4)
@@ -383,6 +385,9 @@ def record_sessions(n, n_commands, seed, concurrency=8, template=None, start=0):
 # ----------------------------------------------------------------------------------------------------------
 # Copy accuracy: does the model type a literal value exactly where the session's user did?
 
+VALUE_END = r"(?![\w-]|\.\w)"  # where a quoted value ends: not inside a longer name (d8n8n.ini, not d8n8n.ini.bak)
+
+
 def value_events(conv):
     """[(assistant message index, start, end, source)]: each place a reply's text holds one of the session's
     values (an instruction fact, a file's id or a file's name) that an earlier message showed; source is
@@ -396,20 +401,36 @@ def value_events(conv):
             continue
         before = [x["content"] for x in conv[:j]]
         for v in values:
-            for hit in re.finditer(rf"(?<![\w.-]){re.escape(v)}(?![\w-]|\.\w)", m["content"]):
+            for hit in re.finditer(rf"(?<![\w.-]){re.escape(v)}{VALUE_END}", m["content"]):
                 if any(v in b for b in before):
                     events.append((j, hit.start(), hit.end(), "instruction" if v in before[0] else "output"))
     return events
+
+
+def determined_at(context, value):
+    """Characters of `value` typed before its rest is determined by `context` (the text before it): the shortest
+    prefix whose every earlier occurrence at a word start (not inside a longer word) goes on as the whole value.
+    A copier that has read `context` knows the rest once that prefix is typed; before it, the user's choice (which
+    of the values on screen, which path under "/") is a guess no model can be scored on. len(value) when
+    never determined (an earlier occurrence of the whole value goes on as a longer word)."""
+    whole = re.compile(rf"{re.escape(value)}{VALUE_END}")
+    for n in range(1, len(value) + 1):
+        at = [m.start() for m in re.finditer(rf"(?<![\w]){re.escape(value[:n])}", context)]
+        if at and all(whole.match(context, i) for i in at):
+            return n
+    return len(value)
 
 
 @torch.no_grad()
 def copy_accuracy(model, tok, convs, max_len, events=value_events):
     """Exact copies of the values `events(conv)` finds (value_events' form) under greedy decoding, teacher-forced
     on the conversation's own text: a value counts as copied when every token of it is the model's argmax given
-    what precedes it (what greedy decoding of that reply would type). "rest" counts the values whose tokens after
-    the first are all the argmax: a session's user often quotes one of several values, so its first token is a
-    choice and the rest is the copy. Values within the first max_len tokens; by source and length (short: up to
-    6 characters) -> {source: {"all" | "short" | "long": {"n", "exact", "rest"}}}."""
+    what precedes it (what greedy decoding of that reply would type). A session's user often quotes one of several
+    values, so the first tokens of a value can be a choice rather than a copy: "rest" counts the values whose
+    tokens after the first are all the argmax, and "determined" those whose tokens after the point where the
+    context determines the value (determined_at; the token the choice ends in excluded) are, over the "det_n"
+    values that have such tokens. Values within the first max_len tokens; by source and length (short: up to 6
+    characters) -> {source: {"all" | "short" | "long": {"n", "exact", "rest", "det_n", "determined"}}}."""
     tally = {}
     for conv in convs:
         text = tok.apply_chat_template(conv, tokenize=False)
@@ -426,14 +447,17 @@ def copy_accuracy(model, tok, convs, max_len, events=value_events):
             if not span or span[-1] >= len(ids) - 1 or span[0] == 0:
                 continue
             ok = [pred[t - 1] == ids[t] for t in span]
+            d = a + determined_at(text[:a], text[a:b])
+            det = [o for t, o in zip(span, ok) if offsets[t][0] >= d]
             key = (source, "short" if b - a <= 6 else "long")
-            n, k, rest = tally.get(key, (0, 0, 0))
-            tally[key] = (n + 1, k + all(ok), rest + all(ok[1:]))
+            n, k, rest, det_n, det_k = tally.get(key, (0, 0, 0, 0, 0))
+            tally[key] = (n + 1, k + all(ok), rest + all(ok[1:]), det_n + bool(det), det_k + (bool(det) and all(det)))
     out = {}
     for source in ("instruction", "output"):
-        rows = {x: tally.get((source, x), (0, 0, 0)) for x in ("short", "long")}
+        rows = {x: tally.get((source, x), (0, 0, 0, 0, 0)) for x in ("short", "long")}
         rows["all"] = tuple(map(sum, zip(rows["short"], rows["long"])))
-        out[source] = {x: {"n": n, "exact": k / max(n, 1), "rest": r / max(n, 1)} for x, (n, k, r) in rows.items()}
+        out[source] = {x: {"n": n, "exact": k / max(n, 1), "rest": r / max(n, 1), "det_n": dn,
+                           "determined": dk / max(dn, 1)} for x, (n, k, r, dn, dk) in rows.items()}
     return out
 
 
@@ -554,7 +578,9 @@ def main(argv=None):
     settings = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k not in ("out", "concurrency")}
     if (out / "settings.json").exists():
         old = json.loads((out / "settings.json").read_text())
-        changed = [f"--{k.replace('_', '-')} {old.get(k)!r} -> {v!r}" for k, v in settings.items() if old.get(k) != v]
+        # a setting added after the build was made has its default there
+        was = {k: old.get(k, get_parser().get_default(k)) for k in settings}
+        changed = [f"--{k.replace('_', '-')} {was[k]!r} -> {v!r}" for k, v in settings.items() if was[k] != v]
         if changed:
             raise ValueError(f"{out} holds a base model built with other settings ({', '.join(changed)}); "
                              "choose another --out")
@@ -588,7 +614,8 @@ def main(argv=None):
         "copy_accuracy": copy, "repeat_accuracy": repeat, "rotation_accuracy": rotation,
         "copy_practice": json.loads(curve.read_text()) if curve.exists() else []}, indent=2))
     print("copy accuracy (greedy, held-out sessions): " + " | ".join(
-        f"{s} {c['all']['exact']:.1%} of {c['all']['n']} (after the first token {c['all']['rest']:.1%}; short "
+        f"{s} {c['all']['exact']:.1%} of {c['all']['n']} (after the first token {c['all']['rest']:.1%}; once determined "
+        f"{c['all']['determined']:.1%} of {c['all']['det_n']}; short "
         f"{c['short']['exact']:.1%}, long {c['long']['exact']:.1%})" for s, c in copy.items())
           + f" | random ids on rows of 128: a repeated segment {repeat:.1%}, a rotated half {rotation:.1%}"
           f" -> {out / 'metrics.json'}")
@@ -604,7 +631,8 @@ def pretrain(args, data):
     if not (init / "config.json").exists():
         # The BPE is fit to everything the model will read and write: prompt, JSON replies, terminal output.
         common.build_tiny(init, [m["content"] for c in convs for m in c], vocab_size=args.vocab, hidden=args.hidden,
-                       layers=args.layers, heads=args.heads, kv_heads=args.kv_heads, seed=args.seed)
+                          layers=args.layers, heads=args.heads, kv_heads=args.kv_heads, seed=args.seed,
+                          split=args.split)
     start = init
     if args.copy_steps:
         start = out / "copy"

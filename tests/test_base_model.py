@@ -63,6 +63,63 @@ def test_commands_quote_the_instructions_values_and_earlier_outputs():
     assert base_model.value_events(conv) == [(1, 5, 5 + len(v), "instruction")]
 
 
+def test_a_value_is_determined_where_its_context_leaves_one_way_on():
+    ctx = "backup: /srv/maple_570\nls /srv/data /srv/mango\nport: 8080\n"
+    assert base_model.determined_at(ctx, "/srv/maple_570") == len("/srv/map")  # /srv/ma could still be /srv/mango
+    assert base_model.determined_at(ctx, "8080") == 1  # the only word that starts with 8
+    # an earlier occurrence goes on as a longer name: the value is a guess to its end
+    assert base_model.determined_at("see abc.txt.bak and abc.txt", "abc.txt") == len("abc.txt")
+
+
+@pytest.mark.parametrize("split", ["qwen", "names"])
+def test_a_names_tokens_under_each_split(tmp_path, split):
+    # Under Qwen's split a file name listed by `ls` and the same name typed in a path start with different tokens
+    # (" d" vs "/d"): nothing earlier to copy from. Under NAME_SPLIT it is the same tokens wherever it stands.
+    texts = [f"ls /etc/svc\n{n}.ini  {n}.txt\ncat /etc/svc/{n}.ini\n" for n in ("d8n8n", "kelp", "onyx_7", "tundra")] * 20
+    tok = labels.load_tokenizer(common.build_tiny(tmp_path, texts, vocab_size=400, hidden=32, layers=1, heads=2,
+                                                  kv_heads=1, split=split))
+
+    def tokens(before):  # the tokens that hold a character of the name
+        enc = tok(f"{before}d8n8n.ini", return_offsets_mapping=True)
+        return [tok.decode([i]) for i, (a, b) in zip(enc["input_ids"], enc["offset_mapping"]) if b > len(before)]
+    same = tokens("cat /etc/svc/") == tokens("kelp.txt  ") == tokens("ls\n")
+    assert same == (split == "names"), (tokens("cat /etc/svc/"), tokens("kelp.txt  "), tokens("ls\n"))
+
+
+def test_copy_accuracy_scores_the_tokens_after_the_choice(tokenizer):
+    # A model that types the conversation's next token everywhere but at `wrong`: missing a token the context
+    # does not determine (/srv/ma... could be /srv/mango) costs "exact" and "rest" but not "determined".
+    v = "/srv/maple_570"
+    conv = [{"role": "user", "content": f"backup: {v} and /srv/mango"}, {"role": "assistant", "content": f"cp x {v}"}]
+    text = tokenizer.apply_chat_template(conv, tokenize=False)
+    enc = tokenizer(text, return_offsets_mapping=True, add_special_tokens=False)
+    ids, offsets = enc["input_ids"], enc["offset_mapping"]
+    a = text.rindex(v)
+    span = [t for t, (s0, s1) in enumerate(offsets) if s0 < a + len(v) and s1 > a]
+    choice = [t for t in span if offsets[t][0] < a + len("/srv/map")]
+    assert len(choice) >= 2 and len(span) > len(choice)  # a token of the choice after the first, and copied ones
+
+    class Typist:
+        def __init__(self, wrong):
+            self.wrong = wrong
+
+        def __call__(self, x):  # x: (1, T) -> logits (1, T, V) whose argmax at t is token t + 1 (or another)
+            nxt = x[0, 1:].tolist() + [0]
+            nxt = [(n + 1) % len(tokenizer) if t + 1 in self.wrong else n for t, n in enumerate(nxt)]
+            return type("Out", (), {"logits": torch.nn.functional.one_hot(torch.tensor([nxt]), len(tokenizer)).float()})
+
+    def score(wrong):
+        c = base_model.copy_accuracy(Typist(wrong), tokenizer, [conv], 4096,
+                                     events=lambda conv: [(1, 5, 5 + len(v), "instruction")])["instruction"]["all"]
+        assert c["n"] == c["det_n"] == 1
+        return c["exact"], c["rest"], c["determined"]
+
+    assert score(set()) == (1, 1, 1)
+    assert score({span[0]}) == (0, 1, 1)
+    assert score({choice[-1]}) == (0, 0, 1)
+    assert score({span[-1]}) == (0, 0, 0)
+
+
 def test_repeats_reward_a_copy_by_content_and_not_a_fixed_look_back():
     ids, lab = base_model.repeats(torch.Generator().manual_seed(0), 64, 128, torch.arange(300, 4000))
     rows, cols = torch.nonzero(lab != -100, as_tuple=True)
