@@ -794,12 +794,14 @@ class Sandbox:
             raise DiskLimit(self.disk_exceeded)
         if code != 0 and self._shell_gone():
             fields = ["exited"]  # e.g. the agent's `kill -9 -1` also killed this step
+        if (fields[:1] == ["exited"] or code != 0 or len(fields) != 3) and self._pids_full():
+            # The step itself could not fork: the agent's processes hold them all. Checked first, as a tmux call that
+            # cannot fork reads as a gone terminal in TERMINAL_STEP (`exited`) while the shell is still there.
+            raise ProcessLimit(f"all {self.pids} processes of the sandbox in use; terminal step failed "
+                               f"(exit {code}): {text[-300:]}")
         if fields[:1] == ["exited"]:
             raise ShellExited("the agent's shell exited (exit, or its shell or tmux was killed)")
         if code != 0 or len(fields) != 3:
-            if self._pids_full():  # the step itself could not fork: the agent's processes hold them all
-                raise ProcessLimit(f"all {self.pids} processes of the sandbox in use; terminal step failed "
-                                   f"(exit {code}): {text[-300:]}")
             raise SandboxError(f"terminal step failed (exit {code}): {text[-500:]}")
         self.last_idle = fields[0] == "idle"  # whether the step ended early on an idle prompt
         if not read:
