@@ -579,7 +579,8 @@ def main(argv=None):
     if (out / "settings.json").exists():
         old = json.loads((out / "settings.json").read_text())
         # a setting added after the build was made has its default there
-        was = {k: old.get(k, get_parser().get_default(k)) for k in settings}
+        parser = get_parser()
+        was = {k: old.get(k, parser.get_default(k)) for k in settings}
         changed = [f"--{k.replace('_', '-')} {was[k]!r} -> {v!r}" for k, v in settings.items() if was[k] != v]
         if changed:
             raise ValueError(f"{out} holds a base model built with other settings ({', '.join(changed)}); "
