@@ -38,7 +38,7 @@ ARMS=(actionsft actobs obs-then-act)  # SFT arms; the first is the baseline of e
 # Obs→Act: one observation-only epoch, then one action-only epoch: in the full run the same passes over the data and
 # steps as the other arms (sft.py counts --epochs per phase)
 declare -A LOSS=([actionsft]="--lam 0" [actobs]="--lam 1" [obs-then-act]="--schedule obs-then-act --epochs 1")
-BASE=(--sessions 256 --heldout 16 --commands 20 --epochs 4 --batch-size 2 --lr 1e-3)      # scripts/base_model.py
+BASE=(--sessions 256 --heldout 16 --commands 20 --epochs 6 --batch-size 2 --lr 1e-3)      # scripts/base_model.py
 CORPUS=(--n-sft 576 --n-rl 32 --n-eval 36)                                                # envs.py corpus
 HELDOUT_N=32                                                                              # trajectories for the probes
 # --micro-tokens 1: a forward pass per trajectory. On CPU a padded batch of a step's 4 trajectories is no faster a
@@ -64,7 +64,7 @@ PROBE=(--n 32 --max-len 3072)                                                   
 SAMPLE=(--max-new-tokens 128)                                                             # probes' own samples
 if [ $MODE = quick ]; then
     BASE=(--sessions 8 --heldout 2 --commands 6 --epochs 1 --batch-size 4 --lr 2e-3 --hidden 64 --layers 2 --heads 2 --kv-heads 1
-          --vocab 1024 --max-len 1024 --copy-steps 4 --copy-schedule 16:2,32:0)
+          --vocab 1024 --max-len 1024 --copy-steps 4 --copy-schedule 16:2,32:0 --refresh-steps 4)
     CORPUS=(--n-sft 20 --n-rl 2 --n-eval 2)
     HELDOUT_N=4
     SFT=(--lr 2e-3 --batch-size 4 --epochs 1 --max-len 1024 --micro-tokens 1 --val-size 4 --eval-every 0

@@ -16,7 +16,8 @@ with --lam 1 (prompt masked; commands and outputs weighted alike), the plain lan
 Steps, each reused when its output exists (an interrupted pre-training resumes from its last checkpoint):
     OUT/sessions.jsonl   recorded sessions: {"conversations": [prompt, reply, observation, ...]}
     OUT/pretrain/        sft.py run dir: init/ (tokenizer fit to the sessions + random Qwen3), step-N/, final/
-    OUT/model/           the base model: pretrain/final, renamed once complete
+    OUT/copy/            the random model after copy practice on random ids, where the pre-training starts
+    OUT/model/           the base model: pretrain/final after the refresh (rows and sessions together)
 OUT/settings.json holds the settings it was built with; another build into the same OUT must use the same
 ones. The trees and commands follow from --seed; the outputs are the real ones, so only what Docker picks
 (container ids in the shell prompt, file times) differs between two builds.
@@ -41,6 +42,12 @@ import labels  # noqa: E402
 import sft  # noqa: E402
 import terminus  # noqa: E402
 from taskgen import WORDS  # noqa: E402
+
+
+REFRESH_ROWS, REFRESH_ROW = 2, 128  # the refresh's rows a step and their length (the repeat metric's)
+# Settings added after builds were made, and the value that reproduces such a build: a build's settings.json without
+# the key was made with it
+BEFORE = {"refresh_steps": 0}
 
 
 def get_parser():
@@ -72,6 +79,11 @@ def get_parser():
                    "weight decay, 50 warm-up steps)")
     p.add_argument("--copy-chats", type=float, default=0.5, help="copy chats mixed into the sessions' pre-training, "
                    "per session: a user turn of values, the reply the same values rotated (keeps the circuit in use)")
+    # the refresh after the sessions (train_copy with session_loss): rows of random ids and sessions in every step
+    p.add_argument("--refresh-steps", type=int, default=200, help=f"steps of {REFRESH_ROWS} rotated rows of "
+                   f"{REFRESH_ROW} ids and 2 sessions each after the pre-training (0: none; bf16, AdamW betas "
+                   "0.9/0.95, no weight decay, 10 warm-up steps)")
+    p.add_argument("--refresh-lr", type=float, default=1e-4)
     # pre-training on the sessions (sft.py flags)
     p.add_argument("--epochs", type=int, default=1)
     p.add_argument("--batch-size", type=int, default=4)
@@ -526,11 +538,12 @@ def schedule_length(schedule, step):
 
 
 def train_copy(model, vocab, steps, schedule, tokens=2048, lr=1e-3, betas=(0.9, 0.95), weight_decay=0.0, warmup=50,
-               dtype=None, seed=0, every=0, probe_lengths=(128,), rows=rotations, log=print):
+               dtype=None, seed=0, every=0, probe_lengths=(128,), rows=rotations, also=None, log=print):
     """Copy practice: train `model` in place for `steps` AdamW steps on `rows` (`rotations` or `repeats`) of `vocab`
     ids, `tokens` a step (rows of the schedule's length: short rows first, where the circuit forms soonest), linear warm-up then
-    constant lr, gradient clip 1.0; `dtype` an autocast dtype or None (fp32). Every `every` steps (and at the end)
-    logs the held-out copy accuracy on rows of `probe_lengths` -> [(step, {length: accuracy})].
+    constant lr, gradient clip 1.0; `dtype` an autocast dtype or None (fp32). `also`: None, or a function of no
+    arguments that returns another loss to add to every step's (session_loss: the refresh). Every `every` steps (and
+    at the end) logs the held-out copy accuracy on rows of `probe_lengths` -> [(step, {length: accuracy})].
 
     The defaults are the settings the measured runs formed the circuit with (bench/induction.py's docstring): a
     larger lr or weight decay (which pulls Qwen3's q/k norm gains towards 0, blunting the attention that finds the
@@ -555,12 +568,26 @@ def train_copy(model, vocab, steps, schedule, tokens=2048, lr=1e-3, betas=(0.9, 
         ids, lab = rows(gen, max(1, tokens // length), length, vocab)  # (tokens // length, length)
         with ctx:
             loss = model(input_ids=ids, labels=lab, use_cache=False).loss
+            if also is not None:
+                loss = loss + also()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
     model.eval()
     return curve
+
+
+def session_loss(model, tok, convs, max_len, seed, per_step=2):
+    """-> a function of no arguments: the language-model loss (sft.py's with λ=1, the pre-training's) of `per_step`
+    sessions of `convs` drawn at random (seeded), a forward pass each; the refresh's second objective."""
+    examples = [labels.render(tok, c, max_len) for c in convs]
+    rng = random.Random(f"{seed}/refresh")
+
+    def loss():
+        return sum(sft.actobs_loss(model, common.collate([ex], tok.pad_token_id), 1.0, n_traj=per_step)[0]
+                   for ex in rng.sample(examples, per_step))
+    return loss
 
 
 def plain_ids(tok):
@@ -578,9 +605,9 @@ def main(argv=None):
     settings = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k not in ("out", "concurrency")}
     if (out / "settings.json").exists():
         old = json.loads((out / "settings.json").read_text())
-        # a setting added after the build was made has its default there
+        # a setting added after the build was made: the value such builds had (BEFORE), else its default
         parser = get_parser()
-        was = {k: old.get(k, parser.get_default(k)) for k in settings}
+        was = {k: old.get(k, BEFORE.get(k, parser.get_default(k))) for k in settings}
         changed = [f"--{k.replace('_', '-')} {was[k]!r} -> {v!r}" for k, v in settings.items() if was[k] != v]
         if changed:
             raise ValueError(f"{out} holds a base model built with other settings ({', '.join(changed)}); "
@@ -663,8 +690,28 @@ def pretrain(args, data):
               "--warmup-ratio", "0.05", "--dtype", "bf16", "--max-len", str(args.max_len), "--micro-tokens", "1",
               "--val-size", str(min(16, len(convs) // 10)), "--eval-every", "0", "--save-every", "20", "--keep", "1",
               "--resume"])
-    os.replace(run / "final", out / "model")
-    print(f"base model: {out / 'model'} | pre-training on the sessions {time.time() - t0:.0f}s")
+    print(f"pre-training on the sessions {time.time() - t0:.0f}s")
+    if args.refresh_steps:
+        # The sessions keep about half of the random-id copy circuit (0.97 -> 0.45 on rows of 128). A short phase of
+        # rows and sessions together brings it back without costing the sessions' copies, which rows alone halve
+        # (RESULTS.md, 2026-12-04).
+        t0 = time.time()
+        from transformers import AutoModelForCausalLM
+        tok = labels.load_tokenizer(run / "final")
+        model = AutoModelForCausalLM.from_pretrained(run / "final", dtype=torch.float32)
+        torch.manual_seed(args.seed)
+        train_copy(model, plain_ids(tok), args.refresh_steps, [(REFRESH_ROW, 0)], REFRESH_ROWS * REFRESH_ROW,
+                   args.refresh_lr, warmup=10, dtype=torch.bfloat16, seed=args.seed + 2,
+                   also=session_loss(model, tok, convs, args.max_len, args.seed))
+        tmp = out / "refresh.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        model.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        os.replace(tmp, out / "model")
+        print(f"refresh: {time.time() - t0:.0f}s")
+    else:
+        os.replace(run / "final", out / "model")
+    print(f"base model: {out / 'model'}")
 
 
 if __name__ == "__main__":

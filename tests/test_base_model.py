@@ -17,7 +17,7 @@ import taskgen  # noqa: E402
 
 TINY = ["--sessions", "4", "--commands", "5", "--vocab", "400", "--hidden", "32", "--layers", "1", "--heads", "2",
         "--kv-heads", "1", "--epochs", "1", "--batch-size", "2", "--max-len", "1024", "--concurrency", "4", "--heldout", "2",
-        "--copy-steps", "3", "--copy-schedule", "8:2,16:0", "--copy-chats", "1",
+        "--copy-steps", "3", "--copy-schedule", "8:2,16:0", "--copy-chats", "1", "--refresh-steps", "2",
         "--prompt-template", str(Path(__file__).resolve().parents[1] / "scripts" / "toy_prompt.txt")]
 
 
@@ -190,6 +190,24 @@ def test_copy_practice_forms_the_circuit_at_its_settings():
     assert curve[0][1][16] < 0.1 and curve[-1][1][16] > 0.6, curve
 
 
+def test_the_refresh_trains_its_second_loss_beside_the_rows():
+    # train_copy adds `also`'s loss to every step's: a sequence of ids the rows never hold is learnt only with it
+    # (the rows alone push those ids' logits down)
+    from transformers import Qwen3ForCausalLM
+    seq = torch.arange(300, 340)[None]  # (1, 40): ids outside the rows' vocabulary (256-287)
+
+    def run(also):
+        torch.manual_seed(0)
+        model = Qwen3ForCausalLM(common.tiny_config(400, 32, 1, 2, 1))
+        fixed = lambda: model(input_ids=seq, labels=seq).loss  # noqa: E731
+        before = fixed().item()
+        base_model.train_copy(model, torch.arange(256, 288), 20, [(16, 0)], tokens=256, lr=1e-2, warmup=1,
+                              also=fixed if also else None, log=lambda line: None)
+        return before, fixed().item()
+    (b0, rows_only), (b1, both) = run(False), run(True)
+    assert b0 == b1 and rows_only > 0.9 * b0 and both < 0.5 * b0, (b0, rows_only, both)
+
+
 @pytest.mark.slow
 def test_build_records_pretrains_and_reuses(tmp_path, no_leftovers):
     out = tmp_path / "base"
@@ -217,19 +235,30 @@ def test_build_records_pretrains_and_reuses(tmp_path, no_leftovers):
     metrics = json.loads((out / "metrics.json").read_text())
     assert 0 <= metrics["repeat_accuracy"] <= 1 and 0 <= metrics["rotation_accuracy"] <= 1
     assert [r["step"] for r in metrics["copy_practice"]] == [0, 3]  # copy practice ran first, probed at its ends
+    from transformers import AutoModelForCausalLM
+    pre = AutoModelForCausalLM.from_pretrained(out / "pretrain" / "final").state_dict()
+    base = AutoModelForCausalLM.from_pretrained(model_dir).state_dict()
+    assert any(not torch.equal(pre[k], base[k]) for k in pre)  # the refresh trained the pre-trained model on
     mixed = [json.loads(line)["conversations"] for line in (out / "pretrain.jsonl").read_text().splitlines()]
     assert mixed[:4] == [r["conversations"] for r in rows] and mixed[4:] == base_model.copy_chats(0, 4)
     # cached: the same settings reuse the model, others are refused
     assert base_model.main(["--out", str(out)] + TINY) == str(model_dir)
     with pytest.raises(ValueError, match="--lr"):
         base_model.main(["--out", str(out), "--lr", "1e-2"] + TINY)
+    # a build from before the refresh existed (no refresh_steps in its settings) was made without one
+    settings = json.loads((out / "settings.json").read_text())
+    del settings["refresh_steps"]
+    (out / "settings.json").write_text(json.dumps(settings))
+    with pytest.raises(ValueError, match="--refresh-steps 0 -> 2"):
+        base_model.main(["--out", str(out)] + TINY)
+    settings["refresh_steps"] = 2
+    (out / "settings.json").write_text(json.dumps(settings))
     # reproducible: the same sessions and seed give the same weights
     again = tmp_path / "again"
     again.mkdir()
     for name in ("sessions.jsonl", "heldout.jsonl"):
         shutil.copy(out / name, again / name)
     base_model.main(["--out", str(again)] + TINY)
-    from transformers import AutoModelForCausalLM
     a = AutoModelForCausalLM.from_pretrained(model_dir).state_dict()
     b = AutoModelForCausalLM.from_pretrained(again / "model").state_dict()
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
