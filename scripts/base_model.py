@@ -590,6 +590,18 @@ def session_loss(model, tok, convs, max_len, seed, per_step=2):
     return loss
 
 
+def save_model(model, tok, dst, files=None):
+    """Write `model` and `tok` (and `files`: {name: text}) to `dst` whole: into dst.tmp, renamed once complete, so an
+    interrupted build never finds a `dst` that looks done."""
+    tmp = dst.with_name(dst.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    for name, text in (files or {}).items():
+        (tmp / name).write_text(text)
+    os.replace(tmp, dst)
+
+
 def plain_ids(tok):
     """The tokenizer's ids other than its special and added tokens (what `repeats` draws from)."""
     special = set(tok.all_special_ids) | set(tok.get_added_vocab().values())
@@ -631,9 +643,7 @@ def main(argv=None):
               f"{sum(len(m['content']) for c in convs for m in c) / 1e6:.2f} MB) -> {data} | {time.time() - t0:.0f}s")
     if not (out / "model" / "config.json").exists():
         pretrain(args, data)
-    from transformers import AutoModelForCausalLM
-    tok = labels.load_tokenizer(out / "model")
-    model = AutoModelForCausalLM.from_pretrained(out / "model", dtype=torch.float32).eval()
+    tok, model = labels.load_tokenizer(out / "model"), common.load_model(out / "model", "cpu").eval()
     copy = copy_accuracy(model, tok, labels.read_trajectories(heldout)[0], args.max_len)
     repeat = repeat_accuracy(model, plain_ids(tok))
     rotation = repeat_accuracy(model, plain_ids(tok), rows=rotations)
@@ -666,19 +676,12 @@ def pretrain(args, data):
         start = out / "copy"
         if not (start / "config.json").exists():  # copy practice is short: an interrupted one starts again
             t0 = time.time()
-            from transformers import AutoModelForCausalLM
-            tok = labels.load_tokenizer(init)
-            model = AutoModelForCausalLM.from_pretrained(init, dtype=torch.float32)
+            tok, model = labels.load_tokenizer(init), common.load_model(init, "cpu")
             torch.manual_seed(args.seed)
             curve = train_copy(model, plain_ids(tok), args.copy_steps, parse_schedule(args.copy_schedule),
                                args.copy_tokens, args.copy_lr, seed=args.seed, every=100, probe_lengths=(64, 128))
-            tmp = out / "copy.tmp"
-            shutil.rmtree(tmp, ignore_errors=True)
-            model.save_pretrained(tmp)
-            tok.save_pretrained(tmp)
-            (tmp / "copy_curve.json").write_text(json.dumps([{"step": k, **{f"copy@{n}": a for n, a in acc.items()}}
-                                                            for k, acc in curve]))
-            os.replace(tmp, start)
+            save_model(model, tok, start, {"copy_curve.json": json.dumps(
+                [{"step": k, **{f"copy@{n}": a for n, a in acc.items()}} for k, acc in curve])})
             print(f"copy practice: {start} | {time.time() - t0:.0f}s")
     mixed = out / "pretrain.jsonl"  # the sessions and the copy chats, in sft.py's seeded order
     if not mixed.exists():
@@ -696,18 +699,12 @@ def pretrain(args, data):
         # rows and sessions together brings it back without costing the sessions' copies, which rows alone halve
         # (RESULTS.md, 2026-12-04).
         t0 = time.time()
-        from transformers import AutoModelForCausalLM
-        tok = labels.load_tokenizer(run / "final")
-        model = AutoModelForCausalLM.from_pretrained(run / "final", dtype=torch.float32)
+        tok, model = labels.load_tokenizer(run / "final"), common.load_model(run / "final", "cpu")
         torch.manual_seed(args.seed)
         train_copy(model, plain_ids(tok), args.refresh_steps, [(REFRESH_ROW, 0)], REFRESH_ROWS * REFRESH_ROW,
                    args.refresh_lr, warmup=10, dtype=torch.bfloat16, seed=args.seed + 2,
                    also=session_loss(model, tok, convs, args.max_len, args.seed))
-        tmp = out / "refresh.tmp"
-        shutil.rmtree(tmp, ignore_errors=True)
-        model.save_pretrained(tmp)
-        tok.save_pretrained(tmp)
-        os.replace(tmp, out / "model")
+        save_model(model, tok, out / "model")
         print(f"refresh: {time.time() - t0:.0f}s")
     else:
         os.replace(run / "final", out / "model")
