@@ -136,9 +136,11 @@ _CSV_TERM = {"revenue": "int(r['units']) * float(r['price'])", "units": "int(r['
 
 
 def gen_permissions(rng):
-    # Harder instances: several scripts and keys, and a README beside the scripts that must keep mode 644.
-    scripts = [f"/app/bin/{w}.sh" for w in sorted(rng.sample(WORDS, rng.randint(1, 3)))]
-    keys = [f"/app/secrets/{w}.key" for w in sorted(rng.sample(WORDS, rng.randint(1, 3)))]
+    # Harder instances: more names to copy from the listing (one to four, each folder may hold none), and a README
+    # beside the scripts that must keep mode 644. The policy types every name it saw, so the count is the difficulty.
+    n_scripts, n_keys = rng.choice([(a, b) for a in range(3) for b in range(3) if a + b])
+    scripts = [f"/app/bin/{w}.sh" for w in sorted(rng.sample(WORDS, n_scripts))]
+    keys = [f"/app/secrets/{w}.key" for w in sorted(rng.sample(WORDS, n_keys))]
     keep = ["/app/bin/README.txt"] if rng.random() < 0.5 else []
     instr = ("Fix the permissions under /app: every .sh file in /app/bin must be executable by everyone "
              "(mode 755) and every .key file in /app/secrets readable and writable by its owner only (mode 600)."
@@ -148,7 +150,8 @@ def gen_permissions(rng):
              + [(k, "notes\n", 0o644) for k in keep])
     want = [(s, 755) for s in scripts] + [(k, 600) for k in keys] + [(k, 644) for k in keep]
     test = _verifier(" && ".join(f'[ "$(stat -c %a {p})" = {m} ]' for p, m in want))
-    return instr, files, test, f"chmod 755 {' '.join(scripts)}\nchmod 600 {' '.join(keys)}\n", {
+    solve = "".join(f"chmod {mode} {' '.join(names)}\n" for mode, names in ((755, scripts), (600, keys)) if names)
+    return instr, files, test, solve, {
         "scripts": scripts, "keys": keys, "keep": keep}
 
 
@@ -207,20 +210,21 @@ def gen_rename(rng):
 
 
 def gen_replace_host(rng):
-    # Harder instances: more files, and another database host (a replica) that must stay as it is.
+    # Harder instances: more files that hold the old host (one to four; the policy types the name of each), and
+    # another database host (a replica) that must stay as it is. One more file may not mention the old host at all.
     a, b, c = rng.sample(WORDS, 3)
     old, new, stay = f"db-{a}.internal", f"db-{b}-{rng.randint(2, 9)}.internal", f"db-{c}.internal"
     replica = rng.random() < 0.5
+    n_with = rng.randint(1, 4)
+    names = rng.sample(WORDS, n_with + rng.randint(0, 1))
     files, n = [], 0
-    for name in sorted(set(rng.sample(WORDS, rng.randint(2, 6)))):
-        k = rng.randint(0, 2)
+    for i, name in enumerate(names):
+        k = rng.randint(1, 2) if i < n_with else 0
         n += k
-        body = ([f"# {name}", f"timeout = {rng.randint(1, 60)}"] + [f"host{i} = {old}" for i in range(k)]
+        body = ([f"# {name}", f"timeout = {rng.randint(1, 60)}"] + [f"host{j} = {old}" for j in range(k)]
                 + ([f"replica = {stay}"] if replica and rng.random() < 0.6 else []))
         files.append((f"/app/conf/{name}.conf", "\n".join(body) + "\n", 0o644))
-    if n == 0:
-        files[0] = (files[0][0], files[0][1] + f"host = {old}\n", 0o644)
-        n = 1
+    files.sort()
     kept = sum(t.count(stay) for _, t, _ in files)
     instr = f"The database moved from {old} to {new}. Update every file in /app/conf that mentions the old host."
     test = _verifier(f"! grep -rq {old} /app/conf && [ \"$(cat /app/conf/*.conf | grep -c {new})\" = {n} ] && "
@@ -353,8 +357,8 @@ def _permissions(m, obs):
     act = (f"Scripts: {', '.join(scripts) or 'none seen'}; keys: {', '.join(keys) or 'none seen'}. "
            "Their modes are wrong.",
            "chmod 755 the scripts and 600 the keys.",
-           [f"chmod 755 {' '.join('/app/bin/' + s for s in scripts) or '/app/bin/*.sh'}\n",
-            f"chmod 600 {' '.join('/app/secrets/' + k for k in keys) or '/app/secrets/*.key'}\n"])
+           [f"chmod {mode} {' '.join(folder + n for n in names)}\n"
+            for mode, folder, names in ((755, "/app/bin/", scripts), (600, "/app/secrets/", keys)) if names])
     check = ("chmod done.", "List again to check the modes.", ["ls -l /app/bin /app/secrets\n"])
     return look, act, check
 

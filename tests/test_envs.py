@@ -136,6 +136,11 @@ def test_every_training_kind_mixes_easy_and_harder_instances():
         specs = [taskgen.generate(kind, random.Random(i)) for i in range(40)]
         assert {is_hard(s.params) for s in specs} == {True, False}, kind
         assert len({len(s.files) for s in specs}) > 1 or kind in ("fix_config", "csv_summary", "log_extract"), kind
+    # the kinds whose policy types names it read in a listing range from one name to four
+    perms = [taskgen.generate("permissions", random.Random(i)).params for i in range(40)]
+    assert {len(p["scripts"]) + len(p["keys"]) for p in perms} == {1, 2, 3, 4}
+    hosts = [taskgen.generate("replace_host", random.Random(i)) for i in range(40)]
+    assert {sum(s.params["old"] in text for _, text, _ in s.files) for s in hosts} == {1, 2, 3, 4}
     for spec in (taskgen.generate("fix_config", random.Random(i)) for i in range(40)):
         m = next(re.search(p, spec.instruction) for p, e in taskgen.EXPERTS if e.__name__ == "_fix_config")
         assert (m.group(1), m.group(2), m.group(3)) == (str(spec.params["port"]), spec.params["workers"], spec.params["level"])

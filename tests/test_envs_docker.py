@@ -169,9 +169,11 @@ def test_sandbox_error_is_recorded(base_image):
 
 @pytest.mark.slow
 def test_expert_solves_every_kind(base_image):
-    # and the harder variant of every training kind (a look-alike token, workers to set too...): seeds 14 and 19 draw it
+    # and the harder variant of every training kind (a look-alike token, workers to set too...): seeds 9, 14 and 19
+    # draw it; seeds 2 and 7 draw permissions with no script (a README only) and with no key folder at all
     harder = {14: ("fix_config", "csv_summary", "replace_host"),
-              19: ("find_copy", "permissions", "log_extract", "word_count", "rename")}
+              19: ("find_copy", "log_extract", "word_count", "rename"), 9: ("permissions",), 2: ("permissions",),
+              7: ("permissions",)}
     specs = [taskgen.generate(k, random.Random(11)) for k in taskgen.GENERATORS] + \
         [taskgen.generate(k, random.Random(seed)) for seed, kinds in harder.items() for k in kinds]
     eps = envs.run_episodes([envs.task_from_spec(s) for s in specs], taskgen.expert_policy, max_turns=10, concurrency=5)
