@@ -36,8 +36,8 @@ import taskgen
 from sandbox import (BASE_IMAGE, DEFAULT_STORAGE_MB, STANDIN_SUITE, STANDIN_TAGS, STANDIN_TOOLS, DiskLimit,
                      ProcessLimit, Sandbox, ShellExited, build_base_image, docker_client, image_commands, image_exists,
                      sweep)
-from terminus import (DEFAULT_PROMPT, confirm_message, decode, fill_prompt, load_template, parse_error_message,
-                      parse_reply, second_try_message, with_warnings)
+from terminus import (DEFAULT_PROMPT, confirm_message, decode, fill_prompt, load_template, network_evidence,
+                      parse_error_message, parse_reply, pytest_never_ran, second_try_message, with_warnings)
 
 VERIFIER_TAIL = 2000  # characters of the verifier's output kept on each episode
 
@@ -408,44 +408,6 @@ def verify(sb, task, keep_agent=False, tampered=None, strict=False):
     if never:
         return 0.0, f"the verifier's test runner never started ({never})", tail
     return reward, None, tail
-
-
-# What pytest prints once it has run tests, under any verbosity (-q drops the banner, -qq the summary line):
-# the summary line ("== 1 failed, 2 passed in 0.12s ==", "1 error in 0.08s" for a module that does not import),
-# the progress line ("F.  [100%]") or a FAILURES / ERRORS section.
-PYTEST_RAN = re.compile(rb"^=* *(?:\d+ \w+, )*\d+ (?:failed|passed|errors?|xfailed|xpassed|skipped)\b.* in [\d.]+s\b"
-                        rb"|^[.FEsxXR]+\s+\[\s*\d+%\]\s*$|^=+ (?:FAILURES|ERRORS) =+\s*$", re.M)
-# pytest's words when it ran nothing: exit status 4 (usage error, no such file) or 5 (no tests collected).
-PYTEST_NOTHING = re.compile(rb"^(?:ERROR: usage:|ERROR: file or directory not found|ERROR: not found:|.*pytest: error: "
-                            rb"|=* *no tests ran in|=* *\d+ deselected in|INTERNALERROR>).*$", re.M)
-
-
-def pytest_never_ran(output):
-    """Why a verifier's pytest ran no test, from its output; None when it ran tests. A run whose tests failed,
-    or whose test module did not import (pytest's exit status 1 or 2: the agent's code is often what the tests
-    import) is a wrong answer; a usage error, no test collected or an internal error (exit 3-5), or no pytest
-    output at all (no interpreter, or uv could not fetch pytest offline) is a verifier that never ran."""
-    output = re.sub(rb"\x1b\[[0-9;]*m", b"", output)  # --color=yes
-    if PYTEST_RAN.search(output):
-        return None
-    said = PYTEST_NOTHING.findall(output)  # the last is the most specific ("usage: ..." comes before the error)
-    if said:
-        return f"pytest ran no test: {decode(said[-1]).strip(' =')}"
-    errors = re.findall(rb"^.*(?:error|not found|No such file|[Cc]annot|[Cc]ould not).*$", output, re.M)
-    return "no pytest run in its output" + (f"; its last error: {decode(errors[-1]).strip()[:300]}" if errors else "")
-
-
-# What a command prints when it needs the network and the sandbox has none (no DNS, no route): apt, pip, uv, curl,
-# git, npm, go.
-NETWORK_ERRORS = re.compile(r"^.*(?:Temporary failure (?:in name resolution|resolving)|Could not resolve (?:host|proxy)"
-                            r"|Name or service not known|No address associated with hostname|Network is unreachable"
-                            r"|getaddrinfo EAI_AGAIN|failed to lookup address information|dial tcp: lookup).*$", re.M)
-
-
-def network_evidence(text):
-    """The last line of `text` saying that something failed for want of the network, or ''."""
-    found = NETWORK_ERRORS.findall(text)
-    return found[-1].strip()[:300] if found else ""
 
 
 # ----------------------------------------------------------------------------------------------------------

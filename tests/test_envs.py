@@ -91,7 +91,7 @@ def test_a_wrong_answer_is_a_run_under_every_pytest_form(tmp_path, form):
 
     def run(*args):
         res = subprocess.run(cmd + ["-p", "no:cacheprovider", *args], cwd=tmp_path, capture_output=True)
-        return res.returncode, envs.pytest_never_ran(res.stdout + res.stderr)
+        return res.returncode, terminus.pytest_never_ran(res.stdout + res.stderr)
     assert run("test_wrong.py") == (1, None)
     assert run("test_broken.py") == (2, None)
     if form != ["-q"]:
@@ -106,11 +106,11 @@ def test_a_wrong_answer_is_a_run_under_every_pytest_form(tmp_path, form):
 
 
 def test_no_pytest_output_is_a_verifier_that_never_ran():
-    assert envs.pytest_never_ran(b"bash: line 9: uvx: command not found\n") == \
+    assert terminus.pytest_never_ran(b"bash: line 9: uvx: command not found\n") == \
         "no pytest run in its output; its last error: bash: line 9: uvx: command not found"
-    assert envs.pytest_never_ran(b"") == "no pytest run in its output"
-    assert "INTERNALERROR" in envs.pytest_never_ran(b"INTERNALERROR> Traceback (most recent call last):\n")
-    assert envs.pytest_never_ran(b"Temporary failure resolving 'deb.debian.org'\n1 failed in 0.20s\n") is None
+    assert terminus.pytest_never_ran(b"") == "no pytest run in its output"
+    assert "INTERNALERROR" in terminus.pytest_never_ran(b"INTERNALERROR> Traceback (most recent call last):\n")
+    assert terminus.pytest_never_ran(b"Temporary failure resolving 'deb.debian.org'\n1 failed in 0.20s\n") is None
 
 
 # ---------------------------------------------------------------------------------------------- generator, expert
