@@ -351,14 +351,16 @@ def _csv_summary(m, obs):
 
 
 def _permissions(m, obs):
-    look = ("I have to see the current modes first.", "List /app/bin and /app/secrets with ls -l.",
-            ["ls -l /app/bin /app/secrets\n"])
-    scripts, keys = _lines(obs, r"(\S+\.sh)$"), _lines(obs, r"(\S+\.key)$")
+    # The look lists the two globs, so ls prints each file as the full path the chmod then types: a name is copied
+    # after the same "/app/bin/" it follows in the listing. From `ls -l /app/bin` (bare names after a time stamp)
+    # the policies copied no name at all: P(name) at the act step was chance over the word list (RESULTS.md).
+    look = ("I have to see the current modes first.", "List the scripts and keys with ls -l.",
+            ["ls -l /app/bin/*.sh /app/secrets/*.key\n"])
+    scripts, keys = (_lines(obs, rf"^-\S+ .* (/app/{d}/\S+\.{x})$") for d, x in (("bin", "sh"), ("secrets", "key")))
     act = (f"Scripts: {', '.join(scripts) or 'none seen'}; keys: {', '.join(keys) or 'none seen'}. "
            "Their modes are wrong.",
            "chmod 755 the scripts and 600 the keys.",
-           [f"chmod {mode} {' '.join(folder + n for n in names)}\n"
-            for mode, folder, names in ((755, "/app/bin/", scripts), (600, "/app/secrets/", keys)) if names])
+           [f"chmod {mode} {' '.join(names)}\n" for mode, names in ((755, scripts), (600, keys)) if names])
     check = ("chmod done.", "List again to check the modes.", ["ls -l /app/bin /app/secrets\n"])
     return look, act, check
 
@@ -398,9 +400,11 @@ def _rename(m, obs):
 
 def _replace_host(m, obs):
     old, new = m.group(1), m.group(2)
-    look = (f"I need the files that mention {old}.", "grep for the old host with file names and line numbers.",
-            [f"grep -rn {old} /app/conf\n"])
-    files = sorted(set(_lines(obs, r"^(/app/conf/[^:\s]+):\d+:")))
+    # grep -l prints each file once, and the reply names them in grep's order: a copy of the listing line by line.
+    # From `grep -rn` (a line per match) the expert named the files deduplicated and sorted, which no copy produces.
+    look = (f"I need the files that mention {old}.", "grep for the old host, one line per file.",
+            [f"grep -rl {old} /app/conf\n"])
+    files = _lines(obs, r"^(/app/conf/\S+\.conf)$")
     act = (f"The old host appears in {', '.join(files) or 'no file I could see'}.",
            f"Replace it with {new} in place with sed.",
            [f"sed -i 's/{old}/{new}/g' {' '.join(files) or '/app/conf/*.conf'}\n"])

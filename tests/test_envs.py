@@ -188,6 +188,31 @@ def test_expert_replies_parse_and_decide_from_observations():
     assert json.loads(taskgen.expert_reply(msgs))["commands"][0]["keystrokes"] == f"cp {target} /app/found.txt\n"  # JSON only
 
 
+def test_expert_types_each_name_as_the_listing_printed_it():
+    # A small policy copies a name after the text it followed in the observation: the expert's look prints full
+    # paths, and its act types them verbatim in the listing's order (not sorted, not rebuilt from a bare name).
+    def act(spec, shell):
+        prompt = terminus.fill_prompt(terminus.DEFAULT_PROMPT, spec.instruction, terminus.SCREEN_HEADER + "root@h:/app#\n")
+        msgs = [{"role": "user", "content": prompt}]
+        look = terminus.parse_reply(taskgen.expert_reply(msgs))[0].commands[0][0]
+        msgs += [{"role": "assistant", "content": taskgen.expert_reply(msgs)},
+                 {"role": "user", "content": terminus.OUTPUT_HEADER + f"root@h:/app# {look}" + shell + "\nroot@h:/app#"}]
+        return look, terminus.parse_reply(taskgen.expert_reply(msgs))[0]
+
+    perms = taskgen.generate("permissions", random.Random(0))
+    look, reply = act(perms, "ls: cannot access '/app/bin/*.sh': No such file or directory\n"
+                      "-rw-rw-rw- 1 root root 17 Dec  4 16:41 /app/secrets/zeta.key\n"
+                      "-rw-rw-rw- 1 root root 17 Dec  4 16:41 /app/secrets/alpha.key")
+    assert look == "ls -l /app/bin/*.sh /app/secrets/*.key\n"  # the echoed command line ends in *.key: not a name
+    assert [c for c, _ in reply.commands] == ["chmod 600 /app/secrets/zeta.key /app/secrets/alpha.key\n"]
+    assert "keys: /app/secrets/zeta.key, /app/secrets/alpha.key" in reply.analysis and "Scripts: none seen" in reply.analysis
+    host = next(s for s in (taskgen.generate("replace_host", random.Random(i)) for i in range(40)) if s.params["kept"])
+    old, new = re.search(r"from (\S+) to (\S+)\.", host.instruction).groups()
+    look, reply = act(host, "/app/conf/sierra.conf\n/app/conf/amber.conf")
+    assert look == f"grep -rl {old} /app/conf\n"
+    assert [c for c, _ in reply.commands] == [f"sed -i 's/{old}/{new}/g' /app/conf/sierra.conf /app/conf/amber.conf\n"]
+
+
 def test_import_has_no_side_effects():
     import subprocess
     import sys
