@@ -70,7 +70,19 @@ _actobs_btrfs() {
 
 _actobs_start() {
     mkdir -p "$ACTOBS_DOCKER_ROOT/exec" || return 1
-    local driver i data why started=
+    local driver i data why started= old
+    # A daemon of ours that is still going away (a stop under way, or the daemon of a run just killed) holds the
+    # pidfile, and a new dockerd refuses to start on it: each driver below would fail in turn and the last one up
+    # would be a slower driver on another image store. Wait for it to exit; a pidfile of a dead process is stale.
+    if [ -f "$_actobs_pid" ] && ! _actobs_ready; then
+        old="$(cat "$_actobs_pid")"
+        for i in $(seq 1 60); do kill -0 "$old" 2>/dev/null || break; sleep 0.5; done
+        if kill -0 "$old" 2>/dev/null; then
+            echo "dockerd $old (pidfile $_actobs_pid) neither answers nor exits; stop it first" >&2
+            return 1
+        fi
+        rm -f "$_actobs_pid"
+    fi
     # xfs: overlay2 with kernel-enforced disk budgets; overlay2 without; vfs where the host cannot carry overlay
     # (nested overlay); btrfs only when asked.
     for driver in ${ACTOBS_DOCKER_STORAGE:-xfs overlay2 vfs}; do
@@ -128,7 +140,8 @@ _actobs_stop() {
         sleep 0.5
     done
     kill -0 "$pid" 2>/dev/null && kill -9 "$pid"
-    rm -f "$_actobs_pid"
+    # only our daemon's pidfile: a start that ran while this one waited may own the file by now
+    [ "$(cat "$_actobs_pid" 2>/dev/null)" = "$pid" ] && rm -f "$_actobs_pid"
     echo "stopped dockerd $pid"
 }
 
