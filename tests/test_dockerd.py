@@ -13,7 +13,7 @@ SCRIPT = Path(__file__).parent.parent / ".ci" / "dockerd.sh"
 FAKE_DOCKERD = """#!/bin/bash
 while [ $# -gt 0 ]; do case $1 in --pidfile) pidfile=$2; shift ;; --storage-driver=*) driver=${1#*=} ;; esac; shift; done
 [ -e "$pidfile" ] && { echo "failed to start daemon: pid file found"; exit 1; }
-echo $$ > "$pidfile"; echo "$driver" >> "$(dirname "$pidfile")/drivers.log"; touch "$(dirname "$pidfile")/serving"
+echo $$ > "$pidfile"; echo "$driver" >> "$(dirname "$pidfile")/drivers.log"; echo $$ >> "$(dirname "$pidfile")/pids.log"; touch "$(dirname "$pidfile")/serving"
 trap 'rm -f "$pidfile" "$(dirname "$pidfile")/serving"; exit 0' TERM
 while :; do sleep 0.1; done
 """
@@ -41,23 +41,27 @@ def test_start_waits_for_a_daemon_still_going_away_and_stop_keeps_a_newer_pidfil
     for name, text in (("dockerd", FAKE_DOCKERD), ("docker", FAKE_DOCKER)):
         (bin_dir / name).write_text(text)
         (bin_dir / name).chmod(0o755)
-    # the old daemon: gone in 2 s, its pidfile still there meanwhile (a stop under way)
-    old = reaped(["sleep", "2"])
-    (root / "dockerd.pid").write_text(f"{old.pid}\n")
-    out = shell(root, bin_dir, f". {SCRIPT} start")
-    assert out.returncode == 0, out.stderr
-    # the first driver, not the fallback a refused start would have led to
-    assert (root / "drivers.log").read_text().split() == ["overlay2"]
-    new = int((root / "dockerd.pid").read_text())
-    assert new != old.pid
+    try:
+        # the old daemon: gone in 2 s, its pidfile still there meanwhile (a stop under way)
+        old = reaped(["sleep", "2"])
+        (root / "dockerd.pid").write_text(f"{old.pid}\n")
+        out = shell(root, bin_dir, f". {SCRIPT} start")
+        assert out.returncode == 0, out.stderr
+        # the first driver, not the fallback a refused start would have led to
+        assert (root / "drivers.log").read_text().split() == ["overlay2"]
+        new = int((root / "dockerd.pid").read_text())
+        assert new != old.pid
 
-    # a stop of an older daemon that ends after the new one has written the pidfile leaves that pidfile alone
-    older = reaped(["bash", "-c", "trap '' TERM; sleep 1.5"])  # takes its time to go
-    (root / "dockerd.pid").write_text(f"{older.pid}\n")
-    stop = subprocess.Popen(["bash", str(SCRIPT), "stop"], env={**os.environ, "ACTOBS_DOCKER_ROOT": str(root)})
-    time.sleep(0.3)
-    (root / "dockerd.pid").write_text(f"{new}\n")
-    stop.wait(timeout=60)
-    assert (root / "dockerd.pid").read_text().strip() == str(new)
-    assert shell(root, bin_dir, f"bash {SCRIPT} stop").returncode == 0
-    assert not (root / "dockerd.pid").exists() and not (root / "serving").exists()
+        # a stop of an older daemon that ends after the new one has written the pidfile leaves that pidfile alone
+        older = reaped(["bash", "-c", "trap '' TERM; sleep 1.5"])  # takes its time to go
+        (root / "dockerd.pid").write_text(f"{older.pid}\n")
+        stop = subprocess.Popen(["bash", str(SCRIPT), "stop"], env={**os.environ, "ACTOBS_DOCKER_ROOT": str(root)})
+        time.sleep(0.3)
+        (root / "dockerd.pid").write_text(f"{new}\n")
+        stop.wait(timeout=60)
+        assert (root / "dockerd.pid").read_text().strip() == str(new)
+        assert shell(root, bin_dir, f"bash {SCRIPT} stop").returncode == 0
+        assert not (root / "dockerd.pid").exists() and not (root / "serving").exists()
+    finally:  # no stand-in daemon outlives a failed assertion
+        for pid in (root / "pids.log").read_text().split() if (root / "pids.log").exists() else []:
+            subprocess.run(["kill", pid], capture_output=True)
