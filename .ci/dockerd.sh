@@ -27,6 +27,13 @@ _actobs_pid="$ACTOBS_DOCKER_ROOT/dockerd.pid"
 
 _actobs_ready() { docker -H "unix://$_actobs_sock" version >/dev/null 2>&1; }
 
+# Wait up to 30 s for process $1 to exit; fails while it still runs.
+_actobs_gone() {
+    local i
+    for i in $(seq 1 60); do kill -0 "$1" 2>/dev/null || return 0; sleep 0.5; done
+    ! kill -0 "$1" 2>/dev/null
+}
+
 _actobs_log() { echo "$(date -u +%FT%TZ) .ci/dockerd.sh: $*" | tee -a "$ACTOBS_DOCKER_ROOT/dockerd.log" >&2; }
 
 # Size of a new loop file: $ACTOBS_DOCKER_DISK_GB, or half the free space under $ACTOBS_DOCKER_ROOT.
@@ -76,8 +83,7 @@ _actobs_start() {
     # would be a slower driver on another image store. Wait for it to exit; a pidfile of a dead process is stale.
     if [ -f "$_actobs_pid" ] && ! _actobs_ready; then
         old="$(cat "$_actobs_pid")"
-        for i in $(seq 1 60); do kill -0 "$old" 2>/dev/null || break; sleep 0.5; done
-        if kill -0 "$old" 2>/dev/null; then
+        if ! _actobs_gone "$old"; then
             echo "dockerd $old (pidfile $_actobs_pid) neither answers nor exits; stop it first" >&2
             return 1
         fi
@@ -134,12 +140,7 @@ _actobs_stop() {
     local pid
     pid="$(cat "$_actobs_pid")"
     kill "$pid" 2>/dev/null
-    local i
-    for i in $(seq 1 60); do
-        kill -0 "$pid" 2>/dev/null || break
-        sleep 0.5
-    done
-    kill -0 "$pid" 2>/dev/null && kill -9 "$pid"
+    _actobs_gone "$pid" || kill -9 "$pid"
     # only our daemon's pidfile: a start that ran while this one waited may own the file by now
     [ "$(cat "$_actobs_pid" 2>/dev/null)" = "$pid" ] && rm -f "$_actobs_pid"
     echo "stopped dockerd $pid"

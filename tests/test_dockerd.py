@@ -13,8 +13,9 @@ SCRIPT = Path(__file__).parent.parent / ".ci" / "dockerd.sh"
 FAKE_DOCKERD = """#!/bin/bash
 while [ $# -gt 0 ]; do case $1 in --pidfile) pidfile=$2; shift ;; --storage-driver=*) driver=${1#*=} ;; esac; shift; done
 [ -e "$pidfile" ] && { echo "failed to start daemon: pid file found"; exit 1; }
-echo $$ > "$pidfile"; echo "$driver" >> "$(dirname "$pidfile")/drivers.log"; echo $$ >> "$(dirname "$pidfile")/pids.log"; touch "$(dirname "$pidfile")/serving"
-trap 'rm -f "$pidfile" "$(dirname "$pidfile")/serving"; exit 0' TERM
+d=$(dirname "$pidfile")
+echo $$ > "$pidfile"; echo "$driver" >> "$d/drivers.log"; echo $$ >> "$d/pids.log"; touch "$d/serving"
+trap 'rm -f "$pidfile" "$d/serving"; exit 0' TERM
 while :; do sleep 0.1; done
 """
 FAKE_DOCKER = """#!/bin/bash
