@@ -794,9 +794,12 @@ class Sandbox:
             raise DiskLimit(self.disk_exceeded)
         if code != 0 and self._shell_gone():
             fields = ["exited"]  # e.g. the agent's `kill -9 -1` also killed this step
-        if (fields[:1] == ["exited"] or code != 0 or len(fields) != 3) and self._pids_full():
+        failed = fields[:1] == ["exited"] or code != 0 or len(fields) != 3
+        if failed and (self._pids_full() or (code != 0 and re.search(r"^step: fork: ", text, re.M))):
             # The step itself could not fork: the agent's processes hold them all. Checked first, as a tmux call that
-            # cannot fork reads as a gone terminal in TERMINAL_STEP (`exited`) while the shell is still there.
+            # cannot fork reads as a gone terminal in TERMINAL_STEP (`exited`) while the shell is still there. The
+            # step's own shell (named `step`) saying so is enough: a bomb's count swings below the limit as its
+            # processes die, so the count read afterwards can miss it (a CI run did).
             raise ProcessLimit(f"all {self.pids} processes of the sandbox in use; terminal step failed "
                                f"(exit {code}): {text[-300:]}")
         if fields[:1] == ["exited"]:
