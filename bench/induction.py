@@ -9,11 +9,12 @@ of the trained length and of longer ones every --every steps, then the first ste
     python -m bench.induction --layers 2 --kv-heads 4 --vocab 512 --schedule 64:0 --steps 750
     python -m bench.induction --lr 3e-3 --weight-decay 0.01 --betas 0.9 0.999 --dtype bf16   # the old settings
 
-Settings that formed the circuit on this CPU (2026-12-03, RESULTS.md has the runs): fp32, AdamW lr 1e-3, betas
-(0.9, 0.95), no weight decay, 50 warm-up steps, clip 1.0, 2,048 tokens a step in short rows. 2 layers / 4 KV heads
-on rows of 64: ~500 steps; the base model's shape (4 layers, 2 KV heads) on rows of 64: ~750; its schedule
-32:600,64:400,128:0 copies rows of 128 by step ~1,200. At lr 3e-3, or on rows of 128 from the start, the plateau
-before the circuit outlasts 1,000+ steps.
+Settings that formed the circuit on this CPU (RESULTS.md has the runs, 2026-12-03 and 2026-12-05): AdamW lr 1e-3,
+betas (0.9, 0.95), no weight decay, 50 warm-up steps, clip 1.0, 2,048 tokens a step in short rows. 2 layers / 4 KV
+heads on rows of 64, fp32: ~500 steps; the base model's shape (4 layers, 2 KV heads) on rows of 64: ~750 in fp32,
+600-700 in bf16 (`--dtype bf16 --schedule 64:0`: 0.82 at step 700, at 0.75x fp32's step time); the schedule
+32:600,64:400,128:0 forms it at 600-800 too (rows of 32 alone do not), copying rows of 128 by step ~1,200. At lr
+3e-3, or on rows of 128 from the start, the plateau before the circuit outlasts 1,000+ steps.
 """
 import argparse
 import inspect
@@ -31,7 +32,9 @@ import base_model  # noqa: E402
 def get_parser():
     # the defaults are the base model's copy practice: its flags, and train_copy's own settings
     default = {a.dest: a.default for a in base_model.get_parser()._actions}
-    default.update((k, v.default) for k, v in inspect.signature(base_model.train_copy).parameters.items())
+    # only the parameters with defaults: train_copy's positional `vocab` (a tensor of ids) is not the --vocab size
+    default.update((k, v.default) for k, v in inspect.signature(base_model.train_copy).parameters.items()
+                   if v.default is not inspect.Parameter.empty)
     p = argparse.ArgumentParser(description="steps a random Qwen3 needs to copy by content (base_model.train_copy)",
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--vocab", type=int, default=default["vocab"])

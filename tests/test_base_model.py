@@ -176,6 +176,18 @@ def test_copy_chats_reply_with_the_users_values_rotated():
         assert back != values and any(back == values[k:] + values[:k] for k in range(1, len(values)))
 
 
+def test_the_calibration_defaults_to_the_base_models_copy_practice():
+    # bench/induction.py takes its defaults from base_model's flags and train_copy's keyword defaults; train_copy's
+    # positional `vocab` (a tensor of ids) must not replace the --vocab size
+    from bench import induction
+    cal = induction.get_parser().parse_args([])
+    build = base_model.get_parser().parse_args(["--out", "x"])
+    assert (cal.vocab, cal.hidden, cal.layers, cal.kv_heads, cal.steps, cal.schedule, cal.tokens, cal.lr) == (
+        build.vocab, build.hidden, build.layers, build.kv_heads, build.copy_steps, build.copy_schedule,
+        build.copy_tokens, build.copy_lr)
+    assert (tuple(cal.betas), cal.weight_decay, cal.warmup) == ((0.9, 0.95), 0.0, 50)
+
+
 @pytest.mark.slow
 def test_copy_practice_forms_the_circuit_at_its_settings():
     # train_copy's defaults (lr 1e-3, betas 0.9/0.95, no weight decay, fp32) form a copy by content in a tiny model
