@@ -230,6 +230,13 @@ NAME_SPLIT = r"\p{L}+|\p{N}|[^\s\p{L}\p{N}]+|\s+"
 SPLITS = {"qwen": QWEN_SPLIT, "names": NAME_SPLIT}
 
 
+def pre_split(split="qwen"):
+    """The BPE's pre-tokenizer step that cuts text by SPLITS[split]: no merge crosses its pieces, so a value is the
+    same tokens wherever it is the same piece (`.pre_tokenize_str(text)` lists them)."""
+    from tokenizers import Regex, pre_tokenizers
+    return pre_tokenizers.Split(Regex(SPLITS[split]), behavior="isolated")
+
+
 QWEN_SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
 
@@ -249,12 +256,11 @@ def tiny_config(vocab_size, hidden, layers, heads, kv_heads, **overrides):
 def build_tiny(out_dir, texts, vocab_size=4096, hidden=256, layers=4, heads=4, kv_heads=2, seed=0, split="qwen"):
     """Train a byte-level BPE with Qwen's special tokens on `texts` (pre-split by SPLITS[split]), build a random
     Qwen3 around it, and save both (with the prefix-preserving chat template) to out_dir. Returns out_dir."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast, Qwen3ForCausalLM
     bpe = Tokenizer(models.BPE())
     bpe.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(SPLITS[split]), behavior="isolated"),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+        pre_split(split), pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     bpe.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size - len(QWEN_SPECIAL) - len(QWEN_ADDED), show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
