@@ -190,7 +190,7 @@ def gen_word_count(rng):
     instr = (f"Count how many times the word \"{word}\" occurs in the .txt files in /app/texts (whole words, any "
              f"letter case) and write just the number to /app/count.txt.")
     test = _verifier(f"[ \"$(tr -d ' \\n' < /app/count.txt)\" = {count} ]")
-    return instr, files, test, f"cat /app/texts/*.txt | grep -oiw {word} | wc -l > /app/count.txt\n", {
+    return instr, files, test, f"cat /app/texts/*.txt | grep -oiw \"{word}\" | wc -l > /app/count.txt\n", {
         "word": word, "longer": longer}
 
 
@@ -379,10 +379,12 @@ def _log_extract(m, obs):
 
 def _word_count(m, obs):
     word = m.group(1)
-    look = ("I should see which files there are.", f"List /app/texts and preview matches of '{word}'.",
-            ["ls /app/texts\n", f"grep -oiw {word} /app/texts/*.txt | head -n 5\n"])
+    # The word is quoted wherever the expert types it, as in the instruction: a quote then the word is a token of its
+    # own, where after a space (`grep -oiw apple`) it is another token, which no copy from the instruction produces.
+    look = ("I should see which files there are.", f'List /app/texts and preview the matches of the word "{word}".',
+            ["ls /app/texts\n", f'grep -oiw "{word}" /app/texts/*.txt | head -n 5\n'])
     act = ("grep -o -i -w prints one line per whole-word match, in any case.", "Count those lines over all files.",
-           [f"cat /app/texts/*.txt | grep -oiw {word} | wc -l > /app/count.txt\n"])
+           [f'cat /app/texts/*.txt | grep -oiw "{word}" | wc -l > /app/count.txt\n'])
     check = ("The count was written.", "Print /app/count.txt.", ["cat /app/count.txt\n"])
     return look, act, check
 

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+import common
 import envs
 import sandbox
 import taskgen
@@ -211,6 +212,26 @@ def test_expert_types_each_name_as_the_listing_printed_it():
     look, reply = act(host, "/app/conf/sierra.conf\n/app/conf/amber.conf")
     assert look == f"grep -rl {old} /app/conf\n"
     assert [c for c, _ in reply.commands] == [f"sed -i 's/{old}/{new}/g' /app/conf/sierra.conf /app/conf/amber.conf\n"]
+
+
+def test_expert_types_the_word_as_the_instruction_tokenizes_it():
+    # The instruction quotes the word (`the word "apple"`): under the BPE's pre-split the word is a piece of its own.
+    # Typed after a space (`grep -oiw apple`) it would be another piece, " apple", and no copy from the instruction
+    # types that; the expert quotes it in its plan and commands, where the JSON reply's \" leaves the same piece.
+    pieces = lambda text: [p for p, _ in common.pre_split("qwen").pre_tokenize_str(text)]  # noqa: E731
+    for i in range(8):
+        spec = taskgen.generate("word_count", random.Random(i))
+        word = spec.params["word"]
+        assert word in pieces(spec.instruction)
+        prompt = terminus.fill_prompt(terminus.DEFAULT_PROMPT, spec.instruction, terminus.SCREEN_HEADER + "root@h:/app#\n")
+        msgs, typed = [{"role": "user", "content": prompt}], []
+        for _ in range(4):  # the look (after a mistyped first look in one episode of four) and the count
+            reply = taskgen.expert_reply(msgs)
+            typed += [c for c, _ in terminus.parse_reply(reply)[0].commands if word in c]
+            assert " " + word not in pieces(reply), pieces(reply)
+            msgs += [{"role": "assistant", "content": reply},
+                     {"role": "user", "content": terminus.OUTPUT_HEADER + "root@h:/app# ls\na_0.txt\nroot@h:/app#"}]
+        assert len(typed) == 2 and all(f'grep -oiw "{word}" ' in c for c in typed), typed
 
 
 def test_import_has_no_side_effects():
