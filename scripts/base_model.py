@@ -71,12 +71,13 @@ def get_parser():
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--kv-heads", type=int, default=2)
     # copy practice first (train_copy): rows of random ids whose second half repeats the first, rotated
-    p.add_argument("--copy-steps", type=int, default=1200, help="steps of copy practice before the sessions (0: none)")
-    p.add_argument("--copy-schedule", default="32:600,64:400,128:0", help="row lengths over the copy steps, "
-                   "LENGTH:STEPS,... (the last runs on): short rows first, where the circuit forms soonest")
+    p.add_argument("--copy-steps", type=int, default=900, help="steps of copy practice before the sessions (0: none)")
+    p.add_argument("--copy-schedule", default="64:700,128:0", help="row lengths over the copy steps, LENGTH:STEPS,... "
+                   "(the last runs on): rows of 64 form the circuit by step ~700 (rows of 32 first only delay it), "
+                   "rows of 128 then carry it to that length")
     p.add_argument("--copy-tokens", type=int, default=2048, help="tokens a copy step (rows = this / row length)")
-    p.add_argument("--copy-lr", type=float, default=1e-3, help="copy practice's lr (fp32, AdamW betas 0.9/0.95, no "
-                   "weight decay, 50 warm-up steps)")
+    p.add_argument("--copy-lr", type=float, default=1e-3, help="copy practice's lr (bf16 autocast, AdamW betas "
+                   "0.9/0.95, no weight decay, 50 warm-up steps)")
     p.add_argument("--copy-chats", type=float, default=0.5, help="copy chats mixed into the sessions' pre-training, "
                    "per session: a user turn of values, the reply the same values rotated (keeps the circuit in use)")
     # the refresh after the sessions (train_copy with session_loss): rows of random ids and sessions in every step
@@ -678,8 +679,10 @@ def pretrain(args, data):
             t0 = time.time()
             tok, model = labels.load_tokenizer(init), common.load_model(init, "cpu")
             torch.manual_seed(args.seed)
+            # bf16 autocast: 0.75x fp32's step time, and the circuit forms as early (RESULTS.md, 2026-12-05)
             curve = train_copy(model, plain_ids(tok), args.copy_steps, parse_schedule(args.copy_schedule),
-                               args.copy_tokens, args.copy_lr, seed=args.seed, every=100, probe_lengths=(64, 128))
+                               args.copy_tokens, args.copy_lr, dtype=torch.bfloat16, seed=args.seed, every=100,
+                               probe_lengths=(64, 128))
             save_model(model, tok, start, {"copy_curve.json": json.dumps(
                 [{"step": k, **{f"copy@{n}": a for n, a in acc.items()}} for k, acc in curve])})
             print(f"copy practice: {start} | {time.time() - t0:.0f}s")
