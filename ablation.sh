@@ -60,9 +60,9 @@ GRPO=(--steps 8 --tasks-per-step 4 --group-size 8 --lr 1e-4 --kl-coef 0.05 --sca
 EVAL=(--attempts 8 --max-turns 10 --max-new-tokens 384 --max-len 4096 --concurrency 64)  # evaluate.py, all models
 # The GRPO'd policies are the comparison at pass@n; the SFT checkpoints are compared at pass@1-4 (that they look
 # alike, and what GRPO did to each), and the base only shows that it solves ~nothing (none of 288 attempts in the
-# 2026-12-02 full run of RESULTS.md, each to the turn limit): they get half and a quarter of the attempts
+# 2026-12-02 full run of RESULTS.md, none of 72 in 2026-12-04's, each to the turn limit): they get 4 attempts and 1
 EVAL_SFT=(--attempts 4)
-EVAL_BASE=(--attempts 2)
+EVAL_BASE=(--attempts 1)
 PROBE=(--n 32 --max-len 3072)                                                             # probes.py
 SAMPLE=(--max-new-tokens 128)                                                             # probes' own samples
 if [ $MODE = quick ]; then
