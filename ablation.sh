@@ -9,6 +9,8 @@
 #
 #   bash ablation.sh              # the full run -> runs/ablation/     (RUN_DIR=... to write elsewhere)
 #   bash ablation.sh --quick      # smaller everything, same code path -> runs/ablation-quick/
+#   SEED=1 bash ablation.sh       # another draw of everything seeded (base, corpus and tasks, SFT order, rollouts):
+#                                 # a replicate, in its own RUN_DIR
 #   bash ablation.sh --sweep      # also SFT arms at λ = 0.25 and 0.5 (--sweep=0.1,0.75: those), each through the
 #                                 # same GRPO and evaluation; the report plots their advantage over ActionSFT
 #                                 # against λ. Quick sweeps λ = 0.5 only; CI runs `--quick --sweep`.
@@ -30,10 +32,11 @@ done
 for L in ${LAMBDAS//,/ }; do  # before anything is installed: a mistyped λ stops the run at once
     [[ $L = default || $L =~ ^(0?\.[0-9]+|[01](\.0*)?)$ ]] || { echo "--sweep: $L is not a λ in [0, 1]" >&2; exit 2; }
 done
+[[ ${SEED:-0} =~ ^[0-9]+$ ]] || { echo "SEED=$SEED: the seed is a non-negative integer" >&2; exit 2; }
 . .ci/setup.sh  # installs, starts Docker (and stops it on exit if it was not up), builds the base image
 
 # ---- settings: full, then what --quick shrinks ------------------------------------------------------------
-SEED=0
+SEED=${SEED:-0}
 ARMS=(actionsft actobs obs-then-act)  # SFT arms; the first is the baseline of every comparison in the report
 # Obs→Act: one observation-only epoch, then one action-only epoch: in the full run the same passes over the data and
 # steps as the other arms (sft.py counts --epochs per phase)
