@@ -62,6 +62,28 @@ def test_rise_z_known_answers():
     assert evaluate.rise_z((0, 16), (0, 128)) == evaluate.rise_z((16, 16), (128, 128)) == 0.0  # nothing to compare
 
 
+def test_draw_noise_separates_the_task_draw_from_the_attempts():
+    # bench.draw_noise's null runs: tasks that all solve alike leave z at the attempts' spread (sd ~1) whatever the
+    # draw; tasks that either always or never solve (a rate from 8 attempts: no shrinking needed) make the draw all
+    # of it, unless the last steps draw the first steps' tasks again
+    from bench import draw_noise
+    import numpy as np
+
+    def results(rates):
+        return {"tasks": {f"t{i}": {"kind": f"k{i % 4}", "heldout": False, "attempts": [
+            {"reward": float(a < r * 8), "failure": None} for a in range(8)]} for i, r in enumerate(rates)}}
+
+    def sd(rates, draw):
+        rng = np.random.default_rng(0)
+        return np.std([draw_noise.null_z(draw_noise.task_rates(results(rates)), draw, rng, 2, 4, 8)
+                       for _ in range(2000)])
+    alike, split = [0.5] * 16, [0.0, 1.0] * 8
+    assert draw_noise.task_rates(results(alike))["k0"] == [0.5] * 4
+    assert 0.85 < sd(alike, "grpo") < 1.15 and 0.85 < sd(alike, "same") < 1.15
+    assert sd(split, "grpo") > 2.5 and sd(split, "same") == 0.0  # 0/1 tasks: the same tasks solve the same
+    assert draw_noise.task_rates(results(split))["k1"] == [1.0] * 4
+
+
 # ----------------------------------------------------------------------------------------------------------
 # Synthetic results
 
