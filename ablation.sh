@@ -55,8 +55,10 @@ SFT=(--lr 2e-3 --warmup-ratio 0.05 --min-lr-ratio 0.1 --batch-size 4 --epochs 2 
 # (bench/grpo_micro.py). lr 1e-4 with a k3 KL to the SFT policy (0.05): at lr 1e-5 the policies ended 4e-6 to 1e-4
 # (KL) from their SFT checkpoints, a GRPO that moved nothing; at 1e-4 a run of 4 x 8 on 32 tasks ends near 7e-3
 # after 16 steps (RESULTS.md, 2026-12-03, g1); 8 steps are what the 120 minutes leave. --scale-std: the same curves
-# as without, and the one held-out gain whose interval excludes 0 (RESULTS.md, 2026-12-04, session 8)
-GRPO=(--steps 8 --tasks-per-step 4 --group-size 8 --lr 1e-4 --kl-coef 0.05 --scale-std --max-turns 10
+# as without, and the one held-out gain whose interval excludes 0 (RESULTS.md, 2026-12-04, session 8). --redraw 2: the
+# last two steps draw the first two's tasks, so the report's first-vs-last solve rate compares the same tasks; two
+# draws of 8 tasks alone move that z by ~1.7 standard deviations (bench/draw_noise.py, RESULTS.md 2026-12-05)
+GRPO=(--steps 8 --tasks-per-step 4 --group-size 8 --lr 1e-4 --kl-coef 0.05 --scale-std --redraw 2 --max-turns 10
       --max-new-tokens 384 --max-len 4096 --concurrency 32 --micro-tokens 1 --save-every 4 --keep 1)        # grpo.py
 # 36 evaluation tasks (4 of each kind) x 8 attempts: the attempts of 18 x 16, with the pass@1 interval narrower (it is
 # bounded by how much tasks differ, more than by the attempts on each)
@@ -75,7 +77,7 @@ if [ $MODE = quick ]; then
     HELDOUT_N=4
     SFT=(--lr 2e-3 --batch-size 4 --epochs 1 --max-len 1024 --micro-tokens 1 --val-size 4 --eval-every 0
          --save-every 0 --keep 1 --probe-every 2)
-    GRPO=(--steps 2 --tasks-per-step 1 --group-size 2 --lr 1e-4 --kl-coef 0.05 --scale-std --max-turns 2
+    GRPO=(--steps 2 --tasks-per-step 1 --group-size 2 --lr 1e-4 --kl-coef 0.05 --scale-std --redraw 1 --max-turns 2
           --max-new-tokens 48 --max-len 1024 --concurrency 2 --micro-tokens 1 --save-every 1 --keep 1)
     EVAL=(--attempts 2 --max-turns 2 --max-new-tokens 48 --max-len 1024 --concurrency 4)
     EVAL_SFT=(--attempts 2)

@@ -80,6 +80,9 @@ def get_parser():
     g.add_argument("--loss-norm", default="token", choices=["token", "sequence", "constant"],
                    help="n_i of the module docstring: token, sequence or constant (Dr. GRPO)")
     g.add_argument("--scale-std", action="store_true", help="divide advantages by the group's std (+1e-6)")
+    g.add_argument("--redraw", type=int, default=0, metavar="K", help="the last K steps draw the tasks the first K "
+                   "drew (fresh episodes of them): the run's solve rate, first steps against last, then compares the "
+                   "same tasks, not two draws of them (scripts/report.py; bench/draw_noise.py measures the draw's part)")
     g.add_argument("--dynamic-sampling", type=int, default=0, metavar="MAX_GROUPS", help="drop groups without "
                    "signal and draw more, --tasks-per-step at a time, until --tasks-per-step have signal or "
                    "MAX_GROUPS (a multiple of --tasks-per-step) were drawn; 0 = off")
@@ -322,6 +325,12 @@ def step_groups(n_tasks, tasks_per_step, step, seed, draw=0):
     return rng.choice(n_tasks, tasks_per_step, replace=tasks_per_step > n_tasks).tolist()
 
 
+def task_step(step, steps, redraw):
+    """The step whose task draw step (0-based) uses: its own, or with --redraw K in the last K steps of the run the
+    one steps - K back, so that the last K steps draw the first K steps' tasks in order."""
+    return step - (steps - redraw) if step >= steps - redraw else step
+
+
 def step_seed(seed, step, rank, draw=0):
     """The sampling seed of one rank's rollouts in one draw of a step (each turn's seed derives from it): a
     function of (seed, step, rank, draw) alone, so a resumed run samples as the uninterrupted one would, and no
@@ -397,7 +406,8 @@ def sample_step(draw, n_tasks, args, step, rank, device):
     per_rank = args.tasks_per_step // world
     episodes, valid, has_signal, examples, kept = [], [], [], [], 0
     for d in range(max(args.dynamic_sampling // args.tasks_per_step, 1)):
-        groups = step_groups(n_tasks, args.tasks_per_step, step, args.seed, d)[rank * per_rank: (rank + 1) * per_rank]
+        groups = step_groups(n_tasks, args.tasks_per_step, task_step(step, args.steps, args.redraw), args.seed,
+                             d)[rank * per_rank: (rank + 1) * per_rank]
         eps = draw(d, groups)
         ex_groups, sig, ok = group_examples(eps, args.group_size, args)
         episodes, valid, has_signal = episodes + eps, valid + [ok], has_signal + [sig]
@@ -436,7 +446,7 @@ def step_record(step, episodes, valid, has_signal, tot, gnorm, gen, times, args,
     keys = sorted(set(ep_sums) | set(tot))
     sums = dict(zip(keys, common.all_reduce([ep_sums.get(k, tot.get(k, 0.0)) for k in keys], device)))
     na, nv, turns = sums.get("act_tokens", 0), max(sums["valid"], 1), max(sums["turns"], 1)
-    rec = {"step": step + 1,
+    rec = {"step": step + 1, "rollout/task_draw": task_step(step, args.steps, args.redraw) + 1,  # whose tasks
            "rollout/reward_mean": sums["reward_sum"] / nv, "rollout/solve_rate": sums["solved"] / nv,
            "rollout/episodes_valid": int(sums["valid"]),  # the solve rate's denominator (evaluate.solved_counts)
            "rollout/groups_drawn": sums["groups"], "rollout/groups_with_signal": sums["signal"],
@@ -494,6 +504,9 @@ def main(argv=None):
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     if args.keep < 1 or args.ppo_epochs < 1 or args.temperature <= 0:
         raise ValueError("--keep and --ppo-epochs must be >= 1, --temperature > 0")
+    if not 0 <= 2 * args.redraw <= args.steps:
+        raise ValueError(f"--redraw {args.redraw}: the last steps redraw the first steps' tasks, at most half of "
+                         f"--steps {args.steps}")
     if args.dynamic_sampling % args.tasks_per_step:
         raise ValueError(f"--dynamic-sampling {args.dynamic_sampling} must be a multiple of --tasks-per-step "
                          f"{args.tasks_per_step} (0 = off)")

@@ -467,8 +467,11 @@ def rl_time(log):
 
 def solve_rise(log):
     """The solve rate over a GRPO run's first steps' episodes and over its last steps', and z: how far the later is
-    above the earlier (evaluate.rise_z). First and last are a third of the steps each, at most 3 (1 of 2 steps)."""
-    k = max(1, min(3, len(log) // 3))
+    above the earlier (evaluate.rise_z). First and last are a third of the steps each, at most 3 (1 of 2 steps); in a
+    run with --redraw K the K steps each, the last drawing the first ones' tasks (the steps' rollout/task_draw), so
+    that the comparison is not two draws of tasks."""
+    redrawn = [r for r in log if r.get("rollout/task_draw", r.get("step")) != r.get("step")]
+    k = len(redrawn) or max(1, min(3, len(log) // 3))
     early, late = evaluate.solved_counts(log[:k]), evaluate.solved_counts(log[-k:])
     return k, early[0] / max(early[1], 1), late[0] / max(late[1], 1), evaluate.rise_z(early, late)
 

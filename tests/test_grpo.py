@@ -416,6 +416,24 @@ def test_dynamic_sampling_fills_the_step_with_signal_groups():
     assert grpo.step_groups(10, 3, 5, 4) == first.tolist()  # the first draw is the draw of a run without it
 
 
+def test_redraw_gives_the_last_steps_the_first_steps_tasks():
+    """--redraw K: the last K steps draw the tasks the first K drew, in order, and log whose draw they used; the
+    steps between keep their own draws; more than half the steps is refused before anything loads."""
+    args = args_for("--steps", "8", "--redraw", "2", "--tasks-per-step", "3", "--group-size", "2", "--seed", "4")
+    drawn = {}
+    for step in range(8):
+        def draw_episodes(draw, groups, step=step):
+            drawn[step] = groups
+            return [episode(float(i == 0)) for g in groups for i in range(2)]
+        grpo.sample_step(draw_episodes, 10, args, step, 0, torch.device("cpu"))
+    assert [grpo.task_step(s, 8, 2) for s in range(8)] == [0, 1, 2, 3, 4, 5, 0, 1]
+    assert drawn[6] == drawn[0] and drawn[7] == drawn[1]
+    assert [drawn[s] for s in range(6)] == [grpo.step_groups(10, 3, s, 4) for s in range(6)]
+    assert [grpo.task_step(s, 8, 0) for s in range(8)] == list(range(8))  # off: every step its own draw
+    with pytest.raises(ValueError, match="--redraw 5: .* at most half of --steps 8"):
+        grpo.main(["--init", "-", "--tasks", "-", "--out", "-", "--steps", "8", "--redraw", "5"])
+
+
 # ---------------------------------------------------------------------------------------------- end to end
 
 @pytest.fixture(scope="module")

@@ -244,6 +244,11 @@ def test_solve_rise_is_over_the_first_and_last_steps_episodes():
     assert (k, first, last) == (3, 0.2, pytest.approx(20 / 24))
     assert z == pytest.approx(evaluate.rise_z((6, 30), (20, 24))) and z > 3
     assert report.solve_rise(log[:2])[:3] == (1, 0.1, 0.2)  # two steps: the first against the last
+    # --redraw 2: the last two steps drew the first two's tasks; those are the steps compared
+    for i, r in enumerate(log):
+        r.update(step=i + 1, **{"rollout/task_draw": i - 6 if i >= 7 else i + 1})
+    k, first, last, z = report.solve_rise(log)
+    assert (k, first, last) == (2, 0.15, pytest.approx(17 / 20))
 
 
 def test_build_reports_every_comparison(tmp_path):
