@@ -82,7 +82,8 @@ def get_parser():
     g.add_argument("--scale-std", action="store_true", help="divide advantages by the group's std (+1e-6)")
     g.add_argument("--redraw", type=int, default=0, metavar="K", help="the last K steps draw the tasks the first K "
                    "drew (fresh episodes of them): the run's solve rate, first steps against last, then compares the "
-                   "same tasks, not two draws of them (scripts/report.py; bench/draw_noise.py measures the draw's part)")
+                   "same tasks, not two draws of them (scripts/report.py; bench/draw_noise.py measures the draw's "
+                   "part)")
     g.add_argument("--dynamic-sampling", type=int, default=0, metavar="MAX_GROUPS", help="drop groups without "
                    "signal and draw more, --tasks-per-step at a time, until --tasks-per-step have signal or "
                    "MAX_GROUPS (a multiple of --tasks-per-step) were drawn; 0 = off")

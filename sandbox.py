@@ -457,6 +457,7 @@ if [ "$5" = 1 ]; then
 fi
 emit "$state 0 1"$'\n'
 """
+STEP_SHELL = "step"  # $0 of TERMINAL_STEP's bash: its own errors read "step: ..." (a fork it could not make, e.g.)
 
 # PID 1 of every sandbox: bash with every catchable signal ignored. The kernel never delivers SIGKILL/SIGSTOP
 # from inside the container to its init, so nothing the agent does (`kill -9 -1`, `kill 1`) stops the
@@ -779,7 +780,7 @@ class Sandbox:
                                       r"PageUp|PageDown|PPage|NPage|F\d{1,2}|Space|DC|IC", keystrokes) else "1"
         newline = "1" if ("\n" in keystrokes or "\r" in keystrokes or literal == "0") else "0"
         self._steps += 1
-        code, out = self.exec(["bash", "-c", TERMINAL_STEP, "step", keystrokes, literal, f"{duration:.3f}",
+        code, out = self.exec(["bash", "-c", TERMINAL_STEP, STEP_SHELL, keystrokes, literal, f"{duration:.3f}",
                                newline, "1" if read else "0", str(self._steps)], timeout=duration + STEP_SLACK_S)
         result = self._step_result(out)
         for _ in range(STEP_READS if result is None and code == 0 else 0):  # ran, but its output went missing
@@ -795,10 +796,10 @@ class Sandbox:
         if code != 0 and self._shell_gone():
             fields = ["exited"]  # e.g. the agent's `kill -9 -1` also killed this step
         failed = fields[:1] == ["exited"] or code != 0 or len(fields) != 3
-        if failed and (self._pids_full() or (code != 0 and re.search(r"^step: fork: ", text, re.M))):
+        if failed and (self._pids_full() or (code != 0 and re.search(rf"^{STEP_SHELL}: fork: ", text, re.M))):
             # The step itself could not fork: the agent's processes hold them all. Checked first, as a tmux call that
             # cannot fork reads as a gone terminal in TERMINAL_STEP (`exited`) while the shell is still there. The
-            # step's own shell (named `step`) saying so is enough: a bomb's count swings below the limit as its
+            # step's own shell (STEP_SHELL) saying so is enough: a bomb's count swings below the limit as its
             # processes die, so the count read afterwards can miss it (a CI run did).
             raise ProcessLimit(f"all {self.pids} processes of the sandbox in use; terminal step failed "
                                f"(exit {code}): {text[-300:]}")

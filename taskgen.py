@@ -177,6 +177,12 @@ def gen_log_extract(rng):
         "code": code, "out": out, "other": other}
 
 
+def count_word(word):
+    """word_count's command, the reference solution's and the expert's: the word quoted, as the instruction quotes it
+    (see _word_count)."""
+    return f'cat /app/texts/*.txt | grep -oiw "{word}" | wc -l > /app/count.txt\n'
+
+
 def gen_word_count(rng):
     # Harder instances: more files, and longer words that start with the word (not whole-word matches).
     word = rng.choice(WORDS)
@@ -190,8 +196,7 @@ def gen_word_count(rng):
     instr = (f"Count how many times the word \"{word}\" occurs in the .txt files in /app/texts (whole words, any "
              f"letter case) and write just the number to /app/count.txt.")
     test = _verifier(f"[ \"$(tr -d ' \\n' < /app/count.txt)\" = {count} ]")
-    return instr, files, test, f"cat /app/texts/*.txt | grep -oiw \"{word}\" | wc -l > /app/count.txt\n", {
-        "word": word, "longer": longer}
+    return instr, files, test, count_word(word), {"word": word, "longer": longer}
 
 
 def gen_rename(rng):
@@ -384,7 +389,7 @@ def _word_count(m, obs):
     look = ("I should see which files there are.", f'List /app/texts and preview the matches of the word "{word}".',
             ["ls /app/texts\n", f'grep -oiw "{word}" /app/texts/*.txt | head -n 5\n'])
     act = ("grep -o -i -w prints one line per whole-word match, in any case.", "Count those lines over all files.",
-           [f'cat /app/texts/*.txt | grep -oiw "{word}" | wc -l > /app/count.txt\n'])
+           [count_word(word)])
     check = ("The count was written.", "Print /app/count.txt.", ["cat /app/count.txt\n"])
     return look, act, check
 

@@ -14,6 +14,7 @@ the last steps drawing the first steps' tasks again ~0.85 (the pooled rate's var
 difference's).
 """
 import argparse
+import json
 
 import numpy as np
 
@@ -63,11 +64,11 @@ def main(argv=None):
     p.add_argument("--runs", type=int, default=20_000, help="simulated runs per way of drawing")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
-    import json
     rates = task_rates(json.load(open(args.results)))
     if not rates:
         raise SystemExit(f"{args.results}: no task of a seen kind with an attempt")
-    print("seen kinds' solve rates (shrunk):", ", ".join(f"{k} {np.mean(v):.2f} ({len(v)})" for k, v in sorted(rates.items())))
+    print("seen kinds' solve rates (shrunk):",
+          ", ".join(f"{k} {np.mean(v):.2f} ({len(v)})" for k, v in sorted(rates.items())))
     rng = np.random.default_rng(args.seed)
     for draw, what in [("grpo", "grpo.py's draw"), ("kinds", "one task of each kind"),
                        ("same", "the last steps draw the first steps' tasks")]:
