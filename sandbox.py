@@ -282,8 +282,9 @@ def sweep():
         try:
             c.remove(force=True)
             removed += 1
-        except docker.errors.NotFound:
-            pass
+        except docker.errors.APIError as e:
+            if e.status_code not in (404, 409):  # gone, or another process's sweep is removing it (Conflict)
+                raise
     return removed
 
 

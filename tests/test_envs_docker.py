@@ -1,5 +1,6 @@
 """envs.py against a real Docker daemon: the terminal, Harbor tasks (oracle 1, nothing 0), the episode runner,
 the scripted expert and the corpus command. Every test must leave no container of this process behind."""
+import concurrent.futures
 import json
 import random
 import socket
@@ -217,3 +218,15 @@ def test_sweep_removes_sandboxes_of_dead_processes(base_image, capsys):
         mine.close()
         if dead.id in {c.id for c in sandbox.docker_client().containers.list(all=True, sparse=True)}:
             dead.remove(force=True)
+
+
+def test_sweeps_at_once_share_the_leftovers(base_image):
+    """Runs that start together each sweep the same dead owner's sandboxes: a removal another sweep has under way
+    (Docker's 409 Conflict) is theirs to finish, not an error (one stopped a GRPO run at its first step)."""
+    label = {sandbox.LABEL: f"{socket.gethostname()}:999999998"}
+    dead = [sandbox.docker_client().containers.run(base_image, ["sleep", "60"], detach=True, network_mode="none",
+                                                   labels=label) for _ in range(8)]
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        removed = list(pool.map(lambda _: sandbox.sweep(), range(4)))  # raises here if a sweep did
+    left = {c.id for c in sandbox.docker_client().containers.list(all=True, sparse=True)}
+    assert not left & {c.id for c in dead} and sum(removed) <= len(dead)
