@@ -16,6 +16,7 @@ One step: sample --tasks-per-step tasks, run --group-size episodes of each (all 
 --concurrency sandboxes), score them with the task's verifier, and take --ppo-epochs optimizer steps on
 
     A_i = r_i - mean(r_group)                          (/ (std(r_group) + 1e-6) with --scale-std; population std)
+          (x --neg-weight where A_i < 0; per token x (ALPHA p_i + 1 - ALPHA) with --prob-weight ALPHA)
     L   = -sum_{i in ACTION} n_i * w_i * min(rho_i A, clip(rho_i, 1-eps_low, 1+eps_high) A)
           + echo * mean_seq[ sum_{i in OBS(seq)} NLL_i / |OBS(seq)| ]  + kl * sum_{i in ACTION} n_i * k3_i
 
@@ -80,6 +81,11 @@ def get_parser():
     g.add_argument("--loss-norm", default="token", choices=["token", "sequence", "constant"],
                    help="n_i of the module docstring: token, sequence or constant (Dr. GRPO)")
     g.add_argument("--scale-std", action="store_true", help="divide advantages by the group's std (+1e-6)")
+    g.add_argument("--prob-weight", type=float, default=0.0, metavar="ALPHA", help="a token's advantage times "
+                   "ALPHA * p + 1 - ALPHA, p the probability it was sampled with (0 = off): tokens the policy found "
+                   "unlikely, whose gradients are the largest, push less (advantage reweighting, Yang et al. 2025)")
+    g.add_argument("--neg-weight", type=float, default=1.0, help="multiply negative advantages by this (1 = GRPO): "
+                   "below 1 the failed episodes push less than the solved ones pull")
     g.add_argument("--redraw", type=int, default=0, metavar="K", help="the last K steps draw the tasks the first K "
                    "drew (fresh episodes of them): the run's solve rate, first steps against last, then compares the "
                    "same tasks, not two draws of them (scripts/report.py; bench/draw_noise.py measures the draw's "
@@ -122,11 +128,11 @@ def get_parser():
 # ----------------------------------------------------------------------------------------------------------
 # The objective
 
-def group_advantages(rewards, valid=None, scale_std=False, eps=1e-6):
+def group_advantages(rewards, valid=None, scale_std=False, neg_weight=1.0, eps=1e-6):
     """rewards (G, S) -> (advantages (G, S), signal (G,) bool). A = r - mean of the group's valid episodes; with
-    scale_std, / (std + eps), std being the population std (ddof 0) of those valid rewards. Invalid episodes
-    (infrastructure failures) get 0 and stay out of the statistics; a group whose valid rewards are all equal,
-    or with fewer than two valid episodes, has no signal: all its advantages are 0."""
+    scale_std, / (std + eps), std being the population std (ddof 0) of those valid rewards; negative A times
+    neg_weight. Invalid episodes (infrastructure failures) get 0 and stay out of the statistics; a group whose
+    valid rewards are all equal, or with fewer than two valid episodes, has no signal: all its advantages are 0."""
     valid = torch.ones_like(rewards, dtype=torch.bool) if valid is None else valid
     n = valid.sum(1, keepdim=True).clamp(min=1)  # (G, 1)
     mean = (rewards * valid).sum(1, keepdim=True) / n
@@ -134,6 +140,7 @@ def group_advantages(rewards, valid=None, scale_std=False, eps=1e-6):
     std = (dev.pow(2).sum(1, keepdim=True) / n).sqrt()
     has_signal = (std.squeeze(1) > 0) & (valid.sum(1) >= 2)  # (G,)
     adv = dev / (std + eps) if scale_std else dev
+    adv = torch.where(adv < 0, adv * neg_weight, adv)
     return adv * has_signal[:, None], has_signal
 
 
@@ -204,6 +211,8 @@ def pg_loss(model, batch, args, coefs, n_tok, n_seq, n_echo):
     def at_rows(key):  # a (B, T) per-token field at the selected positions, (N,)
         return batch[key][:, 1:][sel]
     adv, behav = at_rows("adv"), at_rows("behav")
+    if args.prob_weight:  # a low-probability token's log-prob gradient is the largest: let it push less
+        adv = adv * (args.prob_weight * behav.exp() + 1 - args.prob_weight)
     old = at_rows("old") if "old" in batch else None  # None: the trainer before this step's first update is this one
     ref = at_rows("ref") if "ref" in batch else None
     w = torch.zeros(len(targets), device=h.device)  # (N,): n_i on action rows, ECHO's weight on observation rows
@@ -375,7 +384,7 @@ def group_examples(episodes, group_size, args):
     if args.overlong == "penalty":
         rewards = rewards - args.overlong_penalty * cut
     valid = torch.tensor([e.failure not in envs.INFRA_FAILURES for e in episodes]).view(-1, group_size)
-    adv, has_signal = group_advantages(rewards, valid, args.scale_std)
+    adv, has_signal = group_advantages(rewards, valid, args.scale_std, args.neg_weight)
     trains = valid & ~cut if args.overlong == "mask" else valid
     groups = [[] for _ in range(len(rewards))]
     for i, e in enumerate(episodes):
@@ -503,8 +512,9 @@ def main(argv=None):
 
     # a terminated run unwinds like an exception: run_episodes removes its sandboxes on the way out
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
-    if args.keep < 1 or args.ppo_epochs < 1 or args.temperature <= 0:
-        raise ValueError("--keep and --ppo-epochs must be >= 1, --temperature > 0")
+    if args.keep < 1 or args.ppo_epochs < 1 or args.temperature <= 0 or args.neg_weight < 0 or not 0 <= args.prob_weight <= 1:
+        raise ValueError("--keep and --ppo-epochs must be >= 1, --temperature > 0, --neg-weight >= 0, --prob-weight "
+                         "in [0, 1]")
     if not 0 <= 2 * args.redraw <= args.steps:
         raise ValueError(f"--redraw {args.redraw}: the last steps redraw the first steps' tasks, at most half of "
                          f"--steps {args.steps}")

@@ -42,6 +42,9 @@ def test_group_advantages():
     std = torch.tensor([0.5, 0.0, 0.75 ** 0.5 * 0.5])  # population std: sqrt(p (1 - p))
     assert torch.allclose(adv[0], torch.tensor([1.0, -1.0, -1.0, 1.0]), atol=1e-5)
     assert torch.allclose(adv[2], (r[2] - 0.25) / (std[2] + 1e-6))
+    # --neg-weight scales the failed episodes' (negative) advantages only
+    adv, _ = grpo.group_advantages(r, neg_weight=0.25)
+    assert torch.allclose(adv, torch.tensor([[0.5, -0.125, -0.125, 0.5], [0.0] * 4, [-0.0625, 0.75, -0.0625, -0.0625]]))
     # an infrastructure failure leaves its group's mean; a group with one valid episode has no signal
     valid = torch.tensor([[True, True, False, True], [True] * 4, [False, True, False, False]])
     adv, signal = grpo.group_advantages(r, valid)
@@ -62,7 +65,8 @@ def naive_logprobs(model, ids, T):
 def reference_loss(model, examples, args, n_tok, n_seq, n_echo):
     """The objective of grpo's docstring written out with full logits, one sequence at a time: PPO's clipped
     surrogate at [1 - eps_low, 1 + eps_high], TIS against the old log-probs (the current ones, detached, when
-    the example has none), k3 KL to ex['ref'], ECHO (payload only or not) and the three normalisers."""
+    the example has none), k3 KL to ex['ref'], ECHO (payload only or not), --prob-weight's per-token advantage and
+    the three normalisers."""
     low = args.clip if args.clip_low is None else args.clip_low
     high = args.clip if args.clip_high is None else args.clip_high
     total = 0.0
@@ -75,6 +79,8 @@ def reference_loss(model, examples, args, n_tok, n_seq, n_echo):
         a = torch.as_tensor(ex["adv"], dtype=torch.float32)
         a = a[1:] if a.ndim else a  # per token or per sequence
         behav = torch.tensor(ex["behav"][1:])
+        if args.prob_weight:
+            a = a * (args.prob_weight * behav.exp() + 1 - args.prob_weight)
         if args.tis_cap > 0:
             old = torch.tensor(ex["old"][1:]) if "old" in ex else lp_t.detach()
             ratio, w = (lp_t - old).exp(), (old - behav).exp().clamp(max=args.tis_cap)
@@ -122,6 +128,7 @@ LOSS_CASES = {
     "kl": (["--kl-coef", "0.3"], [0.05, -0.05, 0], "ref"),
     "tis": (["--tis-cap", "1.2"], [-0.5, 0.5, 0.1], None),  # w = e^-shift: capped, 0.61, 0.90
     "tis-old": (["--tis-cap", "1.2", "--ppo-epochs", "2"], [-0.3, 0.3, 0.1], "old"),
+    "prob-weight": (["--prob-weight", "0.6"], [0.1, -0.2, 0.0], None),
 }
 
 
@@ -178,7 +185,7 @@ def test_loss_matches_reference(model, tokenizer, synthetic, norm, case):
 # what each case's flags or extra log-probs are set against: the same examples without the mode
 WITHOUT = {"clipped": (["--clip", "10"], None), "clip-higher": ([], None), "echo": ([], None),
            "echo-payload": (["--echo-coef", "0.5"], None), "kl": ([], None), "tis": ([], None),
-           "tis-old": (["--tis-cap", "1.2"], None)}
+           "tis-old": (["--tis-cap", "1.2"], None), "prob-weight": ([], None)}
 
 
 def test_reference_tells_the_modes_apart(model, tokenizer, synthetic):
