@@ -343,8 +343,11 @@ def start_run(args, resume_keys):
 
 
 def close_distributed():
-    """Leave the process group, all ranks together (a no-op in a single process)."""
-    if dist.is_initialized():
+    """Leave the process group init_distributed joined, all ranks together. A no-op in a single process, even when
+    a group exists there: an in-process vLLM engine made its own, which is the engine's to tear down (destroying
+    it under a live engine leaves vLLM holding a group torch no longer knows, and the process's next engine fails
+    with "process group not initialized")."""
+    if under_torchrun() and dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
 

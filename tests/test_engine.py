@@ -7,6 +7,7 @@ import random
 import pytest
 import torch
 
+import common
 import engine
 import envs
 import grpo
@@ -121,6 +122,16 @@ def test_next_turn_is_queued_while_other_sandboxes_step(base_image, no_leftovers
 @pytest.fixture(scope="module")
 def llm(vllm_dir):
     return engine.make_engine(vllm_dir, max_model_len=1024, max_seqs=16)
+
+
+def test_a_run_ending_beside_an_engine_leaves_the_engines_group(llm):
+    """sft.main and grpo.main end with common.close_distributed. In a process that holds an engine (a test module's,
+    or an evaluation's before them) the process group is the engine's: destroying it left vLLM with a group torch
+    no longer knew, and the process's next engine failed (tests/test_learning.py run after this module)."""
+    from vllm import SamplingParams
+    common.close_distributed()
+    assert torch.distributed.is_initialized()
+    assert llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=2))[0].outputs[0].token_ids
 
 
 def hf_model(path, seed=None):
