@@ -84,6 +84,8 @@ def get_parser():
     g.add_argument("--prob-weight", type=float, default=0.0, metavar="ALPHA", help="a token's advantage times "
                    "ALPHA * p + 1 - ALPHA, p the probability it was sampled with (0 = off): tokens the policy found "
                    "unlikely, whose gradients are the largest, push less (advantage reweighting, Yang et al. 2025)")
+    g.add_argument("--no-credit-unparsed", action="store_true", help="a reply the protocol could not parse gets "
+                   "no positive advantage: a solved episode does not reinforce the malformed replies it recovered from")
     g.add_argument("--neg-weight", type=float, default=1.0, help="multiply negative advantages by this (1 = GRPO): "
                    "below 1 the failed episodes push less than the solved ones pull")
     g.add_argument("--redraw", type=int, default=0, metavar="K", help="the last K steps draw the tasks the first K "
@@ -365,12 +367,26 @@ def draw_episodes(llm, tok, tasks, template, args, step, rank, gen, draw, groups
     return eps
 
 
-def token_advantages(episode, adv, replies):
+def unparsed_replies(episode):
+    """One bool per reply in turn order: whether the protocol answered it with a parse error."""
+    m = episode.messages
+    return [i + 1 < len(m) and m[i + 1]["role"] == "user" and terminus.is_parse_error(m[i + 1]["content"])
+            for i in range(len(m)) if m[i]["role"] == "assistant"]
+
+
+def token_advantages(episode, adv, replies, credit_unparsed=True):
     """The advantage of each of an episode's tokens (a list, one per token; the loss reads it at the action
     tokens) from its group-relative advantage `adv` and its turn boundaries `replies` (engine.reply_spans: the
     [start, end) of each reply in turn order). GRPO's outcome reward gives every token the same; a per-turn or
-    per-token advantage (turn rewards, a value model) is a change to this function alone."""
-    return [adv] * len(episode.token_ids)
+    per-token advantage (turn rewards, a value model) is a change to this function alone. Without
+    credit_unparsed a reply the protocol could not parse gets 0 where the episode's advantage is positive: a
+    solved episode does not reinforce the malformed replies it recovered from."""
+    out = [adv] * len(episode.token_ids)
+    if adv > 0 and not credit_unparsed:
+        for (start, end), bad in zip(replies, unparsed_replies(episode)):
+            if bad:
+                out[start:end] = [0.0] * (end - start)
+    return out
 
 
 def group_examples(episodes, group_size, args):
@@ -391,7 +407,8 @@ def group_examples(episodes, group_size, args):
         g, j = divmod(i, group_size)
         if trains[g, j] and ACTION in e.roles:
             groups[g].append({"ids": e.token_ids, "roles": e.roles, "behav": e.logprobs, "wrapper": e.obs_wrapper,
-                              "adv": token_advantages(e, float(adv[g, j]), engine.reply_spans(e.roles))})
+                              "adv": token_advantages(e, float(adv[g, j]), engine.reply_spans(e.roles),
+                                                     not args.no_credit_unparsed)})
     return groups, has_signal, valid
 
 
@@ -438,15 +455,13 @@ def sample_step(draw, n_tasks, args, step, rank, device):
 def step_record(step, episodes, valid, has_signal, tot, gnorm, gen, times, args, device):
     """The step's log row: its episodes (every draw, all ranks), what the update saw, times (seconds)."""
     ok = valid.flatten().tolist()
-    parse_error_head = terminus.PARSE_ERRORS.split("{")[0]
     ep_sums = {"episodes": len(episodes), "valid": sum(ok),
                "reward_sum": sum(e.reward for e, v in zip(episodes, ok) if v),
                "solved": sum(e.reward >= 1.0 for e, v in zip(episodes, ok) if v),
                "signal": int(has_signal.sum()), "groups": len(has_signal), "turns": sum(e.turns for e in episodes),
                "tokens": sum(len(e.token_ids) for e in episodes), "truncated": sum(e.truncated for e in episodes),
                "gen_tokens": sum(e.roles.count(ACTION) for e in episodes),
-               "parse_errors": sum(m["role"] == "user" and m["content"].startswith(parse_error_head)
-                                   for e in episodes for m in e.messages),
+               "parse_errors": sum(sum(unparsed_replies(e)) for e in episodes),
                "gen_busy_s": gen["policy_s"], "gen_idle_s": gen["idle_s"], "rollout_s": gen["wall_s"]}
     failures = Counter(e.failure for e in episodes if e.failure)  # by kind, whichever kinds envs reports
     if dist.is_initialized():
@@ -512,7 +527,8 @@ def main(argv=None):
 
     # a terminated run unwinds like an exception: run_episodes removes its sandboxes on the way out
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
-    if args.keep < 1 or args.ppo_epochs < 1 or args.temperature <= 0 or args.neg_weight < 0 or not 0 <= args.prob_weight <= 1:
+    if (args.keep < 1 or args.ppo_epochs < 1 or args.temperature <= 0 or args.neg_weight < 0
+            or not 0 <= args.prob_weight <= 1):
         raise ValueError("--keep and --ppo-epochs must be >= 1, --temperature > 0, --neg-weight >= 0, --prob-weight "
                          "in [0, 1]")
     if not 0 <= 2 * args.redraw <= args.steps:

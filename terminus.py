@@ -267,6 +267,11 @@ _TRUNCATION = re.compile(_regex(TRUNCATION, limit=r"\d+", omitted=r"\d+"))
 _SEP = re.compile(re.escape(WARNING_SEP))
 
 
+def is_parse_error(observation):
+    """Whether an observation is the protocol's answer to a reply it could not parse."""
+    return _PARSE.fullmatch(observation) is not None
+
+
 def is_completion_check(observation):
     return _CHECK.fullmatch(observation) is not None or (
         (m := _WARNED.fullmatch(observation)) is not None and _CHECK.fullmatch(m["rest"]) is not None)

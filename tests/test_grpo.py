@@ -4,6 +4,7 @@ The rollout engine's own tests: tests/test_engine.py."""
 import bisect
 import contextlib
 import copy
+import dataclasses
 import json
 import os
 import random
@@ -17,11 +18,13 @@ import pytest
 import torch
 
 import common
+import engine
 import envs
 import grpo
 import labels
 import sandbox
 import taskgen
+import terminus
 from labels import ACTION, OBS, PROMPT
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -321,6 +324,25 @@ def test_overlong_episodes_kept_masked_or_penalised():
     assert signal.tolist() == [True, True, True]
 
 
+def test_a_solved_episode_gives_its_unparsed_replies_no_credit():
+    """--no-credit-unparsed: the reply the protocol answered with a parse error gets 0 where its episode's
+    advantage is positive, and keeps a negative one; the episode's other replies and the default are unchanged."""
+    msgs = [{"role": "user", "content": "task"}, {"role": "assistant", "content": "{not json"},
+            {"role": "user", "content": terminus.parse_error_message("Invalid JSON", [])},
+            {"role": "assistant", "content": "{}"}, {"role": "user", "content": "out"}, {"role": "assistant", "content": "{}"}]
+    roles = [PROMPT, ACTION, ACTION, OBS, ACTION, ACTION, OBS, ACTION]
+    ep = envs.Episode("t", msgs, reward=1.0, token_ids=list(range(8)), roles=roles, logprobs=[0.0] * 8,
+                      obs_wrapper=[False] * 8)
+    replies = engine.reply_spans(roles)
+    assert grpo.unparsed_replies(ep) == [True, False, False]
+    assert grpo.token_advantages(ep, 0.5, replies) == [0.5] * 8
+    assert grpo.token_advantages(ep, 0.5, replies, credit_unparsed=False) == [0.5, 0.0, 0.0] + [0.5] * 5
+    assert grpo.token_advantages(ep, -0.5, replies, credit_unparsed=False) == [-0.5] * 8
+    failed = dataclasses.replace(ep, reward=0.0)
+    groups, _, _ = grpo.group_examples([ep, failed], 2, args_for("--no-credit-unparsed"))
+    assert [ex["adv"] for ex in groups[0]] == [[0.5, 0.0, 0.0] + [0.5] * 5, [-0.5] * 8]
+
+
 def test_a_per_turn_advantage_is_a_change_to_one_function(model, tokenizer, synthetic, monkeypatch):
     """Replace grpo.token_advantages by a per-turn advantage (turn k's tokens get (k + 1) A, from the turn
     boundaries it is given) and nothing else: episodes -> examples -> train_batch give the reference's update with
@@ -345,7 +367,7 @@ def test_a_per_turn_advantage_is_a_change_to_one_function(model, tokenizer, synt
         train(m, model, torch.optim.SGD(m.parameters(), lr=0.1), examples, args, tokenizer.pad_token_id)
         return m
 
-    def per_turn(episode, adv, replies):  # the variant: from the start of reply k on, (k + 1) A
+    def per_turn(episode, adv, replies, credit_unparsed=True):  # the variant: from the start of reply k on, (k + 1) A
         starts = [start for start, _ in replies]
         return [adv * max(bisect.bisect_right(starts, i), 1) for i in range(len(episode.token_ids))]
 
@@ -439,6 +461,12 @@ def test_redraw_gives_the_last_steps_the_first_steps_tasks():
     assert [grpo.task_step(s, 8, 0) for s in range(8)] == list(range(8))  # off: every step its own draw
     with pytest.raises(ValueError, match="--redraw 5: .* at most half of --steps 8"):
         grpo.main(["--init", "-", "--tasks", "-", "--out", "-", "--steps", "8", "--redraw", "5"])
+
+
+@pytest.mark.parametrize("flags", [["--neg-weight", "-0.5"], ["--prob-weight", "1.5"], ["--prob-weight", "-0.1"]])
+def test_advantage_weights_out_of_range_are_refused(flags):
+    with pytest.raises(ValueError, match="--neg-weight >= 0, --prob-weight in \\[0, 1\\]"):
+        grpo.main(["--init", "-", "--tasks", "-", "--out", "-", *flags])
 
 
 # ---------------------------------------------------------------------------------------------- end to end
