@@ -54,10 +54,12 @@ SFT=(--lr 2e-3 --warmup-ratio 0.05 --min-lr-ratio 0.1 --batch-size 4 --epochs 2 
 # episode a pass; grpo.py's default pads episodes into micro-batches, which on CPU took 1.4-3.2x the update's time
 # (bench/grpo_micro.py). lr 1e-4 with a k3 KL to the SFT policy (0.05): at lr 1e-5 the policies ended 4e-6 to 1e-4
 # (KL) from their SFT checkpoints, a GRPO that moved nothing; at 1e-4 a run of 4 x 8 on 32 tasks ends near 7e-3
-# after 16 steps (RESULTS.md, 2026-12-03, g1); 8 steps are what the 120 minutes leave. --scale-std: the same curves
-# as without, and the one held-out gain whose interval excludes 0 (RESULTS.md, 2026-12-04, session 8). --redraw 2: the
-# last two steps draw the first two's tasks, so the report's first-vs-last solve rate compares the same tasks; two
-# draws of 8 tasks alone move that z by ~1.7 standard deviations (bench/draw_noise.py, RESULTS.md 2026-12-05)
+# after 16 steps (RESULTS.md, 2026-12-03, g1); at 3e-4 and above the policy's JSON replies break within 8 steps, with
+# every lever tried to hold them (RESULTS.md, 2026-12-05 session 12); 8 steps are what the 120 minutes leave.
+# --scale-std: the same curves as without, and the one held-out gain whose interval excludes 0 (RESULTS.md,
+# 2026-12-04, session 8). --redraw 2: the last two steps draw the first two's tasks, so the report's first-vs-last
+# solve rate compares the same tasks; two draws of 8 tasks alone move that z by ~1.7 standard deviations
+# (bench/draw_noise.py, RESULTS.md 2026-12-05)
 GRPO=(--steps 8 --tasks-per-step 4 --group-size 8 --lr 1e-4 --kl-coef 0.05 --scale-std --redraw 2 --max-turns 10
       --max-new-tokens 384 --max-len 4096 --concurrency 32 --micro-tokens 1 --save-every 4 --keep 1)        # grpo.py
 # 36 evaluation tasks (4 of each kind) x 8 attempts: the attempts of 18 x 16, with the pass@1 interval narrower (it is
