@@ -16,7 +16,8 @@ One step: sample --tasks-per-step tasks, run --group-size episodes of each (all 
 --concurrency sandboxes), score them with the task's verifier, and take --ppo-epochs optimizer steps on
 
     A_i = r_i - mean(r_group)                          (/ (std(r_group) + 1e-6) with --scale-std; population std)
-          (x --neg-weight where A_i < 0; per token x (ALPHA p_i + 1 - ALPHA) with --prob-weight ALPHA)
+          (x --neg-weight where A_i < 0; per token x (ALPHA p_i + 1 - ALPHA) with --prob-weight ALPHA;
+           0 on a reply the protocol could not parse where A_i > 0 with --no-credit-unparsed)
     L   = -sum_{i in ACTION} n_i * w_i * min(rho_i A, clip(rho_i, 1-eps_low, 1+eps_high) A)
           + echo * mean_seq[ sum_{i in OBS(seq)} NLL_i / |OBS(seq)| ]  + kl * sum_{i in ACTION} n_i * k3_i
 
