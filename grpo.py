@@ -17,7 +17,8 @@ One step: sample --tasks-per-step tasks, run --group-size episodes of each (all 
 
     A_i = r_i - mean(r_group)                          (/ (std(r_group) + 1e-6) with --scale-std; population std)
           (x --neg-weight where A_i < 0; per token x (ALPHA p_i + 1 - ALPHA) with --prob-weight ALPHA;
-           0 on a reply the protocol could not parse where A_i > 0 with --no-credit-unparsed)
+           0 on a reply the protocol could not parse where A_i > 0 with --no-credit-unparsed;
+           0 on every token but the values the environment acts on with --credit acted)
     L   = -sum_{i in ACTION} n_i * w_i * min(rho_i A, clip(rho_i, 1-eps_low, 1+eps_high) A)
           + echo * mean_seq[ sum_{i in OBS(seq)} NLL_i / |OBS(seq)| ]  + kl * sum_{i in ACTION} n_i * k3_i
 
@@ -85,6 +86,10 @@ def get_parser():
     g.add_argument("--prob-weight", type=float, default=0.0, metavar="ALPHA", help="a token's advantage times "
                    "ALPHA * p + 1 - ALPHA, p the probability it was sampled with (0 = off): tokens the policy found "
                    "unlikely, whose gradients are the largest, push less (advantage reweighting, Yang et al. 2025)")
+    g.add_argument("--credit", default="reply", choices=["reply", "acted"], help="which tokens of a reply carry its "
+                   "advantage: reply (every one) or acted (only the values the environment acts on: keystrokes, "
+                   "duration, task_complete; terminus.acted_spans), so the analysis, plan and the JSON's fixed text "
+                   "move only under the KL term")
     g.add_argument("--no-credit-unparsed", action="store_true", help="a reply the protocol could not parse gets "
                    "no positive advantage: a solved episode does not reinforce the malformed replies it recovered from")
     g.add_argument("--neg-weight", type=float, default=1.0, help="multiply negative advantages by this (1 = GRPO): "
@@ -375,14 +380,29 @@ def unparsed_replies(episode):
             for i in range(len(m)) if m[i]["role"] == "assistant"]
 
 
-def token_advantages(episode, adv, replies, credit_unparsed=True):
+def acted_tokens(tok, ids, replies):
+    """One bool per token of `ids`: whether it holds part of a value the environment acts on in its reply
+    (terminus.acted_spans; a token that straddles a value's edge counts); False outside the replies."""
+    out = [False] * len(ids)
+    for start, end in replies:
+        pieces = tok.batch_decode([[i] for i in ids[start:end]])  # the reply's text, one piece per token
+        spans = terminus.acted_spans("".join(pieces))
+        pos = 0
+        for t, piece in enumerate(pieces):
+            out[start + t] = any(a < pos + len(piece) and pos < b for a, b in spans)
+            pos += len(piece)
+    return out
+
+
+def token_advantages(episode, adv, replies, credit_unparsed=True, acted=None):
     """The advantage of each of an episode's tokens (a list, one per token; the loss reads it at the action
     tokens) from its group-relative advantage `adv` and its turn boundaries `replies` (engine.reply_spans: the
     [start, end) of each reply in turn order). GRPO's outcome reward gives every token the same; a per-turn or
     per-token advantage (turn rewards, a value model) is a change to this function alone. Without
     credit_unparsed a reply the protocol could not parse gets 0 where the episode's advantage is positive: a
-    solved episode does not reinforce the malformed replies it recovered from."""
-    out = [adv] * len(episode.token_ids)
+    solved episode does not reinforce the malformed replies it recovered from. With acted (acted_tokens), only
+    those tokens get the advantage."""
+    out = [adv] * len(episode.token_ids) if acted is None else [adv if a else 0.0 for a in acted]
     if adv > 0 and not credit_unparsed:
         for (start, end), bad in zip(replies, unparsed_replies(episode)):
             if bad:
@@ -390,12 +410,13 @@ def token_advantages(episode, adv, replies, credit_unparsed=True):
     return out
 
 
-def group_examples(episodes, group_size, args):
+def group_examples(episodes, group_size, args, tok=None):
     """Episodes of consecutive groups (group_size each) -> (training examples per group, has_signal (G,) bool,
     valid (G, S) bool). An example holds an episode's per-token lists (ids, roles, behav: the vLLM log-probs,
-    wrapper, adv: token_advantages). Infrastructure failures are not valid: out of their group's statistics and
-    of the loss. An episode cut at --max-len keeps the verifier's reward (--overlong keep), stays in its group's
-    statistics without a loss (mask), or has --overlong-penalty taken off its reward (penalty)."""
+    wrapper, adv: token_advantages; tok: the tokenizer, which --credit acted reads the replies with).
+    Infrastructure failures are not valid: out of their group's statistics and of the loss. An episode cut at
+    --max-len keeps the verifier's reward (--overlong keep), stays in its group's statistics without a loss
+    (mask), or has --overlong-penalty taken off its reward (penalty)."""
     cut = torch.tensor([e.truncated for e in episodes]).view(-1, group_size)  # (G, S)
     rewards = torch.tensor([e.reward for e in episodes], dtype=torch.float32).view(-1, group_size)
     if args.overlong == "penalty":
@@ -407,9 +428,11 @@ def group_examples(episodes, group_size, args):
     for i, e in enumerate(episodes):
         g, j = divmod(i, group_size)
         if trains[g, j] and ACTION in e.roles:
+            replies = engine.reply_spans(e.roles)
+            acted = acted_tokens(tok, e.token_ids, replies) if args.credit == "acted" else None
             groups[g].append({"ids": e.token_ids, "roles": e.roles, "behav": e.logprobs, "wrapper": e.obs_wrapper,
-                              "adv": token_advantages(e, float(adv[g, j]), engine.reply_spans(e.roles),
-                                                     not args.no_credit_unparsed)})
+                              "adv": token_advantages(e, float(adv[g, j]), replies, not args.no_credit_unparsed,
+                                                      acted)})
     return groups, has_signal, valid
 
 
@@ -424,12 +447,13 @@ def keep_signal_groups(has_signal, room, rank, device):
     return has_signal.nonzero().flatten().tolist()[:take], min(int(sum(counts)), room)
 
 
-def sample_step(draw, n_tasks, args, step, rank, device):
+def sample_step(draw, n_tasks, args, step, rank, device, tok=None):
     """One step's episodes and training examples. draw(draw index, task indices) -> the episodes of those tasks'
     groups (group_size each, in order) on this rank (draw_episodes). One draw of --tasks-per-step groups, split
     over the ranks; with --dynamic-sampling, groups without signal are dropped and further draws (new tasks,
-    seeded by the draw) fill the step until --tasks-per-step groups have signal or the cap is drawn.
-    -> (episodes of every draw, valid (G, S), has_signal (G,) over every drawn group, this rank's examples)."""
+    seeded by the draw) fill the step until --tasks-per-step groups have signal or the cap is drawn. tok: as
+    group_examples. -> (episodes of every draw, valid (G, S), has_signal (G,) over every drawn group, this
+    rank's examples)."""
     world = dist.get_world_size() if dist.is_initialized() else 1
     per_rank = args.tasks_per_step // world
     episodes, valid, has_signal, examples, kept = [], [], [], [], 0
@@ -437,7 +461,7 @@ def sample_step(draw, n_tasks, args, step, rank, device):
         groups = step_groups(n_tasks, args.tasks_per_step, task_step(step, args.steps, args.redraw), args.seed,
                              d)[rank * per_rank: (rank + 1) * per_rank]
         eps = draw(d, groups)
-        ex_groups, sig, ok = group_examples(eps, args.group_size, args)
+        ex_groups, sig, ok = group_examples(eps, args.group_size, args, tok)
         episodes, valid, has_signal = episodes + eps, valid + [ok], has_signal + [sig]
         if not args.dynamic_sampling:
             examples = [ex for g in ex_groups for ex in g]
@@ -568,7 +592,7 @@ def main(argv=None):
         # draw tasks, roll out their groups, score, advantages (no engine reference outlives it: see `del llm`)
         episodes, valid, has_signal, examples = sample_step(
             functools.partial(draw_episodes, llm, tok, tasks, template, args, step, rank, gen), len(tasks), args, step,
-            rank, device)
+            rank, device, tok)
         if device.type == "cuda":  # the engine's weights go to host memory and its KV cache is freed while training
             llm.sleep(level=1)
         t_roll = time.time()

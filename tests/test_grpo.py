@@ -343,6 +343,35 @@ def test_a_solved_episode_gives_its_unparsed_replies_no_credit():
     assert [ex["adv"] for ex in groups[0]] == [[0.5, 0.0, 0.0] + [0.5] * 5, [-0.5] * 8]
 
 
+def test_acted_credit_goes_to_the_values_the_environment_acts_on(tokenizer):
+    """--credit acted: in each reply (a well-formed one, and one cut off inside its second command) only the tokens
+    of the keystrokes strings, durations and task_complete carry the advantage; what they decode to is those values
+    (a token may straddle a value's edge: the text between the values holds none of them)."""
+    good = '{"analysis": "Two files.", "plan": "Count.", "commands": [{"keystrokes": "wc -l a.txt\\n", ' \
+           '"duration": 0.5}], "task_complete": true}'
+    cut = '{"analysis": "x", "plan": "y", "commands": [{"keystrokes": "ls\\n", "duration": 1}, {"keystrokes": "cat b'
+    ids, roles = [], []
+    for text, role in (("prompt", PROMPT), (good, ACTION), ("output", OBS), (cut, ACTION)):
+        new = tokenizer.encode(text, add_special_tokens=False)
+        ids, roles = ids + new, roles + [role] * len(new)
+    acted = grpo.acted_tokens(tokenizer, ids, engine.reply_spans(roles))
+    assert not any(a for a, r in zip(acted, roles) if r != ACTION)
+    runs, cur = [], []  # the acted tokens' text, one string per run of consecutive acted tokens
+    for i, a in enumerate(acted + [False]):
+        if a:
+            cur.append(ids[i])
+        elif cur:
+            runs, cur = runs + [tokenizer.decode(cur)], []
+    want = ['"wc -l a.txt\\n"', "0.5", "true", '"ls\\n"', "1", '"cat b']
+    assert len(runs) == len(want) and all(w in r for w, r in zip(want, runs)), runs
+    free = [tokenizer.decode([t]) for t, a, r in zip(ids, acted, roles) if r == ACTION and not a]
+    assert not any(w in "".join(free) for w in ("wc", "0.5", "true", "cat")), free
+    ep = envs.Episode("t", [], reward=1.0, token_ids=ids, roles=roles, logprobs=[0.0] * len(ids),
+                      obs_wrapper=[False] * len(ids))
+    adv = grpo.token_advantages(ep, 0.5, engine.reply_spans(roles), acted=acted)
+    assert adv == [0.5 if a else 0.0 for a in acted] and 0 < sum(acted) < roles.count(ACTION)
+
+
 def test_a_per_turn_advantage_is_a_change_to_one_function(model, tokenizer, synthetic, monkeypatch):
     """Replace grpo.token_advantages by a per-turn advantage (turn k's tokens get (k + 1) A, from the turn
     boundaries it is given) and nothing else: episodes -> examples -> train_batch give the reference's update with
