@@ -16,6 +16,7 @@ One step: sample --tasks-per-step tasks, run --group-size episodes of each (all 
 --concurrency sandboxes), score them with the task's verifier, and take --ppo-epochs optimizer steps on
 
     A_i = r_i - mean(r_group)                          (/ (std(r_group) + 1e-6) with --scale-std; population std)
+          (r_i less --format-penalty x the share of the episode's replies the protocol could not parse)
           (x --neg-weight where A_i < 0; per token x (ALPHA p_i + 1 - ALPHA) with --prob-weight ALPHA;
            0 on a reply the protocol could not parse where A_i > 0 with --no-credit-unparsed;
            0 on every token but the values the environment acts on with --credit acted)
@@ -105,6 +106,9 @@ def get_parser():
                    "--max-len: keep (the verifier's reward), mask (in their group's statistics, out of the loss), "
                    "penalty (reward - --overlong-penalty)")
     g.add_argument("--overlong-penalty", type=float, default=1.0, help="what --overlong penalty subtracts")
+    g.add_argument("--format-penalty", type=float, default=0.0, metavar="C", help="subtract C x the share of an "
+                   "episode's replies the protocol could not parse from its reward (0 = off): a format reward, so "
+                   "replies that drift from the protocol's JSON are pushed back")
     g.add_argument("--tis-cap", type=float, default=0.0, help="truncated importance weight cap (0 = off)")
     g.add_argument("--kl-coef", type=float, default=0.0, help="k3 KL penalty to the initial policy (0 = off)")
     g.add_argument("--echo-coef", type=float, default=0.0, help="ECHO: weight of the observation NLL of the "
@@ -374,9 +378,12 @@ def draw_episodes(llm, tok, tasks, template, args, step, rank, gen, draw, groups
 
 
 def unparsed_replies(episode):
-    """One bool per reply in turn order: whether the protocol answered it with a parse error."""
+    """One bool per reply in turn order: whether the protocol could not parse it, read from the parse error it
+    answered with; the episode's last reply has no answer (an episode ended by its third parse error among them)
+    and is parsed here."""
     m = episode.messages
-    return [i + 1 < len(m) and m[i + 1]["role"] == "user" and terminus.is_parse_error(m[i + 1]["content"])
+    return [terminus.is_parse_error(m[i + 1]["content"]) if i + 1 < len(m) else
+            terminus.parse_reply(m[i]["content"])[1] is not None
             for i in range(len(m)) if m[i]["role"] == "assistant"]
 
 
@@ -416,11 +423,15 @@ def group_examples(episodes, group_size, args, tok=None):
     wrapper, adv: token_advantages; tok: the tokenizer, which --credit acted reads the replies with).
     Infrastructure failures are not valid: out of their group's statistics and of the loss. An episode cut at
     --max-len keeps the verifier's reward (--overlong keep), stays in its group's statistics without a loss
-    (mask), or has --overlong-penalty taken off its reward (penalty)."""
+    (mask), or has --overlong-penalty taken off its reward (penalty). --format-penalty C takes C x the share of
+    its replies that could not be parsed off every episode's reward."""
     cut = torch.tensor([e.truncated for e in episodes]).view(-1, group_size)  # (G, S)
     rewards = torch.tensor([e.reward for e in episodes], dtype=torch.float32).view(-1, group_size)
     if args.overlong == "penalty":
         rewards = rewards - args.overlong_penalty * cut
+    if args.format_penalty:
+        bad = torch.tensor([np.mean(unparsed_replies(e) or [False]) for e in episodes], dtype=torch.float32)
+        rewards = rewards - args.format_penalty * bad.view(-1, group_size)
     valid = torch.tensor([e.failure not in envs.INFRA_FAILURES for e in episodes]).view(-1, group_size)
     adv, has_signal = group_advantages(rewards, valid, args.scale_std, args.neg_weight)
     trains = valid & ~cut if args.overlong == "mask" else valid
@@ -553,9 +564,9 @@ def main(argv=None):
     # a terminated run unwinds like an exception: run_episodes removes its sandboxes on the way out
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     if (args.keep < 1 or args.ppo_epochs < 1 or args.temperature <= 0 or args.neg_weight < 0
-            or not 0 <= args.prob_weight <= 1):
-        raise ValueError("--keep and --ppo-epochs must be >= 1, --temperature > 0, --neg-weight >= 0, --prob-weight "
-                         "in [0, 1]")
+            or not 0 <= args.prob_weight <= 1 or args.format_penalty < 0):
+        raise ValueError("--keep and --ppo-epochs must be >= 1, --temperature > 0, --neg-weight and --format-penalty "
+                         ">= 0, --prob-weight in [0, 1]")
     if not 0 <= 2 * args.redraw <= args.steps:
         raise ValueError(f"--redraw {args.redraw}: the last steps redraw the first steps' tasks, at most half of "
                          f"--steps {args.steps}")

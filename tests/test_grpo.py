@@ -329,7 +329,8 @@ def test_a_solved_episode_gives_its_unparsed_replies_no_credit():
     advantage is positive, and keeps a negative one; the episode's other replies and the default are unchanged."""
     msgs = [{"role": "user", "content": "task"}, {"role": "assistant", "content": "{not json"},
             {"role": "user", "content": terminus.parse_error_message("Invalid JSON", [])},
-            {"role": "assistant", "content": "{}"}, {"role": "user", "content": "out"}, {"role": "assistant", "content": "{}"}]
+            {"role": "assistant", "content": "{}"}, {"role": "user", "content": "out"},
+            {"role": "assistant", "content": DONE}]
     roles = [PROMPT, ACTION, ACTION, OBS, ACTION, ACTION, OBS, ACTION]
     ep = envs.Episode("t", msgs, reward=1.0, token_ids=list(range(8)), roles=roles, logprobs=[0.0] * 8,
                       obs_wrapper=[False] * 8)
@@ -341,6 +342,34 @@ def test_a_solved_episode_gives_its_unparsed_replies_no_credit():
     failed = dataclasses.replace(ep, reward=0.0)
     groups, _, _ = grpo.group_examples([ep, failed], 2, args_for("--no-credit-unparsed"))
     assert [ex["adv"] for ex in groups[0]] == [[0.5, 0.0, 0.0] + [0.5] * 5, [-0.5] * 8]
+
+
+DONE = '{"analysis": "", "plan": "", "commands": [], "task_complete": true}'
+
+
+def test_format_penalty_counts_every_unparsed_reply():
+    """--format-penalty C: C x the share of an episode's unparseable replies comes off its reward, the last reply
+    included (an episode its third parse error ended has no answer to it): two solved episodes of a group differ
+    by their format alone, and a failed one ended by parse errors goes below the failed well-formed one."""
+    def ep(replies, reward):
+        msgs = [{"role": "user", "content": "task"}]
+        for k, r in enumerate(replies):
+            msgs.append({"role": "assistant", "content": r})
+            if k + 1 < len(replies):
+                bad = terminus.parse_reply(r)[1]
+                msgs.append({"role": "user", "content": terminus.parse_error_message(bad, []) if bad else "out"})
+        n = 2 * len(replies) + 1
+        return envs.Episode("t", msgs, reward=reward, token_ids=list(range(n)), logprobs=[0.0] * n,
+                            roles=[PROMPT] + [ACTION, OBS] * (len(replies) - 1) + [ACTION, ACTION],
+                            obs_wrapper=[False] * n)
+    eps = [ep(["{x", DONE], 1.0), ep(["{}", DONE, DONE, DONE], 1.0), ep(["{x", "{y", "{z"], 0.0), ep([DONE], 0.0)]
+    assert [grpo.unparsed_replies(e) for e in eps] == [[True, False], [True, False, False, False], [True] * 3, [False]]
+    groups, signal, _ = grpo.group_examples(eps, 2, args_for("--format-penalty", "0.4"))
+    # rewards 1 - 0.4 / 2, 1 - 0.4 / 4 and 0 - 0.4, 0; the advantages r - the group's mean
+    assert [[round(ex["adv"][0], 6) for ex in g] for g in groups] == [[-0.05, 0.05], [-0.2, 0.2]]
+    assert signal.tolist() == [True, True]
+    groups, signal, _ = grpo.group_examples(eps, 2, args_for())
+    assert signal.tolist() == [False, False]  # without it, the format makes no difference
 
 
 def test_acted_credit_goes_to_the_values_the_environment_acts_on(tokenizer):
@@ -492,9 +521,10 @@ def test_redraw_gives_the_last_steps_the_first_steps_tasks():
         grpo.main(["--init", "-", "--tasks", "-", "--out", "-", "--steps", "8", "--redraw", "5"])
 
 
-@pytest.mark.parametrize("flags", [["--neg-weight", "-0.5"], ["--prob-weight", "1.5"], ["--prob-weight", "-0.1"]])
+@pytest.mark.parametrize("flags", [["--neg-weight", "-0.5"], ["--prob-weight", "1.5"], ["--prob-weight", "-0.1"],
+                                   ["--format-penalty", "-1"]])
 def test_advantage_weights_out_of_range_are_refused(flags):
-    with pytest.raises(ValueError, match="--neg-weight >= 0, --prob-weight in \\[0, 1\\]"):
+    with pytest.raises(ValueError, match="--neg-weight and --format-penalty >= 0, --prob-weight in \\[0, 1\\]"):
         grpo.main(["--init", "-", "--tasks", "-", "--out", "-", *flags])
 
 
