@@ -425,7 +425,7 @@ def test_a_per_turn_advantage_is_a_change_to_one_function(model, tokenizer, synt
         train(m, model, torch.optim.SGD(m.parameters(), lr=0.1), examples, args, tokenizer.pad_token_id)
         return m
 
-    def per_turn(episode, adv, replies, credit_unparsed=True):  # the variant: from the start of reply k on, (k + 1) A
+    def per_turn(episode, adv, replies, credit_unparsed=True, acted=None):  # from reply k's start on, (k + 1) A
         starts = [start for start, _ in replies]
         return [adv * max(bisect.bisect_right(starts, i), 1) for i in range(len(episode.token_ids))]
 
