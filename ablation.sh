@@ -18,7 +18,13 @@
 # Re-running resumes: every stage skips or continues when its output exists. settings.json in the run folder
 # records every size and the seed; a run folder is only continued with the same ones, or with more: the settings
 # of a stage it did not have (ECHO's, in a folder from before it) or more λ-sweep arms; only their stages then run.
-set -euo pipefail
+set -Eeuo pipefail
+# A run that stops early says where: the line, the command and its exit status (set -e alone ends without a word);
+# -E: inside functions too. A stage's own failure is named by stage() with its command expanded.
+trap 'echo "${BASH_SOURCE[0]}: line $LINENO: exit $?: $BASH_COMMAND" >&2' ERR
+# Stopped (Ctrl-C, kill): the stage's Python process unwinds first (its sandboxes removed), then the run says so
+trap 'echo "ablation.sh: stopped by SIGINT; run it again to continue where it stopped" >&2; exit 130' INT
+trap 'echo "ablation.sh: stopped by SIGTERM; run it again to continue where it stopped" >&2; exit 143' TERM
 cd "$(dirname "$0")"
 MODE=full LAMBDAS=
 for a in "$@"; do
@@ -33,6 +39,7 @@ for L in ${LAMBDAS//,/ }; do  # before anything is installed: a mistyped λ stop
     [[ $L = default || $L =~ ^(0?\.[0-9]+|[01](\.0*)?)$ ]] || { echo "--sweep: $L is not a λ in [0, 1]" >&2; exit 2; }
 done
 [[ ${SEED:-0} =~ ^[0-9]+$ ]] || { echo "SEED=$SEED: the seed is a non-negative integer" >&2; exit 2; }
+export PYTHONUNBUFFERED=1  # each stage's lines as they come, also into a file (`bash ablation.sh > log`)
 . .ci/setup.sh  # installs, starts Docker (and stops it on exit if it was not up), builds the base image
 
 # ---- settings: full, then what --quick shrinks ------------------------------------------------------------
@@ -46,8 +53,10 @@ CORPUS=(--n-sft 576 --n-rl 32 --n-eval 36)                                      
 HELDOUT_N=32                                                                              # trajectories for the probes
 # --micro-tokens 1: a forward pass per trajectory. On CPU a padded batch of a step's 4 trajectories is no faster a
 # token than one row, and ~20 % of its tokens would be padding: 0.77x the step time of a padded batch (bench/sft_micro.py)
+# Every stage computes in --dtype auto (common.resolve_dtype): bf16 only where it is faster than fp32 (CUDA, a CPU with
+# native bf16), fp32 on a CPU that emulates it (15-45x slower there); report.py settings prints the choice once
 SFT=(--lr 2e-3 --warmup-ratio 0.05 --min-lr-ratio 0.1 --batch-size 4 --epochs 2 --max-len 3072 --micro-tokens 1
-     --dtype bf16 --val-size 16 --eval-every 0 --save-every 40 --keep 1 --probe-every 40)  # sft.py, all arms
+     --val-size 16 --eval-every 0 --save-every 40 --keep 1 --probe-every 40)  # sft.py, all arms
 # RL and evaluation roll out with the same limits; the expert needs ~5 turns of ~80 tokens, but its csv_summary script
 # reply is up to ~330 (`report.py limits` checks the corpus against these). One engine step decodes a token for every
 # live episode, so 32 sandboxes at once cost little more per step than 8. --micro-tokens 1: the update forwards one
@@ -74,7 +83,7 @@ PROBE=(--n 32 --max-len 3072)                                                   
 SAMPLE=(--max-new-tokens 128)                                                             # probes' own samples
 if [ $MODE = quick ]; then
     BASE=(--sessions 8 --heldout 2 --commands 6 --epochs 1 --batch-size 4 --lr 2e-3 --hidden 64 --layers 2 --heads 2 --kv-heads 1
-          --vocab 1024 --max-len 1024 --copy-steps 4 --copy-schedule 16:2,32:0 --refresh-steps 4)
+          --vocab 1024 --max-len 1024 --copy-steps 4 --copy-schedule "16:2,32:0" --refresh-steps 4)
     CORPUS=(--n-sft 20 --n-rl 2 --n-eval 2)
     HELDOUT_N=4
     SFT=(--lr 2e-3 --batch-size 4 --epochs 1 --max-len 1024 --micro-tokens 1 --val-size 4 --eval-every 0
@@ -94,16 +103,37 @@ SWEEP=(0.25 0.5)
 if [ $MODE = quick ]; then SWEEP=(0.5); fi
 [ "$LAMBDAS" = default ] && LAMBDAS="${SWEEP[*]}"
 SWEEP_ARMS=()  # an SFT arm per λ, through the same GRPO and evaluation as the others
-for L in ${LAMBDAS//,/ }; do SWEEP_ARMS+=(lam$L); LOSS[lam$L]="--lam $L"; done
-R=${RUN_DIR:-runs/ablation$([ $MODE = quick ] && echo -quick)}
+for L in ${LAMBDAS//,/ }; do SWEEP_ARMS+=("lam$L"); LOSS[lam$L]="--lam $L"; done
+R=runs/ablation
+if [ $MODE = quick ]; then R=runs/ablation-quick; fi
+R=${RUN_DIR:-$R}
 PT=scripts/toy_prompt.txt  # the corpus's short system prompt; RL and evaluation use the same
 mkdir -p "$R/eval" "$R/probes"
 ARM_LOSS=(); for A in "${ARMS[@]}" "${SWEEP_ARMS[@]}"; do ARM_LOSS+=("loss_$A=${LOSS[$A]}"); done
-python scripts/report.py settings "$R" mode=$MODE seed=$SEED prompt_template=$PT base="${BASE[*]}" corpus="${CORPUS[*]}" \
+python scripts/report.py settings "$R" mode="$MODE" seed="$SEED" prompt_template="$PT" base="${BASE[*]}" corpus="${CORPUS[*]}" \
     heldout_n=$HELDOUT_N arms="${ARMS[*]}" sweep_arms="${SWEEP_ARMS[*]}" "${ARM_LOSS[@]}" sft="${SFT[*]}" \
     grpo="${GRPO[*]}" echo="${ECHO[*]}" eval="${EVAL[*]}" eval_sft="${EVAL_SFT[*]}" eval_base="${EVAL_BASE[*]}" probe="${PROBE[*]}" sample="${SAMPLE[*]}"
-# stage NAME CMD...: run CMD, append its wall time to $R/times.jsonl
-stage() { local t=$SECONDS; "${@:2}"; echo "{\"stage\": \"$1\", \"seconds\": $((SECONDS - t))}" >> "$R/times.jsonl"; }
+# The stages in order, for the banners: a stage whose output exists is skipped (its banner too)
+STAGES=(base corpus sft eval-sft probes-sft grpo eval-grpo probes-tstar eval-tstar report)
+# banner NAME: which stage starts, of how many, and the run's time so far
+banner() {
+    local i n=${#STAGES[@]}
+    for i in "${!STAGES[@]}"; do [ "${STAGES[$i]}" = "$1" ] && break; done
+    printf '\n==> stage %d/%d: %s | %s | %dm%02ds into the run\n' $((i + 1)) "$n" "$1" "$(date +%H:%M:%S)" \
+        $((SECONDS / 60)) $((SECONDS % 60))
+}
+# stage NAME CMD...: run CMD, append its wall time to $R/times.jsonl; a failure names the stage, its command and the
+# line of ablation.sh that ran it
+stage() {
+    local t=$SECONDS rc=0
+    banner "$1"
+    "${@:2}" || rc=$?
+    if [ $rc != 0 ]; then
+        echo "ablation.sh: line ${BASH_LINENO[-2]}: stage $1 failed (exit $rc) after $((SECONDS - t))s: ${*:2}" >&2
+        exit $rc
+    fi
+    echo "{\"stage\": \"$1\", \"seconds\": $((SECONDS - t))}" >> "$R/times.jsonl"
+}
 # Runs of one script share a process (common.run_cli: `:::` between their arguments): a CPU process spends ~9 s
 # importing torch, transformers and vLLM before any work, and a run samples and trains in a shared process as alone.
 # together NAME SCRIPT: run the runs collected in RUNS (each added as `::: ARGS...`) as stage NAME; empties RUNS
@@ -111,18 +141,20 @@ RUNS=()
 together() { [ ${#RUNS[@]} = 0 ] || stage "$1" python "$2" "${RUNS[@]:1}"; RUNS=(); }
 
 # ---- 1. base model: generic terminal sessions recorded in sandboxes -> BPE -> pre-trained small Qwen3 (cached)
-stage base python scripts/base_model.py --out "$R/base" --seed $SEED --prompt-template $PT "${BASE[@]}"
+stage base python scripts/base_model.py --out "$R/base" --seed "$SEED" --prompt-template "$PT" "${BASE[@]}"
 B="$R/base/model"
 
 # ---- 2. corpus: expert episodes on SFT tasks; RL and evaluation tasks are disjoint, `archive` only in eval
-[ -f "$R/corpus/sft.jsonl" ] || stage corpus python envs.py corpus --out "$R/corpus" --seed $SEED "${CORPUS[@]}" --prompt-template $PT
+[ -f "$R/corpus/sft.jsonl" ] || stage corpus python envs.py corpus --out "$R/corpus" --seed "$SEED" "${CORPUS[@]}" --prompt-template "$PT"
 head -n -$HELDOUT_N "$R/corpus/sft.jsonl" > "$R/train.jsonl"   # the probes' trajectories stay out of SFT
 tail -n $HELDOUT_N "$R/corpus/sft.jsonl" > "$R/heldout.jsonl"
-python scripts/report.py limits "$R" $([ $MODE = quick ] && echo --warn)  # RL / evaluation limits fit the expert
+LIMITS=(); if [ $MODE = quick ]; then LIMITS=(--warn); fi
+python scripts/report.py limits "$R" "${LIMITS[@]}"  # RL / evaluation limits fit the expert
 
 # ---- 3. SFT from the same base: same data, order and schedule; only the loss (LOSS above) differs
 for A in "${ARMS[@]}" "${SWEEP_ARMS[@]}"; do
-    RUNS+=(::: --model "$B" --data "$R/train.jsonl" --out "$R/$A" --seed $SEED --resume "${SFT[@]}" ${LOSS[$A]})
+    # shellcheck disable=SC2206  # LOSS's values are flag strings: split into their words on purpose
+    RUNS+=(::: --model "$B" --data "$R/train.jsonl" --out "$R/$A" --seed "$SEED" --resume "${SFT[@]}" ${LOSS[$A]})
 done
 together sft sft.py
 
@@ -130,9 +162,9 @@ together sft sft.py
 # arms are compared after GRPO only
 # evaluation M CHECKPOINT [FLAG...]: n attempts per evaluation task, and every episode's conversation to read
 evaluation() { RUNS+=(::: --model "$2" --tasks "$R/corpus/eval" --out "$R/eval/$1.json" \
-    --transcripts "$R/eval/$1.episodes.jsonl" --prompt-template $PT --seed $SEED "${EVAL[@]}" "${@:3}"); }
+    --transcripts "$R/eval/$1.episodes.jsonl" --prompt-template "$PT" --seed "$SEED" "${EVAL[@]}" "${@:3}"); }
 evaluation base "$B" "${EVAL_BASE[@]}"
-for A in "${ARMS[@]}"; do evaluation $A "$R/$A/final" "${EVAL_SFT[@]}"; done
+for A in "${ARMS[@]}"; do evaluation "$A" "$R/$A/final" "${EVAL_SFT[@]}"; done
 together eval-sft evaluate.py
 
 # ---- 5. probes of the SFT checkpoints on held-out trajectories: observation prediction, command entropy, KL from
@@ -147,12 +179,12 @@ together probes-sft probes.py
 # ---- 6. the same GRPO recipe from each SFT arm and, with ECHO, from ActionSFT (echo-grpo/), on the RL split; then
 # pass@k of each GRPO checkpoint
 # grpo NAME INIT [FLAG...]: GRPO from INIT into $R/NAME-grpo
-grpo() { RUNS+=(::: --init "$2" --tasks "$R/corpus/rl" --out "$R/$1-grpo" --prompt-template $PT --seed $SEED --resume \
+grpo() { RUNS+=(::: --init "$2" --tasks "$R/corpus/rl" --out "$R/$1-grpo" --prompt-template "$PT" --seed "$SEED" --resume \
     "${GRPO[@]}" "${@:3}"); }
-for A in "${ARMS[@]}" "${SWEEP_ARMS[@]}"; do grpo $A "$R/$A/final"; done
+for A in "${ARMS[@]}" "${SWEEP_ARMS[@]}"; do grpo "$A" "$R/$A/final"; done
 grpo echo "$R/actionsft/final" "${ECHO[@]}"
 together grpo grpo.py
-for M in "${ARMS[@]}" "${SWEEP_ARMS[@]}" echo; do evaluation $M-grpo "$R/$M-grpo/final"; done
+for M in "${ARMS[@]}" "${SWEEP_ARMS[@]}" echo; do evaluation "$M-grpo" "$R/$M-grpo/final"; done
 together eval-grpo evaluate.py
 
 # ---- 7. temperature matching on the GRPO'd policies: ActObs + GRPO's self-entropy at the evaluation temperature
@@ -170,4 +202,6 @@ evaluation actionsft-grpo-tstar "$R/actionsft-grpo/final" --temperature "$(json_
 together eval-tstar evaluate.py
 
 # ---- 8. the run folder's REPORT.md, comparison tables and plots; fails if any stage's output is malformed
+banner report
 python scripts/report.py build "$R"
+echo "ablation.sh: done in $((SECONDS / 60))m$((SECONDS % 60))s -> $R/REPORT.md"

@@ -6,10 +6,12 @@ record: config.json, log.jsonl, optional wandb), distributed set-up and teardown
 tiny random Qwen3 that tests and the CPU run start from, and the scripts' entry point (several runs in one
 process). probes.py uses the head too. Plain functions, no framework: a stage calls what it needs.
 """
+import functools
 import json
 import math
 import os
 import shutil
+import signal
 import sys
 import time
 from contextlib import nullcontext
@@ -382,6 +384,8 @@ def run_cli(main):
     group alive past destroy_process_group (deleting the model and running gc does not free it), so gloo's threads
     still run while the interpreter tears down, and one of them touching Python then aborts, now and then, a run
     that has already written everything (a rank exits with -6)."""
+    # a terminated run unwinds like an exception (as Ctrl-C does): run_episodes removes its sandboxes on the way out
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     runs = split_runs(sys.argv[1:])
     if len(runs) > 1 and under_torchrun():
         raise SystemExit(f"'{RUN_SEPARATOR}': several runs in one process, not under torchrun (launch each run)")
@@ -399,11 +403,49 @@ def printer(rank):
     return print if rank == 0 else (lambda *a, **k: None)
 
 
+def matmul_flop_s(dtype, m=1024, k=1024, n=1024, reps=5):
+    """FLOP/s of an (m, k) @ (k, n) matmul on the CPU in this process, with its threads: the best of reps after a
+    warm-up, the most a model's matmuls of that shape can do here."""
+    a, b = torch.randn(m, k, dtype=dtype), torch.randn(k, n, dtype=dtype)
+    a @ b
+    best = math.inf
+    for _ in range(reps):
+        t = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - t)
+    return 2 * m * k * n / best
+
+
+# The probe's shape: a 512-token micro-batch through a hidden-256 model's MLP (256 -> 768), where the small models'
+# training time goes. A CPU without native bf16 runs it ~45x slower in bf16 (~0.2 s); with it, faster than fp32.
+DTYPE_PROBE = (512, 256, 768)
+
+
+@functools.cache
+def cpu_bf16_speedup():
+    """fp32's matmul time over bf16's at DTYPE_PROBE on this CPU: > 1 where bf16 is the faster (native bf16: AVX512-BF16
+    or AMX), ~0.02 where the CPU emulates it. Measured once a process (< 1 s)."""
+    return matmul_flop_s(torch.bfloat16, *DTYPE_PROBE, reps=2) / matmul_flop_s(torch.float32, *DTYPE_PROBE, reps=2)
+
+
+def resolve_dtype(dtype_flag, device):
+    """The compute dtype rule, its one home: --dtype bf16 / fp32 as given; auto -> bf16 on CUDA, on a CPU bf16 only
+    where its matmuls measure faster than fp32's (cpu_bf16_speedup), else fp32. -> ("bf16" | "fp32", why)."""
+    if dtype_flag != "auto":
+        return dtype_flag, f"--dtype {dtype_flag}"
+    if device.type == "cuda":
+        return "bf16", "auto: CUDA"
+    speedup = cpu_bf16_speedup()
+    return ("bf16" if speedup > 1 else "fp32"), (f"auto: this CPU's bf16 matmul runs at {speedup:.2f}x fp32's "
+                                                  f"({torch.backends.cpu.get_cpu_capability()})")
+
+
 def autocast(dtype_flag, device):
-    """--dtype (auto: bf16 on CUDA, fp32 on CPU) -> (the context the forward passes run in, the compute dtype)."""
-    bf16 = dtype_flag == "bf16" or (dtype_flag == "auto" and device.type == "cuda")
+    """--dtype (resolve_dtype's rule) -> (the context the forward passes run in, the compute dtype, why)."""
+    name, why = resolve_dtype(dtype_flag, device)
+    bf16 = name == "bf16"
     return (torch.autocast(device.type, dtype=torch.bfloat16) if bf16 else nullcontext(),
-            torch.bfloat16 if bf16 else torch.float32)
+            torch.bfloat16 if bf16 else torch.float32, why)
 
 
 class LossModule(torch.nn.Module):
@@ -643,10 +685,10 @@ def versions():
     return {m: metadata.version(dists[m][0]) if m in dists else None for m in ("torch", "transformers", "vllm")}
 
 
-def run_config(flags):
+def run_config(flags, **extra):
     """What reproduces this run: the flags ({name: value}, Paths as strings), the command line, the code
-    (code_state), the library versions and the start time."""
-    return {"args": json.loads(json.dumps(flags, default=str)), "argv": sys.argv, **code_state(), **versions(),
+    (code_state), the library versions, the start time and `extra` (what the run derived: its compute dtype)."""
+    return {"args": json.loads(json.dumps(flags, default=str)), "argv": sys.argv, **code_state(), **versions(), **extra,
             "python": sys.version.split()[0], "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
 
 
@@ -656,10 +698,10 @@ def adamw(model, args):
                              weight_decay=args.weight_decay)
 
 
-def open_run_log(out, args, start, rank):
+def open_run_log(out, args, start, rank, **extra):
     """The run's record at its start: on resume, log rows past the checkpoint's step `start` dropped (those steps
-    run again); config.json (run_config) written; -> the RunLog the steps write to."""
-    config = run_config(vars(args)) if rank == 0 else None
+    run again); config.json (run_config, with `extra`) written; -> the RunLog the steps write to."""
+    config = run_config(vars(args), **extra) if rank == 0 else None
     if rank == 0:
         log = Path(out) / "log.jsonl"
         if args.resume and log.exists():

@@ -17,6 +17,7 @@ from contextlib import contextmanager
 import numpy as np
 import torch
 
+import common
 import envs
 from labels import ACTION, PROMPT, defuse_specials, encode, encode_spans, generation_prompt, wrapper_mask
 
@@ -41,7 +42,9 @@ def make_engine(model_dir, *, max_model_len, max_seqs, seed=0, dtype="auto", gpu
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # same process: weights can be passed as tensors
     cuda = torch.cuda.is_available()
     from vllm import LLM
-    dtype = {"auto": "bfloat16" if cuda else "float32", "bf16": "bfloat16", "fp32": "float32"}.get(dtype, dtype)
+    if dtype == "auto":  # the trainers' rule (common.resolve_dtype): bf16 where it is fast
+        dtype = common.resolve_dtype(dtype, torch.device("cuda" if cuda else "cpu"))[0]
+    dtype = {"bf16": "bfloat16", "fp32": "float32"}.get(dtype, dtype)
     # On CPU a prefill is scheduled whole: one split across steps makes the engine rewind the request's seeded
     # generator, which a CPU generator cannot do (RuntimeError: CPU Generator does not use offset), and
     # VLLMPolicy seeds every turn. A step then takes whole prompts up to the budget (4096, vLLM's CPU default, or

@@ -722,8 +722,10 @@ def corpus(args):
         labels.write_jsonl(args.out / f"{split}.jsonl", [dataclasses.asdict(s) for s in splits[split]])
     tasks = [task_from_spec(s) for s in splits["sft"]]
     t0 = time.time()
-    episodes = run_episodes(tasks, taskgen.expert_policy, max_turns=args.max_turns, concurrency=args.concurrency,
-                            template=template)
+    from tqdm import tqdm
+    with tqdm(total=len(tasks), desc="expert episodes", dynamic_ncols=True) as bar:
+        episodes = run_episodes(tasks, taskgen.expert_policy, max_turns=args.max_turns, concurrency=args.concurrency,
+                                template=template, on_episode=lambda i, ep: bar.update())
     rows = [{"conversations": e.messages, "task": e.task, "reward": e.reward} for e in episodes
             if args.keep_failed or (e.reward >= 1.0 and e.failure is None)]
     labels.write_jsonl(args.out / "sft.jsonl", rows)

@@ -78,7 +78,8 @@ def parse_args(argv=None):
     p.add_argument("--retry-infra", action="store_true", help="on resume, run again the attempts that ended in an "
                    "infrastructure failure (otherwise they stay recorded, and excluded)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--dtype", default="auto", help="vLLM dtype: auto (bf16 on GPU, fp32 on CPU), bf16, fp32")
+    p.add_argument("--dtype", default="auto", help="vLLM dtype: auto (bf16 on GPU and on a CPU where it is faster "
+                   "than fp32: common.resolve_dtype), bf16, fp32")
     p.add_argument("--gpu-memory", type=float, default=0.9, help="share of GPU memory for vLLM (no trainer here)")
     return p.parse_args(argv)
 
@@ -346,20 +347,6 @@ def plot_compare(cmp, png):
 PHASES = {"start_s": "sandbox start", "env_s": "terminal steps", "policy_s": "policy wait", "verify_s": "verification"}
 
 
-def matmul_flop_s(dtype, n=1024, reps=5):
-    """FLOP/s of an (n, n) @ (n, n) matmul in this process, with its threads and the engine's dtype: the best of
-    reps after a warm-up, the most a model's matmuls can do here."""
-    import torch
-    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
-    a @ b
-    best = math.inf
-    for _ in range(reps):
-        t = time.perf_counter()
-        a @ b
-        best = min(best, time.perf_counter() - t)
-    return 2 * n ** 3 / best
-
-
 def time_breakdown(records, stats, setup_s):
     """Where a session's time went. records: the attempt records it produced; stats: envs.run_episodes' wall_s
     and policy_s (the engine inside its steps), and, from a model, its config, dtype, threads and matmul_flop_s;
@@ -471,6 +458,7 @@ def open_results(path, settings):
 def vllm_rollout(args, session):
     """The engine and rollout grpo.py trains with (imported here: the tables and compare need neither torch nor
     vLLM)."""
+    import common
     import engine
     import torch
     llm = engine.make_engine(args.model, max_model_len=args.max_len, max_seqs=args.concurrency, seed=args.seed,
@@ -491,7 +479,7 @@ def vllm_rollout(args, session):
         mc = llm.llm_engine.model_config  # what time_breakdown's FLOP bound needs, at the engine's threads
         with engine.engine_threads():
             stats.update(config=mc.hf_text_config.to_dict(), dtype=str(mc.dtype).removeprefix("torch."),
-                         threads=torch.get_num_threads(), matmul_flop_s=matmul_flop_s(mc.dtype))
+                         threads=torch.get_num_threads(), matmul_flop_s=common.matmul_flop_s(mc.dtype))
         return episodes
     return rollout
 

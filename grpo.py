@@ -39,8 +39,6 @@ rollouts). The GPU memory plan of a real run: docs/training.md.
 import argparse
 import functools
 import gc
-import signal
-import sys
 import time
 from collections import Counter
 from pathlib import Path
@@ -127,7 +125,8 @@ def get_parser():
     g.add_argument("--concurrency", type=int, default=64, help="sandboxes live at once per rank")
     g.add_argument("--micro-tokens", type=int, default=32768, help="token budget of a micro-batch (rows x length)")
     g.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32"],
-                   help="autocast and engine dtype; auto = bf16 on CUDA, fp32 on CPU")
+                   help="autocast and engine dtype; auto = bf16 on CUDA, and on a CPU where bf16 measures faster "
+                   "than fp32 (common.resolve_dtype), else fp32")
     g.add_argument("--grad-ckpt", action="store_true")
     g.add_argument("--fsdp", action="store_true", help="shard with FSDP2 instead of DDP under torchrun")
     g.add_argument("--gpu-memory", type=float, default=0.35, help="GPU memory share of the vLLM engine")
@@ -561,8 +560,6 @@ RESUME_KEYS = common.resume_keys(get_parser())  # the flags that fix what the ru
 def main(argv=None):
     args = get_parser().parse_args(argv)
 
-    # a terminated run unwinds like an exception: run_episodes removes its sandboxes on the way out
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     if (args.keep < 1 or args.ppo_epochs < 1 or args.temperature <= 0 or args.neg_weight < 0
             or not 0 <= args.prob_weight <= 1 or args.format_penalty < 0):
         raise ValueError("--keep and --ppo-epochs must be >= 1, --temperature > 0, --neg-weight and --format-penalty "
@@ -583,7 +580,7 @@ def main(argv=None):
     tok = load_tokenizer(ckpt or args.init, "native" if ckpt else args.chat_template)
     template = terminus.load_template(args.prompt_template)
     tasks = load_tasks(args.tasks, args.kinds)
-    ctx, dtype = common.autocast(args.dtype, device)
+    ctx, dtype, why = common.autocast(args.dtype, device)
     raw = common.load_model(ckpt or args.init, device)
     # the initial policy, for the KL from init: a full copy per rank, in the autocast dtype
     ref = common.load_model(args.init, device).to(dtype).requires_grad_(False).eval()
@@ -591,10 +588,11 @@ def main(argv=None):
     opt = common.adamw(model, args)
     start = common.load_optimizer_state(model, opt, state, args.fsdp)
     llm = engine.make_engine(ckpt or args.init, max_model_len=args.max_len, seed=args.seed, max_seqs=args.concurrency,
-                             dtype=args.dtype, gpu_memory=args.gpu_memory, kv_cache_gb=args.kv_cache_gb)
-    log = common.open_run_log(out, args, start, rank)
+                             dtype="bf16" if dtype == torch.bfloat16 else "fp32", gpu_memory=args.gpu_memory,
+                             kv_cache_gb=args.kv_cache_gb)
+    log = common.open_run_log(out, args, start, rank, compute_dtype={"dtype": str(dtype), "why": why})
     print0(f"{len(tasks)} tasks | {sum(p.numel() for p in raw.parameters()) / 1e6:.1f}M params | {args.steps} steps "
-           f"x {args.tasks_per_step} tasks x {args.group_size} episodes | world {world} | "
+           f"x {args.tasks_per_step} tasks x {args.group_size} episodes | {str(dtype)[6:]} ({why}) | world {world} | "
            + (f"resumed at step {start}" if start else "fresh start"))
 
     raw.train()

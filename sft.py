@@ -66,7 +66,8 @@ def get_parser():
                    "(padded batch x length); on CPU 1 (a pass per trajectory, no padding) is faster: "
                    "bench/sft_micro.py")
     g.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32"],
-                   help="autocast dtype; auto = bf16 on CUDA, fp32 on CPU")
+                   help="autocast dtype; auto = bf16 on CUDA, and on a CPU where bf16 measures faster than fp32 "
+                   "(common.resolve_dtype), else fp32")
     g.add_argument("--grad-ckpt", action="store_true",
                    help="gradient checkpointing (recompute activations in backward)")
     g.add_argument("--fsdp", action="store_true", help="shard with FSDP2 (fully_shard) instead of DDP under torchrun")
@@ -228,7 +229,7 @@ def main(argv=None):
     stop = min(args.stop_after, total) if args.stop_after else total
 
     # model, optimizer, resume
-    ctx, dtype = common.autocast(args.dtype, device)
+    ctx, dtype, why = common.autocast(args.dtype, device)
     raw = common.load_model(ckpt or model_path, device)
     model = common.wrap_model(common.LossModule(actobs_loss, raw), raw, args, device)
     opt = common.adamw(model, args)
@@ -241,9 +242,9 @@ def main(argv=None):
     n_params = sum(p.numel() for p in raw.parameters())
     print0(f"{len(train)} train / {len(val)} val trajectories ({bad} bad rows, {empty} with nothing to learn "
            f"skipped) | {n_params / 1e6:.1f}M params | {total} steps x {args.batch_size} traj | warmup {warmup} | "
-           f"{'bf16' if dtype == torch.bfloat16 else 'fp32'} | world {world} | "
+           f"{'bf16' if dtype == torch.bfloat16 else 'fp32'} ({why}) | world {world} | "
            + (f"resumed at step {start}" if start else "fresh start"))
-    log = common.open_run_log(out, args, start, rank)
+    log = common.open_run_log(out, args, start, rank, compute_dtype={"dtype": str(dtype), "why": why})
     record = log.write
 
     def evaluate(step):

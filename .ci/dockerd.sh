@@ -21,6 +21,7 @@
 # ACTOBS_DOCKER_STORAGE=btrfs: the btrfs driver on $ACTOBS_DOCKER_ROOT/btrfs.img with qgroups (sandbox.py sets one
 # limit per sandbox), for kernels without XFS quotas; slower (RESULTS.md), so never chosen unasked.
 
+# shellcheck disable=SC2015  # `A && B || { ...; return 1; }` here means "if A or B fails": meant so
 ACTOBS_DOCKER_ROOT="${ACTOBS_DOCKER_ROOT:-/var/lib/actobs-docker}"
 _actobs_sock="$ACTOBS_DOCKER_ROOT/docker.sock"
 _actobs_pid="$ACTOBS_DOCKER_ROOT/dockerd.pid"
@@ -29,8 +30,8 @@ _actobs_ready() { docker -H "unix://$_actobs_sock" version >/dev/null 2>&1; }
 
 # Wait up to 30 s for process $1 to exit; fails while it still runs.
 _actobs_gone() {
-    local i
-    for i in $(seq 1 60); do kill -0 "$1" 2>/dev/null || return 0; sleep 0.5; done
+    local _
+    for _ in $(seq 1 60); do kill -0 "$1" 2>/dev/null || return 0; sleep 0.5; done
     ! kill -0 "$1" 2>/dev/null
 }
 
@@ -77,7 +78,7 @@ _actobs_btrfs() {
 
 _actobs_start() {
     mkdir -p "$ACTOBS_DOCKER_ROOT/exec" || return 1
-    local driver i data why started= old
+    local driver data why started='' old
     # A daemon of ours that is still going away (a stop under way, or the daemon of a run just killed) holds the
     # pidfile, and a new dockerd refuses to start on it: each driver below would fail in turn and the last one up
     # would be a slower driver on another image store. Wait for it to exit; a pidfile of a dead process is stale.
@@ -116,7 +117,7 @@ _actobs_start() {
             --pidfile "$_actobs_pid" -H "unix://$_actobs_sock" \
             >>"$ACTOBS_DOCKER_ROOT/dockerd.log" 2>&1 </dev/null &
         started="$driver"
-        for i in $(seq 1 60); do
+        for _ in $(seq 1 60); do
             _actobs_ready && break
             kill -0 $! 2>/dev/null || break  # dockerd exited (e.g. unsupported storage driver)
             sleep 0.5

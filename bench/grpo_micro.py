@@ -60,7 +60,7 @@ def update(model_dir, examples, micro_tokens, behav):
     args = grpo.get_parser().parse_args(["--init", str(model_dir), "--tasks", "-", "--out", "-", "--lr", "1e-4",
                                          "--kl-coef", "0.05", "--micro-tokens", str(micro_tokens)])
     device = torch.device("cpu")
-    ctx, dtype = common.autocast(args.dtype, device)
+    ctx, dtype, _ = common.autocast(args.dtype, device)
     raw = common.load_model(model_dir, device)
     ref = common.load_model(model_dir, device).to(dtype).requires_grad_(False).eval()
     model = common.wrap_model(common.LossModule(grpo.pg_loss, raw), raw, args, device)

@@ -29,7 +29,6 @@ from pathlib import Path
 
 import common
 import engine
-import evaluate
 import grpo
 import terminus
 from labels import ACTION, load_tokenizer, write_jsonl
@@ -138,7 +137,7 @@ def summary(eps, res, llm):
     mc = llm.llm_engine.model_config
     flops = sum(len(e["token_ids"]) * common.forward_flops(mc.hf_text_config.to_dict(), (len(e["token_ids"]) - 1) / 2)
                 for e in eps)  # every token once: prompts and observations prefilled, replies decoded
-    bound = sum(e["roles"].count(ACTION) for e in eps) / (flops / evaluate.matmul_flop_s(mc.dtype))
+    bound = sum(e["roles"].count(ACTION) for e in eps) / (flops / common.matmul_flop_s(mc.dtype))
     recorded = {(i, k): e["token_ids"][a:b] for i, e in enumerate(eps)
                 for k, (a, b) in enumerate(engine.reply_spans(e["roles"]))}
     base = res["today"]

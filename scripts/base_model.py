@@ -47,7 +47,7 @@ from taskgen import WORDS  # noqa: E402
 REFRESH_ROWS, REFRESH_ROW = 2, 128  # the refresh's rows a step and their length (the repeat metric's)
 # Settings added after builds were made, and the value that reproduces such a build: a build's settings.json without
 # the key was made with it
-BEFORE = {"refresh_steps": 0}
+BEFORE = {"refresh_steps": 0, "dtype": "bf16"}
 
 
 def get_parser():
@@ -76,13 +76,13 @@ def get_parser():
                    "(the last runs on): rows of 64 form the circuit by step ~700 (rows of 32 first only delay it), "
                    "rows of 128 then carry it to that length")
     p.add_argument("--copy-tokens", type=int, default=2048, help="tokens a copy step (rows = this / row length)")
-    p.add_argument("--copy-lr", type=float, default=1e-3, help="copy practice's lr (bf16 autocast, AdamW betas "
+    p.add_argument("--copy-lr", type=float, default=1e-3, help="copy practice's lr (AdamW betas "
                    "0.9/0.95, no weight decay, 50 warm-up steps)")
     p.add_argument("--copy-chats", type=float, default=0.5, help="copy chats mixed into the sessions' pre-training, "
                    "per session: a user turn of values, the reply the same values rotated (keeps the circuit in use)")
     # the refresh after the sessions (train_copy with session_loss): rows of random ids and sessions in every step
     p.add_argument("--refresh-steps", type=int, default=200, help=f"steps of {REFRESH_ROWS} rotated rows of "
-                   f"{REFRESH_ROW} ids and 2 sessions each after the pre-training (0: none; bf16, AdamW betas "
+                   f"{REFRESH_ROW} ids and 2 sessions each after the pre-training (0: none; AdamW betas "
                    "0.9/0.95, no weight decay, 10 warm-up steps)")
     p.add_argument("--refresh-lr", type=float, default=1e-4)
     # pre-training on the sessions (sft.py flags)
@@ -90,6 +90,9 @@ def get_parser():
     p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--max-len", type=int, default=2048, help="tokens kept of a session")
+    p.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32"], help="compute dtype of every phase; "
+                   "auto = bf16 on CUDA, and on a CPU where bf16 measures faster than fp32 (common.resolve_dtype), "
+                   "else fp32: the circuit forms in either (RESULTS.md, 2026-12-05)")
     return p
 
 
@@ -387,8 +390,10 @@ def session_tasks(n, seed):
 def record_sessions(n, n_commands, seed, concurrency=8, template=None, start=0):
     """Run sessions start..n-1 in real sandboxes -> their conversations (sessions that failed in Docker are
     dropped)."""
-    eps = envs.run_episodes(session_tasks(n, seed)[start:], user_policy(n_commands), max_turns=n_commands + 4,
-                            concurrency=concurrency, template=template)
+    from tqdm import tqdm
+    with tqdm(total=n - start, desc="sessions", dynamic_ncols=True) as bar:
+        eps = envs.run_episodes(session_tasks(n, seed)[start:], user_policy(n_commands), max_turns=n_commands + 4,
+                                concurrency=concurrency, template=template, on_episode=lambda i, ep: bar.update())
     bad = [e for e in eps if e.failure]
     for e in bad[:5]:
         print(f"  {e.task}: {e.failure} {e.error[:200]}")
@@ -673,15 +678,18 @@ def pretrain(args, data):
                           layers=args.layers, heads=args.heads, kv_heads=args.kv_heads, seed=args.seed,
                           split=args.split)
     start = init
+    # a CPU without native bf16 runs bf16 15-45x slower than fp32; with it, bf16 is 0.75x fp32's step time
+    name, why = common.resolve_dtype(args.dtype, torch.device("cpu"))
+    dtype = torch.bfloat16 if name == "bf16" else None
+    print(f"compute dtype {name} ({why})")
     if args.copy_steps:
         start = out / "copy"
         if not (start / "config.json").exists():  # copy practice is short: an interrupted one starts again
             t0 = time.time()
             tok, model = labels.load_tokenizer(init), common.load_model(init, "cpu")
             torch.manual_seed(args.seed)
-            # bf16 autocast: 0.75x fp32's step time, and the circuit forms as early (RESULTS.md, 2026-12-05)
             curve = train_copy(model, plain_ids(tok), args.copy_steps, parse_schedule(args.copy_schedule),
-                               args.copy_tokens, args.copy_lr, dtype=torch.bfloat16, seed=args.seed, every=100,
+                               args.copy_tokens, args.copy_lr, dtype=dtype, seed=args.seed, every=100,
                                probe_lengths=(64, 128))
             save_model(model, tok, start, {"copy_curve.json": json.dumps(
                 [{"step": k, **{f"copy@{n}": a for n, a in acc.items()}} for k, acc in curve])})
@@ -693,7 +701,7 @@ def pretrain(args, data):
     t0 = time.time()
     sft.main(["--model", str(start), "--data", str(mixed), "--out", str(run), "--lam", "1", "--seed", str(args.seed),
               "--epochs", str(args.epochs), "--batch-size", str(args.batch_size), "--lr", str(args.lr),
-              "--warmup-ratio", "0.05", "--dtype", "bf16", "--max-len", str(args.max_len), "--micro-tokens", "1",
+              "--warmup-ratio", "0.05", "--dtype", name, "--max-len", str(args.max_len), "--micro-tokens", "1",
               "--val-size", str(min(16, len(convs) // 10)), "--eval-every", "0", "--save-every", "20", "--keep", "1",
               "--resume"])
     print(f"pre-training on the sessions {time.time() - t0:.0f}s")
@@ -705,7 +713,7 @@ def pretrain(args, data):
         tok, model = labels.load_tokenizer(run / "final"), common.load_model(run / "final", "cpu")
         torch.manual_seed(args.seed)
         train_copy(model, plain_ids(tok), args.refresh_steps, [(REFRESH_ROW, 0)], REFRESH_ROWS * REFRESH_ROW,
-                   args.refresh_lr, warmup=10, dtype=torch.bfloat16, seed=args.seed + 2,
+                   args.refresh_lr, warmup=10, dtype=dtype, seed=args.seed + 2, every=50,
                    also=session_loss(model, tok, convs, args.max_len, args.seed))
         save_model(model, tok, out / "model")
         print(f"refresh: {time.time() - t0:.0f}s")

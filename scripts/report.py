@@ -5,7 +5,7 @@ The ablation's run folder (ablation.sh): its settings, a check of every stage's 
     python scripts/report.py limits RUN                                             # ablation.sh, after the corpus
     python scripts/report.py build RUN                                              # ablation.sh, at the end
 
-`settings` writes RUN/settings.json (each stage's flags, the seed, the mode, the git commit) and refuses a
+`settings` writes RUN/settings.json (each stage's flags, the seed, the mode, the git commit, the compute dtype) and refuses a
 folder that holds a run with other settings, so a resumed run never mixes two; what it takes is more: the settings
 of a stage the run did not have (ECHO's, in a folder from before it) and more λ-sweep arms (`bash ablation.sh
 --sweep` on a finished run), whose stages then run alone. `limits` stops a run whose GRPO or
@@ -112,9 +112,14 @@ def write_settings(run, pairs):
             path.write_text(json.dumps({**old, "stages": settings}, indent=2))
         return
     import common  # torch: only here
+    import torch
+    # the stages' --dtype auto on this machine (bf16 only where it is fast), said once and kept with the run
+    dtype, why = common.resolve_dtype("auto", torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+    print(f"compute dtype: {dtype} ({why})")
     cfg = common.run_config(settings)
     run.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"stages": settings, "git": cfg["git"], "started": cfg["started"]}, indent=2))
+    path.write_text(json.dumps({"stages": settings, "git": cfg["git"], "started": cfg["started"],
+                                "compute_dtype": {"dtype": dtype, "why": why}}, indent=2))
 
 
 def added(old, new, key):
@@ -583,7 +588,8 @@ def build(run):
         total[t["stage"]] = total.get(t["stage"], 0) + t["seconds"]
 
     md = [f"# ActObs CPU ablation: {settings['stages'].get('mode', '?')} run", "",
-          f"Commit {settings['git'][:10]}, started {settings['started']}, seed {st.get('seed')}. Settings of every stage: "
+          f"Commit {settings['git'][:10]}, started {settings['started']}, seed {st.get('seed')}, compute dtype "
+          f"{settings.get('compute_dtype', {}).get('dtype', 'bf16')}. Settings of every stage: "
           "settings.json; each run dir has its own config.json.", "",
           f"Resolution: on these {after['rows'][0]['tasks']} tasks × {attempts} attempts, the paired bootstrap 95% "
           f"interval of the pass@1 difference {names[grpod[1]]} − {names[grpod[0]]}, tasks resampled within each kind "

@@ -1,6 +1,11 @@
 """ablation.sh's own checks of its input, which run before anything is installed or started."""
+import json
 import os
+import shutil
+import signal
 import subprocess
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -18,3 +23,102 @@ def test_bad_input_stops_the_run_before_it_installs_anything(args, env, message)
     run = subprocess.run(["bash", str(ROOT / "ablation.sh"), *args], capture_output=True, text=True, timeout=30,
                          env={**os.environ, **env})
     assert run.returncode == 2 and message in run.stderr, run.stderr
+
+
+def checkout_copy(dst):
+    """The working tree's files (tracked, and untracked ones git does not ignore) copied to dst, the venv linked:
+    the README's command runs there as in a fresh clone, and its runs/ stay out of this checkout."""
+    files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=ROOT, capture_output=True,
+                           check=True).stdout.decode().split("\0")
+    for f in filter(None, files):
+        if (ROOT / f).is_file():
+            (dst / f).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / f, dst / f)
+    (dst / ".venv").symlink_to(ROOT / ".venv")
+    return dst
+
+
+def group_pids(pgid):
+    ps = subprocess.run(["ps", "-e", "-o", "pid=,pgid="], capture_output=True, text=True, check=True).stdout
+    return {int(p) for p, g in (line.split() for line in ps.splitlines()) if int(g) == pgid}
+
+
+def containers_of(pids):
+    import sandbox
+    return [c for c in sandbox.docker_client().containers.list(all=True, sparse=True, filters={"label": sandbox.LABEL})
+            if int(c.attrs["Labels"][sandbox.LABEL].rsplit(":", 1)[1]) in pids]
+
+
+def start(repo, args, env, until, timeout=300):
+    """`bash ablation.sh ARGS` in repo with env, its output read until `until(output so far, its pid)` holds, or fail.
+    -> (the process, the list its output lines keep arriving in)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RUN_DIR", "SEED")} | env
+    proc = subprocess.Popen(["bash", "ablation.sh", *args], cwd=repo, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    lines = []
+    threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True).start()
+    deadline = time.time() + timeout
+    while not until("".join(lines), proc.pid):
+        if proc.poll() is not None or time.time() > deadline:
+            os.killpg(proc.pid, signal.SIGKILL)
+            pytest.fail(f"ablation.sh {args} exited {proc.poll()} before its stages started:\n" + "".join(lines)[-4000:])
+        time.sleep(0.2)
+    return proc, lines
+
+
+def stop(proc, lines):
+    """SIGTERM to the run's process group, as a user's `kill` would; -> its rc and its whole output."""
+    os.killpg(proc.pid, signal.SIGTERM)
+    proc.wait(timeout=120)
+    time.sleep(0.5)  # the reader's last lines
+    return proc.returncode, "".join(lines)
+
+
+@pytest.mark.slow
+def test_the_readme_command_as_typed_runs_into_its_stages_and_stops_cleanly(tmp_path, base_image):
+    # `bash ablation.sh`: no flags, no RUN_DIR, no SEED. It once stopped silently after set-up (an assignment's
+    # command substitution failed under set -e); now it must write the full run's settings into runs/ablation/ and
+    # start its first stage: the base model's session recording, with sandboxes live.
+    repo = checkout_copy(tmp_path)
+    settings = repo / "runs" / "ablation" / "settings.json"
+    proc, lines = start(repo, [], {}, lambda out, pid: "==> stage 1/10: base" in out and settings.exists()
+                        and containers_of(group_pids(pid)))
+    pids = group_pids(proc.pid)
+    rc, out = stop(proc, lines)
+    st = json.loads(settings.read_text())
+    assert st["stages"]["mode"] == "full" and st["stages"]["seed"] == "0" and "--sessions 256" in st["stages"]["base"]
+    assert st["compute_dtype"]["dtype"] in ("fp32", "bf16") and "compute dtype: " in out
+    assert "--dtype" not in st["stages"]["sft"]  # every stage on the machine's own choice
+    assert rc == 143 and "ablation.sh: stopped by SIGTERM" in out, out[-3000:]
+    assert not group_pids(proc.pid) and containers_of(pids) == []  # no process, no sandbox left behind
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("args, env, where, mode, seed", [
+    (["--quick"], {"SEED": "3"}, "runs/ablation-quick", "quick", "3"),
+    ([], {"RUN_DIR": "elsewhere/r1", "SEED": "2"}, "elsewhere/r1", "full", "2"),
+])
+def test_run_dir_seed_and_quick_choose_the_run(tmp_path, base_image, args, env, where, mode, seed):
+    repo = checkout_copy(tmp_path)
+    settings = repo / where / "settings.json"
+    stop(*start(repo, args, env, lambda out, _: "==> stage 1/10: base" in out and settings.exists()))
+    st = json.loads(settings.read_text())["stages"]
+    assert (st["mode"], st["seed"]) == (mode, seed)
+    assert ("--sessions 8 " in st["base"]) == (mode == "quick")
+    assert not (repo / "runs" / "ablation").exists()
+
+
+def test_a_failing_stage_names_its_line_and_command(tmp_path):
+    # a stage that fails prints ablation.sh's line, the stage, its command expanded and its exit status, then ends
+    # the run with that status (stage() as ablation.sh defines it, on a command that fails)
+    script = (ROOT / "ablation.sh").read_text()
+    helpers = script[script.index("# The stages in order"):script.index("# Runs of one script share a process")]
+    test = tmp_path / "t.sh"
+    test.write_text("set -Eeuo pipefail\nR=" + str(tmp_path) + "\n" + helpers +
+                    "stage corpus python -c 'import sys; sys.exit(7)' --seed 5\necho not reached\n")
+    run = subprocess.run(["bash", str(test)], capture_output=True, text=True, timeout=30)
+    line = helpers.count("\n") + 3
+    assert run.returncode == 7 and "not reached" not in run.stdout
+    assert "==> stage 2/10: corpus" in run.stdout
+    assert (f"line {line}: stage corpus failed (exit 7) after 0s: python -c import sys; sys.exit(7) --seed 5"
+            in run.stderr), run.stderr

@@ -6,6 +6,7 @@ import os
 import random
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -218,3 +219,33 @@ def test_optimizer_step_skips_a_non_finite_update():
     lin(torch.ones(1, 3)).sum().backward()  # a finite one is clipped and taken
     assert common.optimizer_step(lin, opt, 1.0, 7, said.append) > 1.0 and len(said) == 1
     assert not torch.equal(before[0], lin.weight)
+
+
+@pytest.mark.parametrize("speedup, want", [(0.02, "fp32"), (0.97, "fp32"), (1.6, "bf16")])
+def test_auto_dtype_is_bf16_only_where_it_is_faster(monkeypatch, speedup, want):
+    # A CPU that emulates bf16 (this kind: AVX2, bf16 matmuls ~45x slower) must train in fp32; one with native bf16
+    # in bf16; CUDA in bf16 without a probe; an explicit --dtype is kept as given.
+    common.cpu_bf16_speedup.cache_clear()
+    monkeypatch.setattr(common, "cpu_bf16_speedup", lambda: speedup)
+    name, why = common.resolve_dtype("auto", torch.device("cpu"))
+    assert name == want and f"{speedup:.2f}x" in why
+    monkeypatch.setattr(common, "cpu_bf16_speedup", lambda: pytest.fail("CUDA and an explicit dtype need no probe"))
+    assert common.resolve_dtype("auto", torch.device("cuda"))[0] == "bf16"
+    assert [common.resolve_dtype(f, torch.device("cpu"))[0] for f in ("bf16", "fp32")] == ["bf16", "fp32"]
+
+
+def test_the_bf16_probe_measures_this_cpu():
+    # the real probe: finite, positive, under a second (it runs once a process, before a run's first step)
+    common.cpu_bf16_speedup.cache_clear()
+    t = time.perf_counter()
+    speedup = common.cpu_bf16_speedup()
+    assert 0 < speedup < math.inf and time.perf_counter() - t < 5
+    assert common.cpu_bf16_speedup() == speedup  # cached
+
+
+def test_a_cpu_without_fast_bf16_trains_in_fp32_and_the_run_says_so(monkeypatch, tiny_dir, data, tmp_path, capsys):
+    monkeypatch.setattr(common, "cpu_bf16_speedup", lambda: 0.02)
+    sft.main(args(tiny_dir, data, tmp_path, "--stop-after", "1"))
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    assert cfg["args"]["dtype"] == "auto" and cfg["compute_dtype"]["dtype"] == "torch.float32"
+    assert "0.02x fp32's" in cfg["compute_dtype"]["why"] and "fp32 (auto: this CPU's bf16" in capsys.readouterr().out
