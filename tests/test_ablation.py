@@ -49,6 +49,17 @@ def containers_of(pids):
             if int(c.attrs["Labels"][sandbox.LABEL].rsplit(":", 1)[1]) in pids]
 
 
+def stop(proc, lines):
+    """SIGTERM to the run's process group, as a user's `kill` would; -> its rc and its whole output."""
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+    except ProcessLookupError:  # the whole group has exited already
+        pass
+    proc.wait(timeout=120)
+    time.sleep(0.5)  # the reader's last lines
+    return proc.returncode, "".join(lines)
+
+
 def start(repo, args, env, until, timeout=300):
     """`bash ablation.sh ARGS` in repo with env, its output read until `until(output so far, its pid)` holds, or fail.
     -> (the process, the list its output lines keep arriving in)."""
@@ -58,20 +69,16 @@ def start(repo, args, env, until, timeout=300):
     lines = []
     threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True).start()
     deadline = time.time() + timeout
-    while not until("".join(lines), proc.pid):
-        if proc.poll() is not None or time.time() > deadline:
-            os.killpg(proc.pid, signal.SIGKILL)
-            pytest.fail(f"ablation.sh {args} exited {proc.poll()} before its stages started:\n" + "".join(lines)[-4000:])
-        time.sleep(0.2)
+    try:
+        while not until("".join(lines), proc.pid):
+            if proc.poll() is not None or time.time() > deadline:
+                pytest.fail(f"ablation.sh {args} exited {proc.poll()} before its stages started:\n"
+                            + "".join(lines)[-4000:])
+            time.sleep(0.2)
+    except BaseException:  # a failed wait leaves no run going on behind the test
+        stop(proc, lines)
+        raise
     return proc, lines
-
-
-def stop(proc, lines):
-    """SIGTERM to the run's process group, as a user's `kill` would; -> its rc and its whole output."""
-    os.killpg(proc.pid, signal.SIGTERM)
-    proc.wait(timeout=120)
-    time.sleep(0.5)  # the reader's last lines
-    return proc.returncode, "".join(lines)
 
 
 @pytest.mark.slow
