@@ -32,9 +32,10 @@ def get_parser():
 
 
 def sft_run(model_dir, data, out, steps, threads, micro_tokens=1):
-    """sft.py with the full run's SFT settings (ablation.sh) for `steps` steps, on `threads` torch threads."""
+    """sft.py with the full run's SFT settings (ablation.sh: --dtype auto, the machine's) for `steps` steps, on
+    `threads` torch threads."""
     cmd = [sys.executable, "sft.py", "--model", str(model_dir), "--data", str(data), "--out", str(out), "--lam", "1",
-           "--batch-size", "4", "--max-len", "3072", "--micro-tokens", str(micro_tokens), "--dtype", "bf16",
+           "--batch-size", "4", "--max-len", "3072", "--micro-tokens", str(micro_tokens),
            "--val-size", "1", "--warmup-ratio", "0", "--eval-every", "0", "--save-every", "0",
            "--stop-after", str(steps)]
     return subprocess.Popen(cmd, env={**os.environ, "OMP_NUM_THREADS": str(threads)}, stdout=subprocess.DEVNULL,
