@@ -25,6 +25,7 @@ import torch
 
 import common
 import envs
+import terminus
 from labels import ACTION, PROMPT, defuse_specials, encode, encode_spans, generation_prompt, wrapper_mask
 
 
@@ -160,6 +161,30 @@ def allowed_masks(compiled, ids, stop_ids):
     return out
 
 
+def forced_tokens(masks, mask_ids):
+    """Per token (mask_ids: its mask's index in masks, -1 for none): whether its mask allowed one token alone (the
+    grammar's fixed text; the end of turn after a complete reply). Sampled with probability 1, it carries no loss."""
+    single = [int(np.unpackbits(m).sum()) == 1 for m in masks]
+    return [i >= 0 and single[i] for i in mask_ids]
+
+
+def mask_batch(examples, shape):
+    """The grammar masks of a batch's examples (dicts with masks and mask_ids as an Episode's, right-padded to
+    shape (B, T)) -> (table (1 + M, ceil(V / 32) * 4) uint8, its row 0 allowing every token; rows (B, T) long:
+    each token's mask in table, 0 where nothing was masked), or None when no example has a mask. Read at the rows
+    that carry loss, they are common.token_logprobs' `allowed`."""
+    masks = [m for e in examples for m in e.get("masks", [])]
+    if not masks:
+        return None
+    table = torch.from_numpy(np.stack([np.full_like(masks[0], 255)] + masks))
+    rows, base = torch.zeros(shape, dtype=torch.long), 1
+    for b, e in enumerate(examples):
+        ids = torch.as_tensor(e.get("mask_ids", []), dtype=torch.long)  # (T_b,)
+        rows[b, :len(ids)] = torch.where(ids >= 0, ids + base, 0)
+        base += len(e.get("masks", []))
+    return table, rows
+
+
 class VLLMPolicy:
     """run_episodes' policy protocol on an in-process vLLM engine: each episode keeps one append-only token
     sequence (prompt, sampled ids exactly as returned, observation turns as the template renders them) in its
@@ -278,6 +303,13 @@ class VLLMPolicy:
         self.requests, self.ready = {}, []
 
 
+# The flag of the scripts that roll out (grpo.py, evaluate.py): whether, and under which grammar, replies are decoded.
+GRAMMAR_FLAG = dict(nargs="?", const="reply", choices=["reply", "think"], help="decode every reply under the "
+                    "protocol's grammar (terminus.reply_grammar; vLLM structured outputs), so only its free values "
+                    "are sampled: 'reply' (the bare flag) the JSON reply alone, as the SFT data writes it; 'think' "
+                    "an optional <think> block before it (reasoning models)")
+
+
 def rollout(engine, tokenizer, tasks, *, temperature, max_turns, max_new_tokens, max_len, concurrency, template=None,
             seed=0, on_episode=None, stats=None, lockstep=False, network=None, keep_agent=False, second_try=False,
             strict=True, logprobs=True, grammar=None):
@@ -288,9 +320,11 @@ def rollout(engine, tokenizer, tasks, *, temperature, max_turns, max_new_tokens,
     as envs.run_episodes (evaluate.py's options; training uses only network, and strict verification).
     logprobs=False: replies without their log-probs, for runs that do not train on them (evaluate.py): the same
     tokens, and the engine computes no log-softmax or rank per sampled token. grammar: every reply decoded under
-    it (terminus.reply_grammar), its masks replayed into the episodes when logprobs (VLLMPolicy)."""
+    it (GRAMMAR_FLAG's choices: 'reply' or 'think', terminus.reply_grammar), its masks replayed into the episodes
+    when logprobs (VLLMPolicy)."""
     policy = VLLMPolicy(engine, tokenizer, temperature=temperature, max_new_tokens=max_new_tokens, max_len=max_len,
-                        seed=seed, lockstep=lockstep, logprobs=logprobs, grammar=grammar)
+                        seed=seed, lockstep=lockstep, logprobs=logprobs,
+                        grammar=terminus.reply_grammar(think=grammar == "think") if grammar else None)
     with engine_threads():
         return envs.run_episodes(tasks, policy, max_turns=max_turns, concurrency=concurrency, template=template,
                                  on_episode=on_episode, stats=stats, network=network, keep_agent=keep_agent,
