@@ -303,13 +303,6 @@ class VLLMPolicy:
         self.requests, self.ready = {}, []
 
 
-# The flag of the scripts that roll out (grpo.py, evaluate.py): whether, and under which grammar, replies are decoded.
-GRAMMAR_FLAG = dict(nargs="?", const="reply", choices=["reply", "think"], help="decode every reply under the "
-                    "protocol's grammar (terminus.reply_grammar; vLLM structured outputs), so only its free values "
-                    "are sampled: 'reply' (the bare flag) the JSON reply alone, as the SFT data writes it; 'think' "
-                    "an optional <think> block before it (reasoning models)")
-
-
 def rollout(engine, tokenizer, tasks, *, temperature, max_turns, max_new_tokens, max_len, concurrency, template=None,
             seed=0, on_episode=None, stats=None, lockstep=False, network=None, keep_agent=False, second_try=False,
             strict=True, logprobs=True, grammar=None):
@@ -320,8 +313,8 @@ def rollout(engine, tokenizer, tasks, *, temperature, max_turns, max_new_tokens,
     as envs.run_episodes (evaluate.py's options; training uses only network, and strict verification).
     logprobs=False: replies without their log-probs, for runs that do not train on them (evaluate.py): the same
     tokens, and the engine computes no log-softmax or rank per sampled token. grammar: every reply decoded under
-    it (GRAMMAR_FLAG's choices: 'reply' or 'think', terminus.reply_grammar), its masks replayed into the episodes
-    when logprobs (VLLMPolicy)."""
+    it (terminus.GRAMMAR_FLAG's choices: 'reply' or 'think'), its masks replayed into the episodes when logprobs
+    (VLLMPolicy)."""
     policy = VLLMPolicy(engine, tokenizer, temperature=temperature, max_new_tokens=max_new_tokens, max_len=max_len,
                         seed=seed, lockstep=lockstep, logprobs=logprobs,
                         grammar=terminus.reply_grammar(think=grammar == "think") if grammar else None)

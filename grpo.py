@@ -75,7 +75,7 @@ def get_parser():
     g.add_argument("--max-len", type=int, default=16384, help="tokens per episode; longer ones are cut and flagged")
     g.add_argument("--network", metavar="MODE", help="Docker network for the tasks that allow the internet: bridge, "
                    "host or a network's name (evaluate.py --network); default: none for any task")
-    g.add_argument("--grammar", **engine.GRAMMAR_FLAG)
+    g.add_argument("--grammar", **terminus.GRAMMAR_FLAG)
     g = p.add_argument_group("objective")
     g.add_argument("--clip", type=float, default=0.2, help="PPO clip epsilon on the importance ratio (both sides)")
     g.add_argument("--clip-low", type=float, help="lower clip epsilon: rho is clipped to [1 - clip-low, 1 + "

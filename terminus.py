@@ -254,6 +254,13 @@ def reply_grammar(think=False):
     return ("root ::= think? reply" if think else "root ::= reply") + _REPLY_EBNF
 
 
+# --grammar of the scripts that roll out (grpo.py, evaluate.py): whether, and under which grammar, replies are decoded
+GRAMMAR_FLAG = dict(nargs="?", const="reply", choices=["reply", "think"], help="decode every reply under the "
+                    "protocol's grammar (terminus.reply_grammar; vLLM structured outputs), so only its free values "
+                    "are sampled: 'reply' (the bare flag) the JSON reply alone, as the SFT data writes it; 'think' "
+                    "an optional <think> block before it (reasoning models)")
+
+
 def _warning_list(warnings):
     return WARNING_LIST.format(warnings=WARNING_SEP.join(warnings)) if warnings else ""
 
