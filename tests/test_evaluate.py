@@ -170,6 +170,22 @@ def test_results_from_before_the_network_options_resume_with_them_off(tmp_path):
             ["--model", "m", "--tasks", str(tmp_path), "--network", "host"])))
 
 
+def test_results_say_whether_replies_were_constrained(tmp_path):
+    """--grammar (bare: the reply grammar) is in the results' settings, a setting a resume must keep; the table says
+    whether the replies were constrained; a results file from before the flag was unconstrained."""
+    base = ["--model", "m", "--tasks", str(tmp_path), "--out", str(tmp_path / "r.json")]
+    on, think, off = (evaluate.settings_of(evaluate.parse_args(base + x)) for x in (["--grammar"],
+                                                                                     ["--grammar", "think"], []))
+    assert (on["grammar"], think["grammar"], off["grammar"]) == ("reply", "think", None)
+    assert "grammar" in evaluate.RESUME_KEYS
+    assert "replies constrained by the reply grammar (--grammar reply)" in evaluate.table(
+        {"settings": dict(on, attempts=1), "tasks": {}})
+    assert "replies unconstrained" in evaluate.table({"settings": {"attempts": 1}, "tasks": {}})
+    (tmp_path / "r.json").write_text(json.dumps({"settings": on, "config": {}, "sessions": 1, "tasks": {}}))
+    with pytest.raises(SystemExit, match="grammar differ"):
+        evaluate.open_results(tmp_path / "r.json", off)
+
+
 def test_compare_known_answers(tmp_path):
     a = results({"t1": (None, [1, 0, 0, 0]), "t2": (None, [0, 0, 0, 0]), "t3": (None, [1, 1, 0, 0])})
     b = results({"t1": (None, [1, 1, 0, 0]), "t2": (None, [1, 0, 0, 0]), "t3": (None, [1, 1, 0, 0]),

@@ -597,6 +597,21 @@ def test_redraw_gives_the_last_steps_the_first_steps_tasks():
         grpo.main(["--init", "-", "--tasks", "-", "--out", "-", "--steps", "8", "--redraw", "5"])
 
 
+def test_examples_under_a_grammar_carry_its_masks_and_forced_tokens():
+    """An episode decoded under the grammar (its masks and mask_ids, as engine.VLLMPolicy stores them) becomes an
+    example with them and its forced tokens (those whose mask allows one token): out of the action tokens that
+    carry loss; without a grammar an example has none. --grammar is a setting a resumed run keeps."""
+    one, two = (np.packbits(np.isin(np.arange(32), ok), bitorder="little") for ok in ([6], [6, 7]))
+    eps = [dataclasses.replace(episode(r), masks=[one, two], mask_ids=[-1, 0, 1]) for r in (1.0, 0.0)]
+    groups, _, _ = grpo.group_examples(eps, 2, args_for())
+    ex = groups[0][0]
+    assert ex["forced"] == [False, True, False] and ex["mask_ids"] == [-1, 0, 1] and len(ex["masks"]) == 2
+    assert grpo.loss_tokens(ex) == 1
+    plain = grpo.group_examples([episode(1.0), episode(0.0)], 2, args_for())[0][0][0]
+    assert "masks" not in plain and "forced" not in plain and grpo.loss_tokens(plain) == 2
+    assert "grammar" in grpo.RESUME_KEYS and args_for("--grammar").grammar == "reply"
+
+
 @pytest.mark.parametrize("flags", [["--neg-weight", "-0.5"], ["--prob-weight", "1.5"], ["--prob-weight", "-0.1"],
                                    ["--format-penalty", "-1"]])
 def test_advantage_weights_out_of_range_are_refused(flags):
