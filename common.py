@@ -82,7 +82,8 @@ class _TokenLogprobs(torch.autograd.Function):
     softmax, and backward only scales them by the gradient of the summed loss. That skips the recompute, a third
     of the head's work. Alive at once: the chunk's (c, V) fp32 logits, within CHUNK_BYTES, worked on in place (with
     the entropy, a second block and chunks of half the rows); under autocast also the (c, V) autocast-dtype matmul
-    output or gradient; the fp32 (V, H) gradient of W (in forward with `terms`, else in backward)."""
+    output or gradient; the fp32 (V, H) gradient of W (in forward with `terms`, else in backward). With `allowed`
+    (a grammar's masks, _mask) each chunk's logits are masked before the softmax, its (c, V) bits unpacked then."""
 
     @staticmethod
     def forward(ctx, h, W, targets, chunk, dtype, entropy, terms, allowed):
@@ -160,7 +161,7 @@ def _mask(logits, allowed, s):
     table, rows = allowed
     bits = table[rows[s: s + len(logits)]]  # (c, B)
     shifts = torch.arange(8, dtype=torch.uint8, device=bits.device)
-    ok = (bits[:, :, None] >> shifts & 1).view(len(bits), -1)[:, :logits.shape[1]]  # (c, V) 0/1, V <= 8 B
+    ok = (bits[:, :, None] >> shifts & 1).view(len(bits), -1)[:, :logits.shape[1]]  # (c, 8 B) bits, cut to (c, V)
     return logits.masked_fill_(ok == 0, MASKED_LOGIT)
 
 

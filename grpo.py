@@ -24,19 +24,19 @@ One step: sample --tasks-per-step tasks, run --group-size episodes of each (all 
           + echo * mean_seq[ sum_{i in OBS(seq)} NLL_i / |OBS(seq)| ]  + kl * sum_{i in ACTION} n_i * k3_i
 
 with rho_i = pi(a_i) / pi_behaviour(a_i) (the vLLM log-prob the token was sampled with), all log-probs at the
-sampling temperature (logits / T, top-p 1, top-k off) and, with --grammar, of the distribution masked to the
-tokens the reply's grammar allowed, renormalised (the ratio, the KL and the entropy alike; ACTION then leaves
-out the forced tokens, those the grammar allowed alone: they carry no loss); eps_low = eps_high = --clip unless
---clip-low / --clip-high say otherwise (DAPO's clip-higher); n_i = 1 / (action tokens in the step) for `--loss-norm token`,
-1 / (|ACTION(seq)| * sequences in the step) for `sequence`, 1 / (--max-len * sequences) for `constant` (Dr.
-GRPO). k3_i = e^(ref_i - logp_i) - (ref_i - logp_i) - 1, ref: the initial policy's log-prob. With --tis-cap C,
-rho_i is against the trainer's log-prob before the step's first update and w_i = min(pi_old / pi_behaviour, C)
-corrects the trainer/vLLM mismatch; else w_i = 1. Infrastructure failures (envs.INFRA_FAILURES) are out of their
-group's mean and of the loss; the normalisers count every other episode, groups without signal included (an
-episode the loss adds nothing on, may_skip, is not forwarded; a step with none left makes no optimizer step).
-An episode cut at --max-len keeps its verifier's reward, is masked out of the loss, or is penalised
-(--overlong). After every optimizer step the weights go into the engine in place (engine.py: token-in/out
-rollouts). The GPU memory plan of a real run: docs/training.md.
+sampling temperature (logits / T, top-p 1, top-k off) and, with --grammar, of the distribution masked to the tokens
+the reply's grammar allowed, renormalised (the ratio, the KL and the entropy alike; ACTION then leaves out the
+forced tokens, those the grammar allowed alone: they carry no loss); eps_low = eps_high = --clip unless --clip-low /
+--clip-high say otherwise (DAPO's clip-higher); n_i = 1 / (action tokens in the step) for `--loss-norm token`,
+1 / (|ACTION(seq)| * sequences in the step) for `sequence`, 1 / (--max-len * sequences) for `constant` (Dr. GRPO).
+k3_i = e^(ref_i - logp_i) - (ref_i - logp_i) - 1, ref: the initial policy's log-prob. With --tis-cap C, rho_i is
+against the trainer's log-prob before the step's first update and w_i = min(pi_old / pi_behaviour, C) corrects the
+trainer/vLLM mismatch; else w_i = 1. Infrastructure failures (envs.INFRA_FAILURES) are out of their group's mean and
+of the loss; the normalisers count every other episode, groups without signal included (an episode the loss adds
+nothing on, may_skip, is not forwarded; a step with none left makes no optimizer step). An episode cut at --max-len
+keeps its verifier's reward, is masked out of the loss, or is penalised (--overlong). After every optimizer step the
+weights go into the engine in place (engine.py: token-in/out rollouts). The GPU memory plan of a real run:
+docs/training.md.
 """
 import argparse
 import functools
