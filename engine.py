@@ -192,8 +192,9 @@ class VLLMPolicy:
     its observation is back; poll() runs one engine step (one decoding iteration of every running request).
     lockstep=True is the benchmark's baseline: rounds of generating every live episode's turn to the end, then
     stepping all their sandboxes. logprobs=False: replies without their log-probs (ep.logprobs 0.0 for them), for
-    runs that do not train on them. grammar: every reply decoded under it (terminus.reply_grammar); with logprobs,
-    each reply's masks are replayed into the episode (ep.masks, one per distinct mask, and ep.mask_ids, per token
+    runs that do not train on them. grammar ('reply' or 'think': terminus.GRAMMAR_FLAG's choices): every reply
+    decoded under terminus.reply_grammar, the think form with 'think'; with logprobs, each reply's masks are replayed
+    into the episode (ep.masks, one per distinct mask, and ep.mask_ids, per token
     its mask's index or -1 where nothing was masked)."""
 
     def __init__(self, engine, tok, *, temperature, max_new_tokens, max_len, seed=0, lockstep=False, logprobs=True,
@@ -208,10 +209,11 @@ class VLLMPolicy:
                            detokenize=False, output_kind=RequestOutputKind.FINAL_ONLY)
         self.compiled = None
         if grammar:
-            self.params["structured_outputs"] = StructuredOutputsParams(grammar=grammar)
+            ebnf = terminus.reply_grammar(think=grammar == "think")
+            self.params["structured_outputs"] = StructuredOutputsParams(grammar=ebnf)
             if logprobs:  # the trainer needs the masks the log-probs were taken under
                 config = engine.llm_engine.model_config
-                self.compiled = compile_grammar(tok, grammar, config.get_vocab_size())
+                self.compiled = compile_grammar(tok, ebnf, config.get_vocab_size())
                 # the stop tokens as the engine completes a request's (on its own copy): the tokenizer's end of
                 # turn and the generation config's
                 p = SamplingParams(**self.params)
@@ -312,12 +314,10 @@ def rollout(engine, tokenizer, tasks, *, temperature, max_turns, max_new_tokens,
     stats (a dict) receives the generator's wall / busy / idle seconds. network, keep_agent, second_try, strict:
     as envs.run_episodes (evaluate.py's options; training uses only network, and strict verification).
     logprobs=False: replies without their log-probs, for runs that do not train on them (evaluate.py): the same
-    tokens, and the engine computes no log-softmax or rank per sampled token. grammar: every reply decoded under
-    it (terminus.GRAMMAR_FLAG's choices: 'reply' or 'think'), its masks replayed into the episodes when logprobs
-    (VLLMPolicy)."""
+    tokens, and the engine computes no log-softmax or rank per sampled token. grammar: None, 'reply' or 'think'
+    (--grammar: VLLMPolicy's)."""
     policy = VLLMPolicy(engine, tokenizer, temperature=temperature, max_new_tokens=max_new_tokens, max_len=max_len,
-                        seed=seed, lockstep=lockstep, logprobs=logprobs,
-                        grammar=terminus.reply_grammar(think=grammar == "think") if grammar else None)
+                        seed=seed, lockstep=lockstep, logprobs=logprobs, grammar=grammar)
     with engine_threads():
         return envs.run_episodes(tasks, policy, max_turns=max_turns, concurrency=concurrency, template=template,
                                  on_episode=on_episode, stats=stats, network=network, keep_agent=keep_agent,

@@ -234,12 +234,15 @@ def parse_reply(text):
 # would break parse_reply, which looks for them in the raw text (the expert's '<<' and '< file' pass). A duration
 # has at most two digits either side of its point (parse_reply caps it at MAX_DURATION anyway). With think, an
 # optional <think>...</think> block first, as Qwen3-style models write it and parse_reply skips it; its text holds
-# no '<', so the block ends only with </think>.
+# no '<', so the block ends only with </think>. Strings are right-recursive rules: xgrammar then computes a token
+# mask inside a string in ~30 us on a 2k vocabulary; as one `(a | b | c)*` loop it took 1.6 ms (measured).
 _REPLY_EBNF = r"""
 reply ::= "{\"analysis\": " string ", \"plan\": " string ", \"commands\": [" (command (", " command)*)?
           "], \"task_complete\": " ("true" | "false") "}"
 command ::= "{\"keystrokes\": " string ", \"duration\": " number "}"
-string ::= "\"" (plain | escape | "<"+ (safe | escape))* "<"* "\""
+string ::= "\"" chars "\""
+chars ::= "" | plain chars | escape chars | "<" lt
+lt ::= "" | "<" lt | safe chars | escape chars
 plain ::= [ !#-;=-\[\]-~]
 safe ::= [ !#-.0-;=-\[\]-su-~]
 escape ::= "\\" (["\\bfnrt] | "u" hex hex hex hex)

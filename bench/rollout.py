@@ -204,8 +204,7 @@ def main(argv=None):
             llm = engine.make_engine(args.model, max_model_len=args.max_len, max_seqs=args.concurrency,
                                      seed=args.seed, **kw)
             pol = engine.VLLMPolicy(llm, tok, temperature=1.0, max_new_tokens=args.max_new_tokens,
-                                    max_len=args.max_len, seed=args.seed, logprobs=logprobs,
-                                    grammar=terminus.reply_grammar(grammar == "think") if grammar else None)
+                                    max_len=args.max_len, seed=args.seed, logprobs=logprobs, grammar=grammar)
             replay(llm, pol, eps[:1], 1)  # warm-up: the first steps compile and allocate
             engines[name] = llm, pol
             print(f"engine {name}: started in {time.time() - t:.0f}s", flush=True)

@@ -233,7 +233,7 @@ def grammar_replies(llm, vllm_dir):
     """16 replies of the random model under --grammar's grammar, with log-probs and masks, as GRPO samples them."""
     engine.sync_weights(llm, hf_model(vllm_dir))  # the fixture's weights, whatever tests ran before
     tok = labels.load_tokenizer(vllm_dir, "prefix")
-    return sample_replies(llm, tok, 16, 960, terminus.reply_grammar())
+    return sample_replies(llm, tok, 16, 960, "reply")
 
 
 def test_a_random_model_writes_only_parseable_replies_under_the_grammar(llm, vllm_dir, grammar_replies):
