@@ -1,6 +1,7 @@
 """The rollout engine (engine.py): token-in/token-out sequences equal to labels.render, the episode loop that
 queues a turn while other sandboxes step, and, with a real in-process vLLM engine, its KV cache, weight-sync
-equivalence, seeded requests, a rollout in a real sandbox, and a learning check whose sign matters."""
+equivalence, seeded requests, a rollout in a real sandbox, a learning check whose sign matters, and --grammar's
+replies (all parse) and log-probs (the trainer's masked ones)."""
 import contextlib
 import json
 import random
