@@ -82,10 +82,11 @@ class _TokenLogprobs(torch.autograd.Function):
     softmax, and backward only scales them by the gradient of the summed loss. That skips the recompute, a third
     of the head's work. Alive at once: the chunk's (c, V) fp32 logits, within CHUNK_BYTES, worked on in place (with
     the entropy, a second block and chunks of half the rows); under autocast also the (c, V) autocast-dtype matmul
-    output or gradient; the fp32 (V, H) gradient of W (in forward with `terms`, else in backward)."""
+    output or gradient; the fp32 (V, H) gradient of W (in forward with `terms`, else in backward). With `allowed`
+    (a grammar's masks, _mask) each chunk's logits are masked before the softmax, its (c, V) bits unpacked then."""
 
     @staticmethod
-    def forward(ctx, h, W, targets, chunk, dtype, entropy, terms):
+    def forward(ctx, h, W, targets, chunk, dtype, entropy, terms, allowed):
         N = h.shape[0]
         logp = torch.empty(N, dtype=torch.float32, device=h.device)  # (N,)
         lse = torch.empty_like(logp)
@@ -99,7 +100,7 @@ class _TokenLogprobs(torch.autograd.Function):
         chunk = chunk or head_chunk(W.shape[0], 2 if entropy else 1)
         for s in range(0, N, chunk):
             hc, tc = h[s: s + chunk].to(dtype), targets[s: s + chunk]  # (c, H), (c,)
-            logits = (hc @ Wc.T).float()  # (c, V)
+            logits = _mask((hc @ Wc.T).float(), allowed, s)  # (c, V)
             tgt = logits.gather(1, tc[:, None]).squeeze(1)  # (c,)
             mx = logits.max(dim=-1, keepdim=True).values  # (c, 1)
             shifted = logits.sub_(mx)  # in place: logit - max
@@ -124,6 +125,7 @@ class _TokenLogprobs(torch.autograd.Function):
             ctx.save_for_backward(grad_h, grad_W if grad_W is None else grad_W.to(W.dtype))
         else:
             ctx.save_for_backward(h, W, targets, lse)
+            ctx.allowed = allowed
         ctx.mark_non_differentiable(ent, logp if ctx.fused else loss)  # one call: a second would replace the first
         return logp, ent, loss
 
@@ -133,17 +135,34 @@ class _TokenLogprobs(torch.autograd.Function):
             grads = ctx.saved_tensors
             if g_loss.item() != 1:
                 grads = [x if x is None else x * g_loss.to(x.dtype) for x in grads]
-            return *grads, None, None, None, None, None
+            return *grads, None, None, None, None, None, None
         h, W, targets, lse = ctx.saved_tensors
         grad_h, grad_W = _head_grads(h, W, ctx.needs_input_grad[0], ctx.needs_input_grad[1])
         Wc = W.to(ctx.dtype)
         for s in range(0, h.shape[0], ctx.chunk):
             hc, tc = h[s: s + ctx.chunk].to(ctx.dtype), targets[s: s + ctx.chunk]  # (c, H), (c,)
             gc = g[s: s + ctx.chunk]  # (c,)
-            d = (hc @ Wc.T).float().sub_(lse[s: s + ctx.chunk, None]).exp_().mul_(-gc[:, None])  # (c, V) -g softmax
+            d = _mask((hc @ Wc.T).float(), ctx.allowed, s).sub_(lse[s: s + ctx.chunk, None]).exp_().mul_(-gc[:, None])
             _add_head_grads(d, gc, hc, tc, Wc, grad_h, grad_W, s)
             del d  # before the next chunk's logits: one block alive, not two
-        return grad_h, grad_W if grad_W is None else grad_W.to(W.dtype), None, None, None, None, None
+        return grad_h, grad_W if grad_W is None else grad_W.to(W.dtype), None, None, None, None, None, None
+
+
+# A masked logit: finite, so that exp(it - max) is exactly 0 and the entropy's 0 * (it - max) stays 0 (-inf: NaN).
+MASKED_LOGIT = -1e30
+
+
+def _mask(logits, allowed, s):
+    """logits (c, V) of rows s.. with the tokens `allowed` does not allow set to MASKED_LOGIT, in place. allowed:
+    None (every token), or (table (M, B) uint8: packed masks, bit t % 8 of byte t // 8 for token t; rows (N,) long:
+    each row's mask in table)."""
+    if allowed is None:
+        return logits
+    table, rows = allowed
+    bits = table[rows[s: s + len(logits)]]  # (c, B)
+    shifts = torch.arange(8, dtype=torch.uint8, device=bits.device)
+    ok = (bits[:, :, None] >> shifts & 1).view(len(bits), -1)[:, :logits.shape[1]]  # (c, 8 B) bits, cut to (c, V)
+    return logits.masked_fill_(ok == 0, MASKED_LOGIT)
 
 
 def _head_grads(h, W, need_h, need_W):
@@ -163,32 +182,35 @@ def _add_head_grads(d, gc, hc, tc, Wc, grad_h, grad_W, s):
         grad_W.addmm_(d.T, hc) if d.dtype == grad_W.dtype else grad_W.add_(d.T @ hc)
 
 
-def _apply_head(h, W, targets, entropy, chunk, terms):
+def _apply_head(h, W, targets, entropy, chunk, terms, allowed):
     """_TokenLogprobs in the autocast dtype when autocast is on (the softmax in fp32), detached under no_grad."""
     dev = h.device.type
     dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else h.dtype
     if not torch.is_grad_enabled():
         h, W = h.detach(), W.detach()
     with torch.autocast(dev, enabled=False):
-        logp, ent, loss = _TokenLogprobs.apply(h, W, targets, chunk, dtype, entropy, terms)
+        logp, ent, loss = _TokenLogprobs.apply(h, W, targets, chunk, dtype, entropy, terms, allowed)
     return logp, ent if entropy else None, loss
 
 
-def token_logprobs(h, W, targets, entropy=False, chunk=None):
+def token_logprobs(h, W, targets, entropy=False, chunk=None, allowed=None):
     """-> (log softmax(h W^T)[targets] (N,), differentiable in h and W; the entropy of each row's softmax (N,),
     detached, or None) for hidden rows h (N, H), head W (V, H), targets (N,), `chunk` rows at a time (default:
     CHUNK_BYTES of fp32 logits): the (N, V) logits never exist. Matmuls run in the autocast dtype when autocast
     is on; the softmax in fp32. The one head every loss and probe goes through; a loss that sums per-token terms
-    of the log-probs takes token_loss, which saves the backward's recompute."""
-    return _apply_head(h, W, targets, entropy, chunk, None)[:2]
+    of the log-probs takes token_loss, which saves the backward's recompute. allowed: (table, rows), the tokens
+    each row may take (_mask; a grammar's): the softmax is over those alone, its log-probs, entropies and
+    gradients those of the masked, renormalised distribution the rows were sampled from."""
+    return _apply_head(h, W, targets, entropy, chunk, None, allowed)[:2]
 
 
-def token_loss(h, W, targets, terms, entropy=False, chunk=None):
+def token_loss(h, W, targets, terms, entropy=False, chunk=None, allowed=None):
     """-> (sum of terms(logp, rows) over all rows, differentiable in h and W; the log-probs (N,) and entropies (N,)
     or None, both detached) through token_logprobs' head. terms(lp, rows) gets the log-probs lp (c,) of the rows
     `rows` (a slice of range(N)) and returns their terms (c,), row i's a differentiable function of lp[i] alone (and
-    of constants): the gradients of the head are then formed chunk by chunk in the forward pass."""
-    logp, ent, loss = _apply_head(h, W, targets, entropy, chunk, terms)
+    of constants): the gradients of the head are then formed chunk by chunk in the forward pass. allowed: as
+    token_logprobs'."""
+    logp, ent, loss = _apply_head(h, W, targets, entropy, chunk, terms, allowed)
     return loss, logp, ent
 
 

@@ -9,6 +9,12 @@ as the engine returned them (labels.ACTION, with the log-prob each was sampled w
 template renders it after a reply (labels.OBS, its fixed wrapper text marked), never the history re-tokenised.
 Every reply is one run of ACTION tokens: reply_spans gives an episode's turn boundaries.
 
+With a grammar (terminus.reply_grammar: --grammar), vLLM's structured outputs (xgrammar) mask every reply's logits
+to the tokens the grammar allows, and the log-probs it returns are the masked, renormalised distribution's. So the
+trainer can optimise that same policy, the rollout replays the grammar over each reply's sampled ids once
+(allowed_masks) and stores, per token, which tokens were allowed (Episode.masks, mask_ids): the trainer masks its
+log-softmax with them (common.token_logprobs' allowed) and gives a token with one allowed choice no loss.
+
 Nothing heavy at import: vLLM is imported when an engine or a policy is made.
 """
 import os
@@ -19,6 +25,7 @@ import torch
 
 import common
 import envs
+import terminus
 from labels import ACTION, PROMPT, defuse_specials, encode, encode_spans, generation_prompt, wrapper_mask
 
 
@@ -129,6 +136,55 @@ def reply_spans(roles):
     return spans
 
 
+def compile_grammar(tok, grammar, vocab_size):
+    """xgrammar's compiled `grammar` (EBNF) for tokenizer tok and the model's vocab_size (its head's rows, which
+    may exceed the tokenizer's): as vLLM's xgrammar backend compiles it, so a replay allows what vLLM allowed."""
+    import xgrammar as xgr
+    info = xgr.TokenizerInfo.from_huggingface(tok, vocab_size=vocab_size)
+    return xgr.GrammarCompiler(info).compile_grammar(grammar)
+
+
+def allowed_masks(compiled, ids, stop_ids):
+    """The grammar's mask before each of a reply's sampled ids, replayed: -> [packed bits (ceil(V / 32) * 4,)
+    uint8 per id], bit t % 8 of byte t // 8 set where token t was allowed (xgrammar's int32 words, little-endian).
+    stop_ids: the request's stop tokens, the only ones allowed once the grammar is complete (vLLM passes
+    SamplingParams.all_stop_token_ids). Raises if an id was not allowed: then the replay is not vLLM's."""
+    import xgrammar as xgr
+    matcher = xgr.GrammarMatcher(compiled, override_stop_tokens=sorted(stop_ids))
+    bits = xgr.allocate_token_bitmask(1, compiled.tokenizer_info.vocab_size)  # (1, ceil(V / 32)) int32
+    out = []
+    for i, t in enumerate(ids):
+        matcher.fill_next_token_bitmask(bits)
+        if not matcher.accept_token(t):
+            raise ValueError(f"token {t} at {i} of a reply is not what the grammar allowed")
+        out.append(bits[0].numpy().view(np.uint8).copy())
+    return out
+
+
+def forced_tokens(masks, mask_ids):
+    """Per token (mask_ids: its mask's index in masks, -1 for none): whether its mask allowed one token alone (the
+    grammar's fixed text; the end of turn after a complete reply). Sampled with probability 1, it carries no loss."""
+    single = [int(np.unpackbits(m).sum()) == 1 for m in masks]
+    return [i >= 0 and single[i] for i in mask_ids]
+
+
+def mask_batch(examples, shape):
+    """The grammar masks of a batch's examples (dicts with masks and mask_ids as an Episode's, right-padded to
+    shape (B, T)) -> (table (1 + M, ceil(V / 32) * 4) uint8, its row 0 allowing every token; rows (B, T) long:
+    each token's mask in table, 0 where nothing was masked), or None when no example has a mask. Read at the rows
+    that carry loss, they are common.token_logprobs' `allowed`."""
+    masks = [m for e in examples for m in e.get("masks", [])]
+    if not masks:
+        return None
+    table = torch.from_numpy(np.stack([np.full_like(masks[0], 255)] + masks))
+    rows, base = torch.zeros(shape, dtype=torch.long), 1
+    for b, e in enumerate(examples):
+        ids = torch.as_tensor(e.get("mask_ids", []), dtype=torch.long)  # (T_b,)
+        rows[b, :len(ids)] = torch.where(ids >= 0, ids + base, 0)
+        base += len(e.get("masks", []))
+    return table, rows
+
+
 class VLLMPolicy:
     """run_episodes' policy protocol on an in-process vLLM engine: each episode keeps one append-only token
     sequence (prompt, sampled ids exactly as returned, observation turns as the template renders them) in its
@@ -136,17 +192,33 @@ class VLLMPolicy:
     its observation is back; poll() runs one engine step (one decoding iteration of every running request).
     lockstep=True is the benchmark's baseline: rounds of generating every live episode's turn to the end, then
     stepping all their sandboxes. logprobs=False: replies without their log-probs (ep.logprobs 0.0 for them), for
-    runs that do not train on them."""
+    runs that do not train on them. grammar ('reply' or 'think': terminus.GRAMMAR_FLAG's choices): every reply
+    decoded under terminus.reply_grammar, the think form with 'think'; with logprobs, each reply's masks are replayed
+    into the episode (ep.masks, one per distinct mask, and ep.mask_ids, per token
+    its mask's index or -1 where nothing was masked)."""
 
-    def __init__(self, engine, tok, *, temperature, max_new_tokens, max_len, seed=0, lockstep=False, logprobs=True):
+    def __init__(self, engine, tok, *, temperature, max_new_tokens, max_len, seed=0, lockstep=False, logprobs=True,
+                 grammar=None):
         from vllm import SamplingParams
-        from vllm.sampling_params import RequestOutputKind
+        from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
         self.engine, self.tok, self.max_new_tokens, self.max_len, self.seed = engine, tok, max_new_tokens, max_len, seed
         self.lockstep = lockstep
         # top_p 1 and top_k 0 (off): the ratio's denominator is the full softmax at T; a model's generation
         # config (Qwen3: top_k 20) must not apply. logprobs=0: the sampled token's own log-prob.
         self.params = dict(temperature=temperature, top_p=1.0, top_k=0, logprobs=0 if logprobs else None,
                            detokenize=False, output_kind=RequestOutputKind.FINAL_ONLY)
+        self.compiled = None
+        if grammar:
+            ebnf = terminus.reply_grammar(think=grammar == "think")
+            self.params["structured_outputs"] = StructuredOutputsParams(grammar=ebnf)
+            if logprobs:  # the trainer needs the masks the log-probs were taken under
+                config = engine.llm_engine.model_config
+                self.compiled = compile_grammar(tok, ebnf, config.get_vocab_size())
+                # the stop tokens as the engine completes a request's (on its own copy): the tokenizer's end of
+                # turn and the generation config's
+                p = SamplingParams(**self.params)
+                p.update_from_generation_config(config.try_get_generation_config(), tok.eos_token_id)
+                self.stop_ids = p.all_stop_token_ids
         self.SamplingParams = SamplingParams
         self.requests, self.eps, self.closed, self.ready = {}, {}, {}, []
 
@@ -163,9 +235,10 @@ class VLLMPolicy:
         ep.roles += roles
         ep.obs_wrapper += wrapper
         ep.logprobs += [0.0] * len(ids)
+        ep.mask_ids += [-1] * len(ids)
         room = self.max_len - len(ep.token_ids)
         if room < 1:  # no room for a reply: cut at max_len and end the episode
-            for field in ("token_ids", "roles", "obs_wrapper", "logprobs"):
+            for field in ("token_ids", "roles", "obs_wrapper", "logprobs", "mask_ids"):
                 del getattr(ep, field)[self.max_len:]
             ep.truncated = True
             self.ready.append((key, None))
@@ -181,6 +254,20 @@ class VLLMPolicy:
         rid = f"{key}-{turn}"
         self.engine.llm_engine.add_request(rid, {"prompt_token_ids": list(token_ids)}, params)
         return rid
+
+    def reply_masks(self, ep, ids):
+        """Per id of a reply: the index in ep.masks of the mask it was sampled under (appended when new), or -1
+        without a grammar to replay. Within a free value the mask repeats: the distinct ones are few."""
+        if self.compiled is None:
+            return [-1] * len(ids)
+        index = {m.tobytes(): i for i, m in enumerate(ep.masks)}
+        out = []
+        for m in allowed_masks(self.compiled, ids, self.stop_ids):
+            if m.tobytes() not in index:
+                index[m.tobytes()] = len(ep.masks)
+                ep.masks.append(m)
+            out.append(index[m.tobytes()])
+        return out
 
     def pending(self):
         return len(self.requests) + len(self.ready)
@@ -202,6 +289,7 @@ class VLLMPolicy:
             ep.roles += [ACTION] * len(ids)
             ep.obs_wrapper += [False] * len(ids)
             ep.logprobs += [d[t].logprob for d, t in zip(c.logprobs, ids)] if c.logprobs else [0.0] * len(ids)
+            ep.mask_ids += self.reply_masks(ep, ids)
             self.closed[key] = c.finish_reason == "stop"  # ended with its end-of-turn (a stop token), included in ids
             reply = self.tok.decode(ids[:-1] if self.closed[key] else ids)
             if c.finish_reason == "length" and len(ep.token_ids) >= self.max_len:
@@ -219,16 +307,17 @@ class VLLMPolicy:
 
 def rollout(engine, tokenizer, tasks, *, temperature, max_turns, max_new_tokens, max_len, concurrency, template=None,
             seed=0, on_episode=None, stats=None, lockstep=False, network=None, keep_agent=False, second_try=False,
-            strict=True, logprobs=True):
+            strict=True, logprobs=True, grammar=None):
     """One episode per entry of `tasks` (repeat a task for several attempts) with the engine's current weights.
     Episodes come back in the order of `tasks`, with reward, turns, failure, timings, and the token sequence
     (token_ids, roles, logprobs, obs_wrapper, truncated). on_episode(i, episode) is called as each ends.
     stats (a dict) receives the generator's wall / busy / idle seconds. network, keep_agent, second_try, strict:
     as envs.run_episodes (evaluate.py's options; training uses only network, and strict verification).
     logprobs=False: replies without their log-probs, for runs that do not train on them (evaluate.py): the same
-    tokens, and the engine computes no log-softmax or rank per sampled token."""
+    tokens, and the engine computes no log-softmax or rank per sampled token. grammar: None, 'reply' or 'think'
+    (--grammar: VLLMPolicy's)."""
     policy = VLLMPolicy(engine, tokenizer, temperature=temperature, max_new_tokens=max_new_tokens, max_len=max_len,
-                        seed=seed, lockstep=lockstep, logprobs=logprobs)
+                        seed=seed, lockstep=lockstep, logprobs=logprobs, grammar=grammar)
     with engine_threads():
         return envs.run_episodes(tasks, policy, max_turns=max_turns, concurrency=concurrency, template=template,
                                  on_episode=on_episode, stats=stats, network=network, keep_agent=keep_agent,

@@ -447,6 +447,10 @@ class Episode:
     logprobs: list = dataclasses.field(default_factory=list)
     obs_wrapper: list = dataclasses.field(default_factory=list)
     truncated: bool = False
+    # Under a grammar (engine.VLLMPolicy): the distinct masks the replies were sampled under (packed bits) and, per
+    # token, its mask's index in them, -1 where nothing was masked.
+    masks: list = dataclasses.field(default_factory=list)
+    mask_ids: list = dataclasses.field(default_factory=list)
     # Tamper evidence: the verifier-loaded files the agent wrote (envs.prepare_verifier: anything in /tests, a
     # conftest.py or pytest ini in /, Python start-up hooks, pytest plugin registrations, the stand-in's uv and
     # wheels) and the verifier's programs it changed (program_changes). Under strict verification the episode

@@ -41,8 +41,9 @@ import terminus
 
 # Settings that change what an attempt means; a resumed run must have the same ones.
 RESUME_KEYS = ("model", "tasks", "attempts", "temperature", "max_turns", "max_new_tokens", "max_len", "prompt",
-               "seed", "dtype", "network", "keep_agent_processes", "second_try")
-NEWER_KEYS = ("network", "keep_agent_processes", "second_try")  # absent from older results files: they were off
+               "seed", "dtype", "network", "keep_agent_processes", "second_try", "grammar")
+# absent from older results files: they were off
+NEWER_KEYS = ("network", "keep_agent_processes", "second_try", "grammar")
 
 
 def parse_args(argv=None):
@@ -77,6 +78,7 @@ def parse_args(argv=None):
                    "difficulty a task has")
     p.add_argument("--retry-infra", action="store_true", help="on resume, run again the attempts that ended in an "
                    "infrastructure failure (otherwise they stay recorded, and excluded)")
+    p.add_argument("--grammar", **terminus.GRAMMAR_FLAG)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", default="auto", help="vLLM dtype: auto (bf16 on GPU and on a CPU where it is faster "
                    "than fp32: common.resolve_dtype), bf16, fp32")
@@ -195,6 +197,12 @@ def pct(x):
     return "-" if x is None else f"{100 * x:.1f}"
 
 
+def constrained(settings):
+    """Whether a run's replies were decoded under the reply grammar (--grammar), in words."""
+    grammar = settings.get("grammar")  # absent from older results files: off
+    return f"constrained by the reply grammar (--grammar {grammar})" if grammar else "unconstrained"
+
+
 def table(results):
     ks = ks_up_to(results["settings"]["attempts"])
     lines = [f"{'':20} {'tasks':>5} " + " ".join(f"{f'pass@{k}':>7}" for k in ks)
@@ -210,7 +218,7 @@ def table(results):
     s = summarize(results["tasks"], ks)
     infra = ", ".join(f"{k} {v}" for k, v in sorted(s["infra"].items()))
     lines.append(f"pass@k in %, over {s['attempts']} attempts; {s['excluded']} excluded as infrastructure failures"
-                 + (f" ({infra})" if infra else ""))
+                 + (f" ({infra})" if infra else "") + "; replies " + constrained(results["settings"]))
     if s["failures"].get("needs network"):
         lines.append(f"needs network: {s['failures']['needs network']} attempts scored below 1 in a sandbox without "
                      "the network after a command failed for want of it (their tasks allow it: --network)")
@@ -438,7 +446,7 @@ def settings_of(args):
             "temperature": args.temperature, "max_turns": args.max_turns, "max_new_tokens": args.max_new_tokens,
             "max_len": args.max_len, "prompt": prompt, "seed": args.seed, "dtype": args.dtype,
             "network": args.network, "keep_agent_processes": args.keep_agent_processes, "second_try": args.second_try,
-            "concurrency": args.concurrency}
+            "grammar": args.grammar, "concurrency": args.concurrency}
 
 
 def open_results(path, settings):
@@ -475,7 +483,8 @@ def vllm_rollout(args, session):
                                   on_episode=on_episode, stats=stats, network=args.network,
                                   keep_agent=args.keep_agent_processes, second_try=args.second_try,
                                   strict=False,  # Harbor's semantics: tampering is counted, not scored
-                                  logprobs=False)  # nothing trains on them
+                                  logprobs=False,  # nothing trains on them
+                                  grammar=args.grammar)
         mc = llm.llm_engine.model_config  # what time_breakdown's FLOP bound needs, at the engine's threads
         with engine.engine_threads():
             stats.update(config=mc.hf_text_config.to_dict(), dtype=str(mc.dtype).removeprefix("torch."),

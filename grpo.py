@@ -24,17 +24,19 @@ One step: sample --tasks-per-step tasks, run --group-size episodes of each (all 
           + echo * mean_seq[ sum_{i in OBS(seq)} NLL_i / |OBS(seq)| ]  + kl * sum_{i in ACTION} n_i * k3_i
 
 with rho_i = pi(a_i) / pi_behaviour(a_i) (the vLLM log-prob the token was sampled with), all log-probs at the
-sampling temperature (logits / T, top-p 1, top-k off); eps_low = eps_high = --clip unless --clip-low /
+sampling temperature (logits / T, top-p 1, top-k off) and, with --grammar, of the distribution masked to the tokens
+the reply's grammar allowed, renormalised (the ratio, the KL and the entropy alike; ACTION then leaves out the
+forced tokens, those the grammar allowed alone: they carry no loss); eps_low = eps_high = --clip unless --clip-low /
 --clip-high say otherwise (DAPO's clip-higher); n_i = 1 / (action tokens in the step) for `--loss-norm token`,
-1 / (|ACTION(seq)| * sequences in the step) for `sequence`, 1 / (--max-len * sequences) for `constant` (Dr.
-GRPO). k3_i = e^(ref_i - logp_i) - (ref_i - logp_i) - 1, ref: the initial policy's log-prob. With --tis-cap C,
-rho_i is against the trainer's log-prob before the step's first update and w_i = min(pi_old / pi_behaviour, C)
-corrects the trainer/vLLM mismatch; else w_i = 1. Infrastructure failures (envs.INFRA_FAILURES) are out of their
-group's mean and of the loss; the normalisers count every other episode, groups without signal included (an
-episode the loss adds nothing on, may_skip, is not forwarded; a step with none left makes no optimizer step).
-An episode cut at --max-len keeps its verifier's reward, is masked out of the loss, or is penalised
-(--overlong). After every optimizer step the weights go into the engine in place (engine.py: token-in/out
-rollouts). The GPU memory plan of a real run: docs/training.md.
+1 / (|ACTION(seq)| * sequences in the step) for `sequence`, 1 / (--max-len * sequences) for `constant` (Dr. GRPO).
+k3_i = e^(ref_i - logp_i) - (ref_i - logp_i) - 1, ref: the initial policy's log-prob. With --tis-cap C, rho_i is
+against the trainer's log-prob before the step's first update and w_i = min(pi_old / pi_behaviour, C) corrects the
+trainer/vLLM mismatch; else w_i = 1. Infrastructure failures (envs.INFRA_FAILURES) are out of their group's mean and
+of the loss; the normalisers count every other episode, groups without signal included (an episode the loss adds
+nothing on, may_skip, is not forwarded; a step with none left makes no optimizer step). An episode cut at --max-len
+keeps its verifier's reward, is masked out of the loss, or is penalised (--overlong). After every optimizer step the
+weights go into the engine in place (engine.py: token-in/out rollouts). The GPU memory plan of a real run:
+docs/training.md.
 """
 import argparse
 import functools
@@ -73,6 +75,7 @@ def get_parser():
     g.add_argument("--max-len", type=int, default=16384, help="tokens per episode; longer ones are cut and flagged")
     g.add_argument("--network", metavar="MODE", help="Docker network for the tasks that allow the internet: bridge, "
                    "host or a network's name (evaluate.py --network); default: none for any task")
+    g.add_argument("--grammar", **terminus.GRAMMAR_FLAG)
     g = p.add_argument_group("objective")
     g.add_argument("--clip", type=float, default=0.2, help="PPO clip epsilon on the importance ratio (both sides)")
     g.add_argument("--clip-low", type=float, help="lower clip epsilon: rho is clipped to [1 - clip-low, 1 + "
@@ -156,11 +159,15 @@ def group_advantages(rewards, valid=None, scale_std=False, neg_weight=1.0, eps=1
 
 
 def collate(examples, pad_id):
-    """Episodes (dicts of per-token lists: ids, roles, wrapper, adv, behav, [old, ref]) -> right-padded (B, T)
-    tensors (PROMPT on padding, so padding never carries loss)."""
+    """Episodes (dicts of per-token lists: ids, roles, wrapper, adv, behav, [old, ref], and under a grammar
+    forced, with the masks and mask_ids) -> right-padded (B, T) tensors (PROMPT on padding, so padding never
+    carries loss), and under a grammar mask_table and mask_row (engine.mask_batch)."""
     out = common.collate([(e["ids"], e["roles"]) for e in examples], pad_id)  # input_ids, roles, attention_mask
-    for key, dtype in (("wrapper", torch.bool), ("adv", torch.float32), ("behav", torch.float32),
-                       ("old", torch.float32), ("ref", torch.float32)):
+    masks = engine.mask_batch(examples, out["input_ids"].shape)
+    if masks is not None:
+        out["mask_table"], out["mask_row"] = masks
+    for key, dtype in (("wrapper", torch.bool), ("forced", torch.bool), ("adv", torch.float32),
+                       ("behav", torch.float32), ("old", torch.float32), ("ref", torch.float32)):
         if key in examples[0]:
             out[key] = torch.zeros(out["input_ids"].shape, dtype=dtype)
             for b, e in enumerate(examples):
@@ -177,17 +184,32 @@ def echo_mask(roles, wrapper, payload_only):
 
 def selected_rows(model, batch, temperature, echo):
     """Hidden states of the positions that carry loss: those predicting ACTION tokens (scaled by 1/T, so the head
-    gives logits / T) and, when echo, OBS tokens (at T = 1: the model's own prediction of the environment).
-    -> (rows (N, H), targets (N,), is_act (N,), row (N,) sequence index, sel (B, T-1))."""
+    gives logits / T) but the forced ones (a grammar allowed them alone) and, when echo, OBS tokens (at T = 1: the
+    model's own prediction of the environment). -> (rows (N, H), targets (N,), is_act (N,), row (N,) sequence
+    index, sel (B, T-1))."""
     ids, roles = batch["input_ids"], batch["roles"]  # (B, T)
     hidden = model.base_model(input_ids=ids, attention_mask=batch["attention_mask"],
                               use_cache=False).last_hidden_state  # (B, T, H)
     is_act = roles[:, 1:] == ACTION  # (B, T-1): the role of the token each position predicts
+    if "forced" in batch:
+        is_act &= ~batch["forced"][:, 1:]
     sel = is_act | (roles[:, 1:] == OBS) & echo
     h, act = hidden[:, :-1][sel], is_act[sel]  # (N, H), (N,)
     scale = torch.where(act, 1.0 / temperature, 1.0).to(h.dtype)
     row = torch.arange(len(ids), device=ids.device)[:, None].expand_as(sel)[sel]
     return h * scale[:, None], ids[:, 1:][sel], act, row, sel
+
+
+def allowed_rows(batch, sel):
+    """common.token_logprobs' `allowed` at the selected positions sel (B, T-1): each row's mask from the grammar
+    its target was sampled under, or None without one."""
+    return (batch["mask_table"], batch["mask_row"][:, 1:][sel]) if "mask_table" in batch else None
+
+
+def loss_tokens(example):
+    """How many of an example's tokens carry the policy-gradient loss: its action tokens but the forced ones."""
+    forced = example.get("forced") or [False] * len(example["roles"])
+    return sum(r == ACTION and not f for r, f in zip(example["roles"][1:], forced[1:]))
 
 
 def clip_range(args):
@@ -256,7 +278,8 @@ def pg_loss(model, batch, args, coefs, n_tok, n_seq, n_echo):
         t[~a] = -w[rows][~a] * lp[~a]
         return t
     W = model.get_output_embeddings().weight
-    loss, logp_all, ent = common.token_loss(h, W, targets, terms, entropy=True)  # (), (N,) at T or 1, (N,)
+    loss, logp_all, ent = common.token_loss(h, W, targets, terms, entropy=True,  # (), (N,) at T or 1, (N,)
+                                            allowed=allowed_rows(batch, sel))
     p, obs_logp = act_parts(logp_all[act], act.nonzero().squeeze(1)), logp_all[~act]  # the stats, detached
     pg, echo_term = p["pg"].sum(), -(w[~act] * obs_logp).sum()
     stats = {"loss": loss.item(), "pg_loss": pg.item(), "echo_loss": echo_term.item(), "act_tokens": int(act.sum()),
@@ -278,7 +301,8 @@ def policy_logprobs(model, examples, args, pad_id, device, ctx):
         with ctx:
             no_echo = torch.zeros_like(batch["wrapper"][:, 1:])  # (B, T-1)
             h, targets, act, row, sel = selected_rows(model, batch, args.temperature, no_echo)
-            logp, _ = common.token_logprobs(h, model.get_output_embeddings().weight, targets)
+            logp, _ = common.token_logprobs(h, model.get_output_embeddings().weight, targets,
+                                            allowed=allowed_rows(batch, sel))
         full = torch.zeros(sel.shape, dtype=torch.float32, device=device)
         full[sel] = logp
         for j, i in enumerate(g):
@@ -298,8 +322,7 @@ def train_batch(model, raw, ref, opt, examples, args, pad_id, device, ctx, step,
     coefs = loss_coefs(args)
     n_echo = sum(bool(echo_mask(torch.tensor(ex["roles"]), torch.tensor(ex["wrapper"]), args.echo_payload_only).any())
                  for ex in examples) if coefs["echo"] != 0 else 0
-    n_tok, n_seq, n_echo = common.all_reduce([sum(ex["roles"][1:].count(ACTION) for ex in examples), len(examples),
-                                             n_echo], device)
+    n_tok, n_seq, n_echo = common.all_reduce([sum(map(loss_tokens, examples)), len(examples), n_echo], device)
     examples = [ex for ex in examples if not may_skip(ex, coefs)]
     if common.all_reduce([len(examples)], device)[0] == 0:
         return {"episodes_trained": 0}, None
@@ -370,7 +393,7 @@ def draw_episodes(llm, tok, tasks, template, args, step, rank, gen, draw, groups
                          temperature=args.temperature, max_turns=args.max_turns, max_new_tokens=args.max_new_tokens,
                          max_len=args.max_len, concurrency=args.concurrency, template=template,
                          seed=step_seed(args.seed, step, rank, draw), on_episode=lambda i, e: bar.update(),
-                         stats=stats, network=args.network)
+                         stats=stats, network=args.network, grammar=args.grammar)
     bar.close()
     gen.update(stats)
     return eps
@@ -443,6 +466,9 @@ def group_examples(episodes, group_size, args, tok=None):
             groups[g].append({"ids": e.token_ids, "roles": e.roles, "behav": e.logprobs, "wrapper": e.obs_wrapper,
                               "adv": token_advantages(e, float(adv[g, j]), replies, not args.no_credit_unparsed,
                                                       acted)})
+            if e.masks:  # decoded under a grammar: its masks, and its forced tokens out of the loss
+                groups[g][-1].update(masks=e.masks, mask_ids=e.mask_ids,
+                                     forced=engine.forced_tokens(e.masks, e.mask_ids))
     return groups, has_signal, valid
 
 

@@ -20,6 +20,11 @@ engine's CPU time: on a shared machine the wall of a step also counts the time o
         --record /tmp/rollout-grpo.jsonl                                   # GRPO: 4 tasks x 8 at concurrency 32
     python -m bench.rollout --model runs/ablation/actionsft/final --tasks runs/ablation/corpus/eval --eval \\
         --eval-tasks 12 --attempts 8 --concurrency 64 --record /tmp/rollout-eval.jsonl
+    # what --grammar costs: GRPO's (log-probs and the masks' replay) and an evaluation's (neither)
+    python -m bench.rollout ... --levers grammar,no-logprobs,grammar+no-logprobs --profile ""
+
+Under the grammar the engine samples other replies than the recorded ones (the column of replies differing):
+the contexts are the recorded ones, the rate is of the tokens it generated.
 """
 import argparse
 import heapq
@@ -33,9 +38,11 @@ import grpo
 import terminus
 from labels import ACTION, load_tokenizer, write_jsonl
 
-# lever -> make_engine arguments and whether replies carry their log-probs; "today" is every ratio's baseline
+# lever -> make_engine arguments, whether replies carry their log-probs and the grammar they are decoded under (a
+# request's setting, not the engine's); "today" is every ratio's baseline
 LEVERS = {
     "today": {},
+    "grammar": {"grammar": "reply"},  # --grammar: every reply under terminus.reply_grammar, its masks replayed
     "compiled": {"enforce_eager": False},  # inductor on CPU: the model's forward as generated code
     "no-logprobs": {"logprobs": False},  # what an evaluation needs: no log-prob or rank per sampled token
     "bf16": {"dtype": "bf16"},  # bf16 weights and KV cache (AVX512-BF16): other numerics
@@ -85,14 +92,16 @@ def replay(llm, policy, eps, concurrency):
             continue
         c, t = time.process_time(), time.perf_counter()
         outputs = llm.llm_engine.step()
-        cpu, busy = cpu + time.process_time() - c, busy + time.perf_counter() - t
         for o in outputs:
             if o.finished:
                 i, k = live.pop(o.request_id)
                 ids, lp = list(o.outputs[0].token_ids), o.outputs[0].logprobs
                 replies[i, k] = ids, [d[t].logprob for d, t in zip(lp, ids)] if lp else []
+                if policy.compiled is not None:  # the rollout replays the grammar's masks (VLLMPolicy.poll): its cost
+                    engine.allowed_masks(policy.compiled, ids, policy.stop_ids)
                 if k + 1 < len(turns[i]):
                     heapq.heappush(later, (time.perf_counter() + eps[i]["step_s"], i, k + 1))
+        cpu, busy = cpu + time.process_time() - c, busy + time.perf_counter() - t
     return sum(len(r[0]) for r in replies.values()), cpu, busy, time.perf_counter() - t0, replies
 
 
@@ -190,12 +199,12 @@ def main(argv=None):
         engines = {}
         for name in levers:
             kw = {k: v for x in name.split("+") for k, v in LEVERS[x].items()}  # a+b: both levers
-            logprobs = kw.pop("logprobs", True)
+            logprobs, grammar = kw.pop("logprobs", True), kw.pop("grammar", None)
             t = time.time()
             llm = engine.make_engine(args.model, max_model_len=args.max_len, max_seqs=args.concurrency,
                                      seed=args.seed, **kw)
             pol = engine.VLLMPolicy(llm, tok, temperature=1.0, max_new_tokens=args.max_new_tokens,
-                                    max_len=args.max_len, seed=args.seed, logprobs=logprobs)
+                                    max_len=args.max_len, seed=args.seed, logprobs=logprobs, grammar=grammar)
             replay(llm, pol, eps[:1], 1)  # warm-up: the first steps compile and allocate
             engines[name] = llm, pol
             print(f"engine {name}: started in {time.time() - t:.0f}s", flush=True)

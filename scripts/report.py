@@ -92,6 +92,12 @@ def flags(args):
     return out
 
 
+def grammar_words(stage_flags):
+    """Whether a stage's flags decode the replies under the reply grammar (--grammar [reply|think]), in words."""
+    g = flags(stage_flags).get("--grammar")
+    return evaluate.constrained({"grammar": "reply" if g is True else g})
+
+
 def write_settings(run, pairs):
     settings = {}
     for p in pairs:
@@ -589,7 +595,8 @@ def build(run):
 
     md = [f"# ActObs CPU ablation: {settings['stages'].get('mode', '?')} run", "",
           f"Commit {settings['git'][:10]}, started {settings['started']}, seed {st.get('seed')}, compute dtype "
-          f"{settings.get('compute_dtype', {}).get('dtype', 'bf16')}. Settings of every stage: "
+          f"{settings.get('compute_dtype', {}).get('dtype', 'bf16')}; replies in GRPO's rollouts "
+          f"{grammar_words(st['grpo'])}, in the evaluations {grammar_words(st['eval'])}. Settings of every stage: "
           "settings.json; each run dir has its own config.json.", "",
           f"Resolution: on these {after['rows'][0]['tasks']} tasks × {attempts} attempts, the paired bootstrap 95% "
           f"interval of the pass@1 difference {names[grpod[1]]} − {names[grpod[0]]}, tasks resampled within each kind "

@@ -1,6 +1,8 @@
 """The rollout engine (engine.py): token-in/token-out sequences equal to labels.render, the episode loop that
 queues a turn while other sandboxes step, and, with a real in-process vLLM engine, its KV cache, weight-sync
-equivalence, seeded requests, a rollout in a real sandbox, and a learning check whose sign matters."""
+equivalence, seeded requests, a rollout in a real sandbox, a learning check whose sign matters, and --grammar's
+replies (all parse) and log-probs (the trainer's masked ones)."""
+import contextlib
 import json
 import random
 
@@ -12,6 +14,7 @@ import engine
 import envs
 import grpo
 import labels
+import terminus
 from conftest import ScriptedAsync
 from labels import ACTION, OBS, PROMPT
 
@@ -121,7 +124,7 @@ def test_next_turn_is_queued_while_other_sandboxes_step(base_image, no_leftovers
 
 @pytest.fixture(scope="module")
 def llm(vllm_dir):
-    return engine.make_engine(vllm_dir, max_model_len=1024, max_seqs=16)
+    return engine.make_engine(vllm_dir, max_model_len=1024, max_seqs=16, dtype="fp32")
 
 
 def test_a_run_ending_beside_an_engine_leaves_the_engines_group(llm):
@@ -211,6 +214,69 @@ def test_replies_without_logprobs_are_the_same_tokens(llm, vllm_dir):
         assert a.roles.count(ACTION) > 0 and a.token_ids == b.token_ids and a.roles == b.roles
         assert all(lp < 0 for lp, r in zip(a.logprobs, a.roles) if r == ACTION)
         assert b.logprobs == [0.0] * len(b.token_ids)
+
+
+def sample_replies(llm, tok, n, max_new_tokens, grammar):
+    """One seeded reply to each of n short tasks by VLLMPolicy -> the episodes and their replies' text."""
+    policy = engine.VLLMPolicy(llm, tok, temperature=1.0, max_new_tokens=max_new_tokens, max_len=1024, seed=0,
+                               grammar=grammar)
+    eps = [envs.Episode("t", [{"role": "user", "content": f"Task {i}: list the files."}]) for i in range(n)]
+    for i, ep in enumerate(eps):
+        policy.submit(i, ep)
+    replies = {}
+    while policy.pending():
+        replies.update(policy.poll())
+    return eps, [replies[i] for i in range(n)], [policy.closed[i] for i in range(n)]
+
+
+@pytest.fixture(scope="module")
+def grammar_replies(llm, vllm_dir):
+    """16 replies of the random model under --grammar's grammar, with log-probs and masks, as GRPO samples them."""
+    engine.sync_weights(llm, hf_model(vllm_dir))  # the fixture's weights, whatever tests ran before
+    tok = labels.load_tokenizer(vllm_dir, "prefix")
+    return sample_replies(llm, tok, 16, 960, "reply")
+
+
+def test_a_random_model_writes_only_parseable_replies_under_the_grammar(llm, vllm_dir, grammar_replies):
+    """The random model writes no reply terminus.parse_reply accepts on its own; under the grammar every reply it
+    ends parses, without a warning, into the reply the grammar's JSON says; a reply cut by max_new_tokens is the
+    only way out (a random policy's free strings run long: at 960 tokens, most end)."""
+    engine.sync_weights(llm, hf_model(vllm_dir))
+    tok = labels.load_tokenizer(vllm_dir, "prefix")
+    _, free, _ = sample_replies(llm, tok, 16, 200, None)
+    assert not any(terminus.parse_reply(r)[0] for r in free)
+    _, replies, closed = grammar_replies
+    assert sum(closed) >= 12, closed
+    for text, ended in zip(replies, closed):
+        if ended:
+            reply, error, warnings = terminus.parse_reply(text)
+            assert error is None and warnings == [], (error, text)
+            assert json.dumps(json.loads(text)) == text  # json.dumps's own form, as the SFT data
+
+
+def test_grammar_logprobs_match_the_trainer(vllm_dir, grammar_replies):
+    """The log-probs vLLM sampled with under the grammar are the trainer's (grpo.policy_logprobs: the masked,
+    renormalised softmax from the replayed masks) within 1e-5 in fp32 at every token that carries loss; a forced
+    token was sampled with log-prob 0; the trainer without the masks would be far off."""
+    eps, _, _ = grammar_replies
+    model = hf_model(vllm_dir)
+    args = grpo.get_parser().parse_args(["--init", "-", "--tasks", "-", "--out", "-", "--temperature", "1.0"])
+    examples = [{"ids": e.token_ids, "roles": e.roles, "wrapper": e.obs_wrapper, "behav": e.logprobs,
+                 "masks": e.masks, "mask_ids": e.mask_ids, "forced": engine.forced_tokens(e.masks, e.mask_ids)}
+                for e in eps]
+    scored = [grpo.policy_logprobs(model, exs, args, 0, torch.device("cpu"), contextlib.nullcontext())
+              for exs in (examples, [{k: ex[k] for k in ("ids", "roles", "wrapper", "behav")} for ex in examples])]
+    gaps, unmasked, forced = [], [], []
+    for ex, lp, lp_free in zip(examples, *scored):
+        for i, (r, f) in enumerate(zip(ex["roles"], ex["forced"])):
+            if r == ACTION and f:
+                forced.append(ex["behav"][i])
+            elif r == ACTION:
+                gaps.append(abs(lp[i] - ex["behav"][i]))
+                unmasked.append(abs(lp_free[i] - ex["behav"][i]))
+    assert len(gaps) > 1000 and forced and max(map(abs, forced)) == 0.0
+    assert max(gaps) <= 1e-5, max(gaps)
+    assert max(unmasked) > 1.0
 
 
 def bandit_step(llm, model, opt, args, prompts, target, sign, n):

@@ -11,6 +11,7 @@ import pytest
 import common
 import envs
 import evaluate
+import labels
 import taskgen
 import terminus
 
@@ -168,6 +169,22 @@ def test_results_from_before_the_network_options_resume_with_them_off(tmp_path):
     with pytest.raises(SystemExit, match="network differ"):
         evaluate.open_results(tmp_path / "r.json", evaluate.settings_of(evaluate.parse_args(
             ["--model", "m", "--tasks", str(tmp_path), "--network", "host"])))
+
+
+def test_results_say_whether_replies_were_constrained(tmp_path):
+    """--grammar (bare: the reply grammar) is in the results' settings, a setting a resume must keep; the table says
+    whether the replies were constrained; a results file from before the flag was unconstrained."""
+    base = ["--model", "m", "--tasks", str(tmp_path), "--out", str(tmp_path / "r.json")]
+    on, think, off = (evaluate.settings_of(evaluate.parse_args(base + x)) for x in (["--grammar"],
+                                                                                     ["--grammar", "think"], []))
+    assert (on["grammar"], think["grammar"], off["grammar"]) == ("reply", "think", None)
+    assert "grammar" in evaluate.RESUME_KEYS
+    assert "replies constrained by the reply grammar (--grammar reply)" in evaluate.table(
+        {"settings": dict(on, attempts=1), "tasks": {}})
+    assert "replies unconstrained" in evaluate.table({"settings": {"attempts": 1}, "tasks": {}})
+    (tmp_path / "r.json").write_text(json.dumps({"settings": on, "config": {}, "sessions": 1, "tasks": {}}))
+    with pytest.raises(SystemExit, match="grammar differ"):
+        evaluate.open_results(tmp_path / "r.json", off)
 
 
 def test_compare_known_answers(tmp_path):
@@ -415,6 +432,27 @@ def test_resume_runs_only_missing_attempts(toy_tasks, tmp_path, no_leftovers):
 
 
 @pytest.mark.slow
+def test_end_to_end_under_the_grammar_every_reply_parses(vllm_dir, tmp_path, base_image, no_leftovers):
+    """evaluate.py --grammar on the tiny random checkpoint, which writes no valid reply on its own (the test below):
+    in real sandboxes every reply it ends parses without a warning (a random policy's free strings run long: a
+    reply max_new_tokens cut is the only exception), and the results say the replies were constrained."""
+    root = tmp_path / "eval"
+    for spec in taskgen.make_splits(0, 0, 2, seed=0)["eval"]:
+        taskgen.write_harbor(spec, root / spec.name, base_image)
+    out, log = tmp_path / "grammar.json", tmp_path / "grammar.jsonl"
+    res = evaluate.main(["--model", str(vllm_dir), "--tasks", str(root), "--attempts", "2", "--max-turns", "2",
+                         "--max-new-tokens", "900", "--max-len", "4096", "--concurrency", "4", "--dtype", "float32",
+                         "--out", str(out), "--transcripts", str(log), "--grammar"])
+    assert json.loads(out.read_text())["settings"]["grammar"] == "reply" and res["summary"]["excluded"] == 0
+    tok = labels.load_tokenizer(vllm_dir, "native")
+    replies = [m["content"] for line in log.read_text().splitlines()
+               for m in json.loads(line)["conversations"] if m["role"] == "assistant"]
+    cut = [r for r in replies if len(tok(r)["input_ids"]) > 850]
+    assert len(replies) >= 4 and len(cut) <= len(replies) // 4, len(cut)
+    for r in replies:
+        assert r in cut or terminus.parse_reply(r)[1:] == (None, []), r
+
+
 def test_end_to_end_tiny_checkpoint_with_vllm(vllm_dir, tmp_path, base_image, no_leftovers):
     """grpo's vLLM rollout on a tiny random checkpoint: 2 toy tasks x 4 attempts in real sandboxes."""
     root = tmp_path / "eval"

@@ -14,6 +14,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -56,11 +57,13 @@ def test_group_advantages():
 
 # ---------------------------------------------------------------------------------------------- the loss
 
-def naive_logprobs(model, ids, T):
-    """Full-logits log-probs of ids[1:] at temperature T and at 1: ((T-1,), (T-1,)), with autograd."""
+def naive_logprobs(model, ids, T, allowed=None):
+    """Full-logits log-probs of ids[1:] at temperature T and at 1: ((T-1,), (T-1,)), with autograd. allowed:
+    (T-1, V) bool, the tokens a grammar allowed: the log-probs at T are then the masked log-softmax's."""
     ids = torch.tensor(ids)
     logits = model(input_ids=ids[None]).logits[0, :-1].float()  # (T-1, V)
-    lp_t = torch.log_softmax(logits / T, -1).gather(1, ids[1:, None]).squeeze(1)
+    masked = logits if allowed is None else logits.masked_fill(~allowed, float("-inf"))
+    lp_t = torch.log_softmax(masked / T, -1).gather(1, ids[1:, None]).squeeze(1)
     lp_1 = torch.log_softmax(logits, -1).gather(1, ids[1:, None]).squeeze(1)
     return lp_t, lp_1
 
@@ -74,9 +77,11 @@ def reference_loss(model, examples, args, n_tok, n_seq, n_echo):
     high = args.clip if args.clip_high is None else args.clip_high
     total = 0.0
     for ex in examples:
-        lp_t, lp_1 = naive_logprobs(model, ex["ids"], args.temperature)
+        lp_t, lp_1 = naive_logprobs(model, ex["ids"], args.temperature, unpacked(ex))
         roles = torch.tensor(ex["roles"][1:])
         act, obs = roles == ACTION, roles == OBS
+        if "forced" in ex:  # a token the grammar allowed alone carries no loss
+            act = act & ~torch.tensor(ex["forced"][1:])
         if args.echo_payload_only:
             obs = obs & ~torch.tensor(ex["wrapper"][1:])
         a = torch.as_tensor(ex["adv"], dtype=torch.float32)
@@ -100,10 +105,20 @@ def reference_loss(model, examples, args, n_tok, n_seq, n_echo):
     return total
 
 
+def unpacked(ex):
+    """An example's grammar masks as (T-1, V) bool, the mask of the token each position predicts (every token
+    where it has none), or None without masks."""
+    if "masks" not in ex:
+        return None
+    table = np.unpackbits(np.stack(ex["masks"]), axis=1, bitorder="little").astype(bool)  # (M, >= V)
+    ids = torch.tensor(ex["mask_ids"][1:])
+    return torch.from_numpy(table[ids.clamp(min=0).numpy()]) | (ids < 0)[:, None]
+
+
 def behaviour(model, ex, T, shift):
     """The exact log-probs at T of ex's tokens (shifted by `shift` on action tokens: ratio e^-shift)."""
     with torch.no_grad():
-        lp = naive_logprobs(model, ex["ids"], T)[0]
+        lp = naive_logprobs(model, ex["ids"], T, unpacked(ex))[0]
     return [0.0] + [x + shift if r == ACTION else 0.0 for x, r in zip(lp.tolist(), ex["roles"][1:])]
 
 
@@ -135,12 +150,36 @@ LOSS_CASES = {
 }
 
 
-def loss_examples(model, tokenizer, synthetic, args, shifts, extra, advs=(1.0, -0.5, 0.75)):
+def grammar_masks(ex, vocab_size, seed):
+    """Give example ex masks as a grammar would (engine.VLLMPolicy's masks, mask_ids) and forced: at each action
+    token one of three random masks (a third of the vocabulary) plus the token itself, or, every fourth, a mask
+    allowing that token alone (forced)."""
+    g = torch.Generator().manual_seed(seed)
+    base = torch.rand(3, vocab_size, generator=g) < 0.3  # (3, V)
+    index, ex["masks"], ex["mask_ids"], ex["forced"] = {}, [], [], []
+    for i, (t, r) in enumerate(zip(ex["ids"], ex["roles"])):
+        kind = i % 4 if r == ACTION else -1
+        if kind < 0:
+            ex["mask_ids"].append(-1)
+        else:
+            ok = torch.zeros(vocab_size, dtype=torch.bool) if kind == 3 else base[kind].clone()
+            ok[t] = True
+            bits = np.packbits(np.pad(ok.numpy(), (0, -vocab_size % 32)), bitorder="little")
+            if bits.tobytes() not in index:
+                index[bits.tobytes()] = len(ex["masks"])
+                ex["masks"].append(bits)
+            ex["mask_ids"].append(index[bits.tobytes()])
+        ex["forced"].append(kind == 3)
+
+
+def loss_examples(model, tokenizer, synthetic, args, shifts, extra, advs=(1.0, -0.5, 0.75), grammar=False):
     examples = []
     for conv, adv, sh in zip(synthetic[:3], advs, shifts):
         ids, roles = labels.render(tokenizer, conv, max_len=200)
         wrapper = [r == OBS and i % 3 == 0 for i, r in enumerate(roles)]  # some observation tokens are wrapper text
         ex = {"ids": ids, "roles": roles, "wrapper": wrapper, "adv": [adv] * len(ids)}
+        if grammar:
+            grammar_masks(ex, model.config.vocab_size, seed=len(examples))
         ex["behav"] = behaviour(model, ex, args.temperature, sh)
         examples.append(ex)
     if extra:  # another policy's log-probs: the initial one's (KL) or the trainer's before the first update (TIS)
@@ -150,13 +189,17 @@ def loss_examples(model, tokenizer, synthetic, args, shifts, extra, advs=(1.0, -
     return examples
 
 
-@pytest.mark.parametrize("norm", ["token", "sequence", "constant"])
-@pytest.mark.parametrize("case", list(LOSS_CASES))
-def test_loss_matches_reference(model, tokenizer, synthetic, norm, case):
+def loss_tokens(examples):
+    """The action tokens of the examples that carry loss: all but the forced ones."""
+    return sum(r == ACTION and not f for ex in examples
+               for r, f in zip(ex["roles"][1:], ex.get("forced", [False] * len(ex["ids"]))[1:]))
+
+
+def assert_loss_matches_reference(model, tokenizer, synthetic, norm, case, grammar):
     flags, shifts, extra = LOSS_CASES[case]
     args = args_for("--loss-norm", norm, "--temperature", "0.7", "--max-len", "300", *flags)
-    examples = loss_examples(model, tokenizer, synthetic, args, shifts, extra)
-    n_tok = sum(ex["roles"][1:].count(ACTION) for ex in examples)
+    examples = loss_examples(model, tokenizer, synthetic, args, shifts, extra, grammar=grammar)
+    n_tok = loss_tokens(examples)
     n_seq, n_echo = len(examples), len(examples)
 
     ref_model = copy.deepcopy(model)
@@ -182,6 +225,39 @@ def test_loss_matches_reference(model, tokenizer, synthetic, norm, case):
         loss.backward()
         assert all(p.grad is None or p.grad.abs().max() == 0 for p in model.parameters())
         assert st["clipped_sum"] == st["act_tokens"]
+    model.zero_grad()
+
+
+@pytest.mark.parametrize("norm", ["token", "sequence", "constant"])
+@pytest.mark.parametrize("case", list(LOSS_CASES))
+def test_loss_matches_reference(model, tokenizer, synthetic, norm, case):
+    assert_loss_matches_reference(model, tokenizer, synthetic, norm, case, grammar=False)
+
+
+@pytest.mark.parametrize("norm", ["token", "sequence"])
+@pytest.mark.parametrize("case", ["ratio1", "clipped", "echo", "kl", "tis-old"])
+def test_loss_under_a_grammar_matches_reference(model, tokenizer, synthetic, norm, case):
+    """--grammar: the reference's log-probs are the log-softmax over the tokens each position's mask allowed (the
+    ratio, the KL's, ECHO's unmasked), the forced tokens out of the loss and of the normalisers."""
+    assert_loss_matches_reference(model, tokenizer, synthetic, norm, case, grammar=True)
+
+
+def test_forced_tokens_carry_no_loss(model, tokenizer, synthetic):
+    """Under a grammar, a token its mask allowed alone (log-prob 0 whatever the weights) carries no loss, no KL and
+    no count: with every action token forced, pg_loss gives no gradient and counts no action token, though the
+    same examples with those tokens free (masked but not forced) move the weights."""
+    args = args_for("--temperature", "0.7", "--kl-coef", "0.3")
+    examples = loss_examples(model, tokenizer, synthetic, args, [0.1, -0.1, 0.0], "ref", grammar=True)
+    for ex in examples:
+        ex["forced"] = [r == ACTION for r in ex["roles"]]
+    for free in (False, True):
+        model.zero_grad()
+        batch = grpo.collate([dict(ex, forced=[f and not free for f in ex["forced"]]) for ex in examples],
+                             tokenizer.pad_token_id)
+        loss, st = grpo.pg_loss(model, batch, args, grpo.loss_coefs(args), 100, 3, 0)
+        loss.backward()
+        moved = max(p.grad.abs().max() for p in model.parameters() if p.grad is not None)
+        assert (moved > 0 and st["act_tokens"] > 0) if free else (moved == 0 and st["act_tokens"] == 0)
     model.zero_grad()
 
 
@@ -519,6 +595,21 @@ def test_redraw_gives_the_last_steps_the_first_steps_tasks():
     assert [grpo.task_step(s, 8, 0) for s in range(8)] == list(range(8))  # off: every step its own draw
     with pytest.raises(ValueError, match="--redraw 5: .* at most half of --steps 8"):
         grpo.main(["--init", "-", "--tasks", "-", "--out", "-", "--steps", "8", "--redraw", "5"])
+
+
+def test_examples_under_a_grammar_carry_its_masks_and_forced_tokens():
+    """An episode decoded under the grammar (its masks and mask_ids, as engine.VLLMPolicy stores them) becomes an
+    example with them and its forced tokens (those whose mask allows one token): out of the action tokens that
+    carry loss; without a grammar an example has none. --grammar is a setting a resumed run keeps."""
+    one, two = (np.packbits(np.isin(np.arange(32), ok), bitorder="little") for ok in ([6], [6, 7]))
+    eps = [dataclasses.replace(episode(r), masks=[one, two], mask_ids=[-1, 0, 1]) for r in (1.0, 0.0)]
+    groups, _, _ = grpo.group_examples(eps, 2, args_for())
+    ex = groups[0][0]
+    assert ex["forced"] == [False, True, False] and ex["mask_ids"] == [-1, 0, 1] and len(ex["masks"]) == 2
+    assert grpo.loss_tokens(ex) == 1
+    plain = grpo.group_examples([episode(1.0), episode(0.0)], 2, args_for())[0][0][0]
+    assert "masks" not in plain and "forced" not in plain and grpo.loss_tokens(plain) == 2
+    assert "grammar" in grpo.RESUME_KEYS and args_for("--grammar").grammar == "reply"
 
 
 @pytest.mark.parametrize("flags", [["--neg-weight", "-0.5"], ["--prob-weight", "1.5"], ["--prob-weight", "-0.1"],

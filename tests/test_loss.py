@@ -1,6 +1,7 @@
 """The lambda-weighted loss: exact against a naive full-logits reference, gradient accumulation, stats."""
 import random
 
+import numpy as np
 import pytest
 import torch
 
@@ -107,6 +108,51 @@ def test_the_head_with_per_token_terms_matches_full_logits(entropy):
         assert ent is None
     with torch.no_grad():
         assert not common.token_loss(h, W, t, lambda lp, rows: -lp, chunk=7)[0].requires_grad
+
+
+def packed(ok):
+    """Masks (M, V) bool -> (M, ceil(V / 32) * 4) uint8 as xgrammar packs them: bit t % 8 of byte t // 8."""
+    ok = torch.nn.functional.pad(ok, (0, -ok.shape[1] % 32))
+    return torch.from_numpy(np.packbits(ok.numpy(), axis=1, bitorder="little"))
+
+
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("entropy", [False, True])
+def test_the_head_under_a_grammar_mask_matches_masked_full_logits(entropy, fused):
+    """With `allowed` (a grammar's masks: a table of packed masks, one row of it per token) the chunked head's
+    log-probs, entropies and both gradients are those of the full logits' log-softmax over the allowed tokens alone
+    (the others at -inf), whichever way the gradient is formed, in chunks that do not divide the rows, with a
+    vocabulary that is not a multiple of the packing; a token no row allows gets no gradient in W."""
+    torch.manual_seed(0)
+    V = 300
+    h, W = torch.randn(50, 16, requires_grad=True), torch.randn(V, 16, requires_grad=True)
+    t, g = torch.randint(0, 250, (50,)), torch.randn(50)
+    ok = torch.rand(4, V) < 0.3  # (M, V): four masks over tokens 0..249; 250.. never allowed
+    ok[:, 250:] = False
+    rows = torch.randint(0, 4, (50,))
+    t[rows == 0] = 7
+    ok[rows, t] = True  # each row's target is allowed
+    ok[0] = False
+    ok[0, 7] = True  # mask 0 allows one token alone: a forced choice, log-prob 0
+    full = torch.log_softmax((h @ W.T).masked_fill(~ok[rows], float("-inf")), -1)  # (N, V)
+    ref = full.gather(1, t[:, None]).squeeze(1)
+    (g * ref).sum().backward()
+    want = h.grad.clone(), W.grad.clone()
+    h.grad = W.grad = None
+    allowed = (packed(ok), rows)
+    if fused:
+        loss, logp, ent = common.token_loss(h, W, t, lambda lp, r: g[r] * lp, entropy=entropy, chunk=7, allowed=allowed)
+    else:
+        logp, ent = common.token_logprobs(h, W, t, entropy=entropy, chunk=7, allowed=allowed)
+        loss = (g * logp).sum()
+    loss.backward()
+    torch.testing.assert_close(logp, ref)
+    assert (rows == 0).any() and logp[rows == 0].abs().max() < 1e-6
+    torch.testing.assert_close(h.grad, want[0])
+    torch.testing.assert_close(W.grad, want[1])
+    assert W.grad[250:].abs().max() == 0 and W.grad[:250].abs().max() > 0
+    if entropy:
+        torch.testing.assert_close(ent, -(full.exp() * full.nan_to_num(neginf=0)).sum(-1))
 
 
 def test_stats_report_both_nlls_whatever_lambda(model, examples, tokenizer):

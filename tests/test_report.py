@@ -368,3 +368,10 @@ def test_build_takes_fewer_attempts_before_grpo(tmp_path):
     res["settings"]["attempts"] = 2
     (tmp_path / "eval" / "base.json").write_text(json.dumps(res))
     assert any("base.json: evaluated" in p and "expected" in p and "with 1" in p for p in report.build(tmp_path))
+
+
+def test_the_report_header_says_whether_replies_were_constrained():
+    """REPORT.md's header reads --grammar from a stage's flags: bare (the reply grammar), with its value, or absent."""
+    assert report.grammar_words("--steps 2 --grammar --lr 1") == "constrained by the reply grammar (--grammar reply)"
+    assert report.grammar_words("--steps 2 --grammar think") == "constrained by the reply grammar (--grammar think)"
+    assert report.grammar_words("--steps 2") == "unconstrained"

@@ -140,6 +140,47 @@ def test_split_of_each_form_is_exact():
     assert terminus.wrapper_spans("plain text from another harness") is None
 
 
+def expert_replies():
+    """Every reply of the toy expert (the SFT data's) over five tasks of each kind, five turns each, with observations
+    made by the protocol's functions."""
+    out = []
+    for kind in taskgen.GENERATORS:
+        for seed in range(5):
+            spec = taskgen.generate(kind, random.Random(seed))
+            msgs = [{"role": "user", "content": terminus.fill_prompt(terminus.DEFAULT_PROMPT, spec.instruction,
+                                                                     terminus.SCREEN_HEADER + "root@h:/app#\n")}]
+            for _ in range(5):
+                out.append(taskgen.expert_reply(msgs))
+                msgs += [{"role": "assistant", "content": out[-1]},
+                         {"role": "user", "content": terminus.OUTPUT_HEADER + "root@h:/app# ls\na.txt\nroot@h:/app#"}]
+    return out
+
+
+def test_the_reply_grammar_admits_the_sft_replies_and_nothing_looser(tokenizer):
+    """terminus.reply_grammar (compiled as the engine compiles it) admits every reply of the toy expert, each of
+    which parses without a warning, and nothing looser: no whitespace of its own, no other key order or
+    separators, no '<think>' or '</think>' inside a value (parse_reply would trip on it; a '<' before anything else
+    passes, as in a heredoc), no block before the JSON; the think form also admits a <think> block first."""
+    import engine
+    xgr = pytest.importorskip("xgrammar")
+    plain, think = (engine.compile_grammar(tokenizer, terminus.reply_grammar(t), len(tokenizer)) for t in (False, True))
+
+    def admits(compiled, text):
+        m = xgr.GrammarMatcher(compiled)
+        return m.accept_string(text) and m.accept_token(tokenizer.eos_token_id) and m.is_terminated()
+    replies = expert_replies()
+    assert len(replies) >= 200 and all(admits(plain, r) for r in replies)
+    assert all(terminus.parse_reply(r)[1:] == (None, []) for r in replies)
+    reply = replies[1]
+    obj = json.loads(reply)
+    for text in (json.dumps(obj, indent=2), json.dumps(obj, separators=(",", ":")), reply + " ", " " + reply,
+                 json.dumps(dict(reversed(list(obj.items())))), reply.replace('"plan": "', '"plan": "<think>', 1),
+                 reply.replace('"plan": "', '"plan": "</think>', 1), "<think>hm\n</think>\n\n" + reply):
+        assert not admits(plain, text), text
+    assert admits(plain, reply.replace('"plan": "', '"plan": "cat << EOF < in', 1))
+    assert admits(think, "<think>hm\n</think>\n\n" + reply) and admits(think, reply)
+
+
 def test_every_observation_of_an_expert_episode_splits():
     """The expert's episode with observations made by the protocol's functions (Docker runs the real ones in
     test_envs_docker's corpus test): look, act, check, confirm, including a parse error and warnings."""
