@@ -220,7 +220,7 @@ def forward_rows(module):
 
 def train(model, init, opt, examples, args, pad_id):
     """grpo.train_batch in one CPU process: `model` trains, `init` is the initial policy."""
-    return grpo.train_batch(common.LossModule(grpo.pg_loss, model), model, init, opt, examples, args, pad_id,
+    return grpo.train_batch(common.LossModule(grpo.pg_loss, model), init, opt, examples, args, pad_id,
                             torch.device("cpu"), contextlib.nullcontext(), 0, print)
 
 
