@@ -7,8 +7,9 @@ CPU toy run (tasks from `python envs.py corpus --out data/corpus`, an SFT checkp
         --steps 20 --tasks-per-step 4 --group-size 4 --lr 1e-5 --max-len 4096 --max-new-tokens 512
 1 GPU, the paper's settings (the flag defaults: lr 1e-6, 135 steps, 32 tasks x 16 episodes, binary reward):
     python grpo.py --init runs/q4b-actobs/final --tasks tasks/rl --out runs/q4b-actobs-grpo
-8 GPUs (each rank: its own engine, 4 of the 32 groups; DDP all-reduces the gradients):
-    torchrun --standalone --nproc_per_node 8 grpo.py --init runs/q4b-actobs/final --tasks tasks/rl --out ...
+8 GPUs (each rank: its own engine, 4 of the 32 groups; FSDP2 shards a 4B model, docs/training.md's memory plan):
+    torchrun --standalone --nproc_per_node 8 grpo.py --init runs/q4b-actobs/final --tasks tasks/rl \
+        --fsdp --grad-ckpt --micro-tokens 16384 --out ...
 Resume an interrupted run: the same command plus --resume. Several runs in one process, the imports paid once
 (common.run_cli): `python grpo.py ARGS ::: ARGS ...`.
 
