@@ -1,6 +1,6 @@
 """GRPO: advantage math, the loss against a hand-written reference in every mode, episodes to training examples,
-dynamic sampling, and an end-to-end run on toy tasks in real sandboxes with real vLLM that is killed and resumed.
-The rollout engine's own tests: tests/test_engine.py."""
+dynamic sampling, and end-to-end runs on toy tasks in real sandboxes with real vLLM: one killed and resumed, and
+runs on two torchrun ranks (DDP, FSDP2). The rollout engine's own tests: tests/test_engine.py."""
 import bisect
 import contextlib
 import copy
