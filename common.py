@@ -472,14 +472,15 @@ def autocast(dtype_flag, device):
 
 class LossModule(torch.nn.Module):
     """A stage's loss function as a module forward, so DDP / FSDP2 hooks see the whole computation:
-    forward(batch, *a) = loss_fn(lm, batch, *a) -> (loss, stats)."""
+    forward(batch, *a) = loss_fn(lm, batch, *a) -> (loss, stats); forward(batch, *a, fn=f) = f(lm, batch, *a): another
+    pass over the model under the same hooks (FSDP2 gathers its shards for any forward of the wrapper)."""
 
     def __init__(self, loss_fn, lm):
         super().__init__()
         self.loss_fn, self.lm = loss_fn, lm
 
-    def forward(self, batch, *a):
-        return self.loss_fn(self.lm, batch, *a)
+    def forward(self, batch, *a, fn=None):
+        return (fn or self.loss_fn)(self.lm, batch, *a)
 
 
 def wrap_model(module, raw, args, device):
@@ -519,6 +520,15 @@ def all_reduce(values, device, op=dist.ReduceOp.SUM):
     t = torch.tensor(values, dtype=torch.float64, device=device)
     dist.all_reduce(t, op=op)
     return t.tolist()
+
+
+def all_gather(obj):
+    """Every rank's `obj` (any picklable value), in rank order; [obj] when not distributed."""
+    if not dist.is_initialized():
+        return [obj]
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
 
 
 def rank_micro_batches(lengths, token_budget, device):

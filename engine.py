@@ -74,18 +74,24 @@ def sync_weights(engine, model):
     """Load the trainer's weights into the engine in place, all at once, then drop cached prefixes (their KV was
     computed by the old weights). With tied embeddings lm_head.weight must be among them: the engine keeps a
     separate head and would otherwise silently keep the old one. Under FSDP2 each rank gathers the full
-    tensors for its own engine one at a time, so the transient memory is one tensor, not the model."""
+    tensors for its own engine one at a time, so the transient memory is one tensor, not the model. -> a checksum
+    of the weights loaded (the float64 sum of all their elements, as the trainer holds them): equal on ranks whose
+    engines got equal weights."""
     dtype = engine.llm_engine.model_config.dtype
     sd = model.state_dict()
     if model.config.tie_word_embeddings and "lm_head.weight" not in sd:
         sd["lm_head.weight"] = sd["model.embed_tokens.weight"]
+    sums = []
 
     def weights():  # consumed in order by the engine; FSDP2's gathers happen in the same order on every rank
         for k, v in sd.items():
-            yield k, (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().to(dtype)
+            full = (v.full_tensor() if hasattr(v, "full_tensor") else v).detach()
+            sums.append(full.sum(dtype=torch.float64))  # on the device: one host sync for all, below
+            yield k, full.to(dtype)
 
     engine.collective_rpc("reload_weights", kwargs={"weights_iterator": weights()})
     engine.reset_prefix_cache()
+    return float(torch.stack(sums).sum())
 
 
 _SKELETON = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]

@@ -7,8 +7,9 @@ CPU toy run (tasks from `python envs.py corpus --out data/corpus`, an SFT checkp
         --steps 20 --tasks-per-step 4 --group-size 4 --lr 1e-5 --max-len 4096 --max-new-tokens 512
 1 GPU, the paper's settings (the flag defaults: lr 1e-6, 135 steps, 32 tasks x 16 episodes, binary reward):
     python grpo.py --init runs/q4b-actobs/final --tasks tasks/rl --out runs/q4b-actobs-grpo
-8 GPUs (each rank: its own engine, 4 of the 32 groups; DDP all-reduces the gradients):
-    torchrun --standalone --nproc_per_node 8 grpo.py --init runs/q4b-actobs/final --tasks tasks/rl --out ...
+8 GPUs (each rank: its own engine, 4 of the 32 groups; FSDP2 shards a 4B model, docs/training.md's memory plan):
+    torchrun --standalone --nproc_per_node 8 grpo.py --init runs/q4b-actobs/final --tasks tasks/rl \
+        --fsdp --grad-ckpt --micro-tokens 16384 --out ...
 Resume an interrupted run: the same command plus --resume. Several runs in one process, the imports paid once
 (common.run_cli): `python grpo.py ARGS ::: ARGS ...`.
 
@@ -291,27 +292,43 @@ def pg_loss(model, batch, args, coefs, n_tok, n_seq, n_echo):
     return loss, stats
 
 
+def action_logprobs(model, batch, args):
+    """-> (B, T-1) the log-prob (at T) of each next token that is an action under `model`, 0 elsewhere."""
+    no_echo = torch.zeros_like(batch["wrapper"][:, 1:])  # (B, T-1)
+    h, targets, act, row, sel = selected_rows(model, batch, args.temperature, no_echo)
+    logp, _ = common.token_logprobs(h, model.get_output_embeddings().weight, targets, allowed=allowed_rows(batch, sel))
+    full = torch.zeros(sel.shape, dtype=torch.float32, device=logp.device)
+    full[sel] = logp
+    return full
+
+
+def empty_example(pad_id):
+    """A 1-token example that carries no loss: a rank without examples left forwards it, so that every rank runs as
+    many forward passes (the collectives of DDP and FSDP2 require it)."""
+    return {"ids": [pad_id], "roles": [PROMPT], "behav": [0.0], "wrapper": [False], "adv": [0.0]}
+
+
 @torch.no_grad()
-def policy_logprobs(model, examples, args, pad_id, device, ctx):
+def policy_logprobs(model, examples, args, pad_id, device, ctx, trainer=False):
     """Per-token log-probs (at T) of each example's tokens under `model` (a list per example, 0 where a token
-    is not an action), e.g. the initial policy for the KL, or the trainer before a multi-epoch step."""
+    is not an action), e.g. the initial policy for the KL, or with trainer=True the trainer before a multi-epoch
+    step: `model` is then the wrapped common.LossModule, whose forward gathers FSDP2's shards (the bare model
+    holds only this rank's), and every rank runs as many forwards, one on an empty example where it has none."""
+    lengths = [len(e["ids"]) for e in examples]
     out = []
-    for g in common.micro_batches([len(e["ids"]) for e in examples], args.micro_tokens):
-        batch = {k: v.to(device) for k, v in collate([examples[i] for i in g], pad_id).items()}
+    for g in (common.rank_micro_batches(lengths, args.micro_tokens, device) if trainer else
+              common.micro_batches(lengths, args.micro_tokens)):
+        rows = [examples[i] for i in g] or [empty_example(pad_id)]
+        batch = {k: v.to(device) for k, v in collate(rows, pad_id).items()}
         with ctx:
-            no_echo = torch.zeros_like(batch["wrapper"][:, 1:])  # (B, T-1)
-            h, targets, act, row, sel = selected_rows(model, batch, args.temperature, no_echo)
-            logp, _ = common.token_logprobs(h, model.get_output_embeddings().weight, targets,
-                                            allowed=allowed_rows(batch, sel))
-        full = torch.zeros(sel.shape, dtype=torch.float32, device=device)
-        full[sel] = logp
+            full = model(batch, args, fn=action_logprobs) if trainer else action_logprobs(model, batch, args)
         for j, i in enumerate(g):
             out.append((i, [0.0] + full[j, : len(examples[i]["ids"]) - 1].tolist()))
     return [lp for _, lp in sorted(out)]
 
 
-def train_batch(model, raw, ref, opt, examples, args, pad_id, device, ctx, step, log):
-    """--ppo-epochs optimizer steps of `model` (common.LossModule of pg_loss around `raw`) on this rank's
+def train_batch(model, ref, opt, examples, args, pad_id, device, ctx, step, log):
+    """--ppo-epochs optimizer steps of `model` (common.LossModule of pg_loss around the policy) on this rank's
     examples; ref: the initial policy. -> (stats summed over the first epoch's micro-batches, grad norm of the
     last update or None).
 
@@ -328,14 +345,13 @@ def train_batch(model, raw, ref, opt, examples, args, pad_id, device, ctx, step,
         return {"episodes_trained": 0}, None
     for ex, lp in zip(examples, policy_logprobs(ref, examples, args, pad_id, device, ctx) if examples else []):
         ex["ref"] = lp
-    if args.ppo_epochs > 1 and args.tis_cap > 0:  # the trainer before the step's first update
-        for ex, lp in zip(examples, policy_logprobs(raw, examples, args, pad_id, device, ctx) if examples else []):
+    if args.ppo_epochs > 1 and args.tis_cap > 0:  # the trainer before the step's first update, on every rank
+        for ex, lp in zip(examples, policy_logprobs(model, examples, args, pad_id, device, ctx, trainer=True)):
             ex["old"] = lp
-    empty = {"ids": [pad_id], "roles": [PROMPT], "behav": [0.0], "wrapper": [False], "adv": [0.0]}
     tot = {"episodes_trained": len(examples)}
     for epoch in range(args.ppo_epochs):
         st = common.micro_batch_passes(model, [len(ex["ids"]) for ex in examples],
-                                       lambda g: collate([examples[i] for i in g] or [empty], pad_id),
+                                       lambda g: collate([examples[i] for i in g] or [empty_example(pad_id)], pad_id),
                                        (args, coefs, max(n_tok, 1), max(n_seq, 1), n_echo), args, device, ctx)
         if epoch == 0:
             tot.update(st)
@@ -513,8 +529,9 @@ def sample_step(draw, n_tasks, args, step, rank, device, tok=None):
 # ----------------------------------------------------------------------------------------------------------
 # The log
 
-def step_record(step, episodes, valid, has_signal, tot, gnorm, gen, times, args, device):
-    """The step's log row: its episodes (every draw, all ranks), what the update saw, times (seconds)."""
+def step_record(step, episodes, valid, has_signal, tot, gnorm, gen, times, args, device, checksum=None):
+    """The step's log row: its episodes (every draw, all ranks), what the update saw, times (seconds); checksum:
+    engine.sync_weights' of the weights this rank's engine got (None: no update, no sync)."""
     ok = valid.flatten().tolist()
     ep_sums = {"episodes": len(episodes), "valid": sum(ok),
                "reward_sum": sum(e.reward for e, v in zip(episodes, ok) if v),
@@ -524,11 +541,11 @@ def step_record(step, episodes, valid, has_signal, tot, gnorm, gen, times, args,
                "gen_tokens": sum(e.roles.count(ACTION) for e in episodes),
                "parse_errors": sum(sum(unparsed_replies(e)) for e in episodes),
                "gen_busy_s": gen["policy_s"], "gen_idle_s": gen["idle_s"], "rollout_s": gen["wall_s"]}
-    failures = Counter(e.failure for e in episodes if e.failure)  # by kind, whichever kinds envs reports
-    if dist.is_initialized():
-        parts = [None] * dist.get_world_size()
-        dist.all_gather_object(parts, failures)
-        failures = sum(parts, Counter())
+    # per rank: the failures by kind (whichever kinds envs reports), its own mean |mismatch| and weights' checksum
+    mine = tot.get("act_tokens", 0)
+    ranks = common.all_gather({"failures": Counter(e.failure for e in episodes if e.failure), "weights": checksum,
+                               "mismatch": tot["mismatch_abs_sum"] / mine if mine else None})
+    failures = sum((r["failures"] for r in ranks), Counter())
     keys = sorted(set(ep_sums) | set(tot))
     sums = dict(zip(keys, common.all_reduce([ep_sums.get(k, tot.get(k, 0.0)) for k in keys], device)))
     na, nv, turns = sums.get("act_tokens", 0), max(sums["valid"], 1), max(sums["turns"], 1)
@@ -556,7 +573,12 @@ def step_record(step, episodes, valid, has_signal, tot, gnorm, gen, times, args,
         rec.update({"train/entropy": sums["entropy_sum"] / na, "train/kl_init": sums["kl_init_sum"] / na,
                     "train/kl_init_k3": sums["kl_init_k3_sum"] / na, "train/mismatch": sums["mismatch_sum"] / na,
                     "train/mismatch_abs": sums["mismatch_abs_sum"] / na, "train/clip_frac": sums["clipped_sum"] / na,
-                    "train/tis_weight": sums["tis_w_sum"] / na})
+                    "train/tis_weight": sums["tis_w_sum"] / na,
+                    # the worst rank's: one rank's stale engine is not averaged away by the others
+                    "train/mismatch_abs_rank_max": max(r["mismatch"] for r in ranks if r["mismatch"] is not None)})
+    if checksum is not None:  # every rank's engine should hold the same weights: a spread above 0 says they part
+        checks = [r["weights"] for r in ranks]
+        rec.update({"train/weights_checksum": checks[0], "train/weights_checksum_spread": max(checks) - min(checks)})
     return rec
 
 
@@ -632,23 +654,25 @@ def main(argv=None):
             llm.sleep(level=1)
         t_roll = time.time()
         # update: --ppo-epochs optimizer steps on this batch, micro-batches by token budget
-        tot, gnorm = train_batch(model, raw, ref, opt, examples, args, tok.pad_token_id, device, ctx, step, print0)
+        tot, gnorm = train_batch(model, ref, opt, examples, args, tok.pad_token_id, device, ctx, step, print0)
         t_train = time.time()
         # sync: the new weights into the engine (a step without an update leaves them as they are)
         if device.type == "cuda":
             llm.wake_up()
-        if gnorm is not None:
-            engine.sync_weights(llm, raw)
+        checksum = engine.sync_weights(llm, raw) if gnorm is not None else None
         t_sync = time.time()
         # log: one row a step, summed over ranks; save: a checkpoint every --save-every steps
         times = {"rollout": t_roll - t0, "train": t_train - t_roll, "sync": t_sync - t_train, "step": t_sync - t0}
-        rec = step_record(step, episodes, valid, has_signal, tot, gnorm, gen, times, args, device)
+        rec = step_record(step, episodes, valid, has_signal, tot, gnorm, gen, times, args, device, checksum)
         log.write(rec)
         print0(step_line(rec, args))
-        lost = [e for e in episodes if e.failure in envs.INFRA_FAILURES]
-        if lost:  # out of the statistics and the loss: say why, or a loaded machine silently shrinks the steps
-            print0(f"  {len(lost)} of this rank's episodes lost to the infrastructure, e.g. {lost[0].task}: "
-                   f"{lost[0].failure}: {lost[0].error[:300]}")
+        # out of the statistics and the loss: say why (whichever rank drew them), or a loaded machine silently
+        # shrinks the steps
+        lost = [m for m in common.all_gather(next((f"{e.task}: {e.failure}: {e.error[:300]}" for e in episodes
+                                                   if e.failure in envs.INFRA_FAILURES), None)) if m]
+        if lost:
+            print0(f"  {rec['rollout/infra_excluded']:.0f} of the step's episodes lost to the infrastructure, e.g. "
+                   f"{lost[0]}")
         done = step + 1
         if (args.save_every and done % args.save_every == 0) or done == args.steps:
             common.save_checkpoint(out / f"step-{done:06d}", model, raw, tok, opt, done, args, rank, rng=False)

@@ -68,7 +68,7 @@ def update(model_dir, examples, micro_tokens, behav):
     exs = [{**ex, "behav": b} for ex, b in zip(examples, behav)]
     raw.train()
     t = time.perf_counter()
-    grpo.train_batch(model, raw, ref, opt, exs, args, 0, device, ctx, 0, print)
+    grpo.train_batch(model, ref, opt, exs, args, 0, device, ctx, 0, print)
     return time.perf_counter() - t, {k: v.detach().clone() for k, v in raw.state_dict().items()}
 
 

@@ -1,6 +1,6 @@
 """GRPO: advantage math, the loss against a hand-written reference in every mode, episodes to training examples,
-dynamic sampling, and an end-to-end run on toy tasks in real sandboxes with real vLLM that is killed and resumed.
-The rollout engine's own tests: tests/test_engine.py."""
+dynamic sampling, and end-to-end runs on toy tasks in real sandboxes with real vLLM: one killed and resumed, and
+runs on two torchrun ranks (DDP, FSDP2). The rollout engine's own tests: tests/test_engine.py."""
 import bisect
 import contextlib
 import copy
@@ -8,6 +8,8 @@ import dataclasses
 import json
 import os
 import random
+import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -296,7 +298,7 @@ def forward_rows(module):
 
 def train(model, init, opt, examples, args, pad_id):
     """grpo.train_batch in one CPU process: `model` trains, `init` is the initial policy."""
-    return grpo.train_batch(common.LossModule(grpo.pg_loss, model), model, init, opt, examples, args, pad_id,
+    return grpo.train_batch(common.LossModule(grpo.pg_loss, model), init, opt, examples, args, pad_id,
                             torch.device("cpu"), contextlib.nullcontext(), 0, print)
 
 
@@ -630,13 +632,17 @@ def toy_tasks(tmp_path_factory, base_image):
     return d
 
 
-def run_cli(out, tasks, model, *extra, wait=True):
-    cmd = [sys.executable, str(ROOT / "grpo.py"), "--init", str(model), "--chat-template", "prefix", "--tasks", str(tasks),
+def run_cli(out, tasks, model, *extra, wait=True, ranks=1):
+    """grpo.py on toy settings in a process group of its own; ranks > 1: under torchrun (gloo), one thread a rank."""
+    launch = [sys.executable] + (["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}"]
+                                 if ranks > 1 else [])
+    cmd = [*launch, str(ROOT / "grpo.py"), "--init", str(model), "--chat-template", "prefix", "--tasks", str(tasks),
            "--out", str(out), "--steps", "2", "--tasks-per-step", "2", "--group-size", "2", "--max-turns", "2",
            "--max-new-tokens", "24", "--max-len", "1024", "--lr", "1e-3", "--echo-coef", "0.05", "--save-every", "1",
            "--concurrency", "4", *extra]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"} if ranks > 1 else None
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+                            start_new_session=True, env=env)
     if wait:
         text, _ = proc.communicate(timeout=900)
         assert proc.returncode == 0, text[-3000:]
@@ -687,6 +693,161 @@ def test_end_to_end_killed_and_resumed(tmp_path, toy_tasks, vllm_dir, no_leftove
     assert weights(out / "step-000001").keys() == before.keys()
     assert all(torch.equal(before[k], v) for k, v in weights(out / "step-000001").items())
     assert (out / "curves.png").exists() and (out / "final" / "model.safetensors").exists()
+
+
+# ---------------------------------------------------------------------------------------------- two ranks
+
+# torchrun on two gloo ranks, each with its own engine; fp32 whatever the CPU (the mismatch bound below is fp32's)
+TWO_RANKS = ("--dtype", "fp32")
+
+
+def rank_pids(pid):
+    """{rank: pid} of the worker processes torchrun process `pid` has started so far."""
+    out = {}
+    try:
+        kids = [int(k) for t in Path(f"/proc/{pid}/task").iterdir() for k in (t / "children").read_text().split()]
+        for k in kids:
+            env = dict(v.split("=", 1) for v in Path(f"/proc/{k}/environ").read_text().split("\0") if "=" in v)
+            if "RANK" in env:
+                out[int(env["RANK"])] = k
+    except OSError:  # a process went away while read: the next poll reads again
+        pass
+    return out
+
+
+def wait_for(proc, ready, timeout=600):
+    """Poll until ready() or fail with the run's output (it exited or the time ran out)."""
+    deadline = time.time() + timeout
+    while not ready():
+        if proc.poll() is not None or time.time() > deadline:
+            os.killpg(proc.pid, signal.SIGKILL)
+            pytest.fail(proc.stdout.read()[-3000:])
+        time.sleep(0.2)
+
+
+def checksum(path):
+    """engine.sync_weights' checksum of a checkpoint: the float64 sum of its state dict (the tied head included)."""
+    from transformers import AutoModelForCausalLM
+    sd = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).state_dict()
+    return float(sum(v.sum(dtype=torch.float64) for v in sd.values()))
+
+
+def log_rows(out):
+    return [json.loads(r) for r in (Path(out) / "log.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def coin_tasks(tmp_path_factory, toy_tasks):
+    """The toy tasks with a verifier that pays 1 or 0 at random: a group of three has signal three times in four, so
+    a draw's two groups (one per rank) may both, one or neither have it."""
+    d = tmp_path_factory.mktemp("coin")
+    for t in toy_tasks.iterdir():
+        shutil.copytree(t, d / t.name)
+        (d / t.name / "tests" / "test.sh").write_text("#!/bin/bash\necho $((RANDOM % 2)) > /logs/verifier/reward.txt\n")
+    return d
+
+
+@pytest.fixture(scope="module", params=["ddp", "fsdp"])
+def two_rank_run(request, tmp_path_factory, coin_tasks, vllm_dir):
+    """A two-step run on two ranks (DDP or FSDP2), groups of three, dynamic sampling up to four draws a step (a step
+    without signal, which makes no update, then comes once in 65,536); shared by the tests below. -> (its run dir,
+    its log rows)."""
+    out = tmp_path_factory.mktemp(request.param) / "run"
+    run_cli(out, coin_tasks, vllm_dir, *TWO_RANKS, "--group-size", "3", "--dynamic-sampling", "8",
+            *(["--fsdp"] if request.param == "fsdp" else []), ranks=2)
+    return out, log_rows(out)
+
+
+@pytest.mark.slow
+def test_two_ranks_hold_the_weights_their_engines_sample(two_rank_run):
+    """After each step both ranks' engines got the same weights (their checksums agree: under DDP each rank's own
+    update, under FSDP2 the gathered shards), those of the step's checkpoint; and each rank's engine samples under
+    them: at step 2, after an update that moved the policy, the worst rank's rollout/trainer mismatch is fp32's."""
+    out, rows = two_rank_run
+    assert [r["step"] for r in rows] == [1, 2] and all(r["train/optimizer_steps"] == 1 for r in rows)
+    for r in rows:
+        assert r["train/weights_checksum_spread"] == 0
+        assert r["train/weights_checksum"] == pytest.approx(checksum(out / f"step-{r['step']:06d}"), rel=1e-12)
+    assert rows[0]["train/weights_checksum"] != rows[1]["train/weights_checksum"]
+    assert rows[1]["train/kl_init_k3"] > 1e-4  # a stale engine would sample the initial policy: a mismatch that large
+    assert rows[1]["train/mismatch_abs_rank_max"] <= 1e-5
+
+
+@pytest.mark.slow
+def test_two_ranks_log_both_ranks_draws(two_rank_run):
+    """A row counts both ranks' episodes, and dynamic sampling chooses across the ranks: draws of two groups (one a
+    rank) go on until two groups with signal are kept or four draws were made, and exactly min(signal, 2) groups
+    train, whichever ranks hold them (each rank keeping what it has would train more)."""
+    _, rows = two_rank_run
+    for r in rows:
+        drawn, signal = r["rollout/groups_drawn"], r["rollout/groups_with_signal"]
+        assert drawn in (2, 4, 6, 8) and r["rollout/episodes_valid"] + r["rollout/infra_excluded"] == 3 * drawn
+        assert signal >= 2 or drawn == 8
+        assert drawn == 2 or signal <= 3  # a further draw only when the ones before left the step short of two
+        if r["rollout/infra_excluded"] == 0:
+            assert r["train/episodes_trained"] == 3 * min(signal, 2)
+
+
+@pytest.mark.slow
+def test_a_rank_killed_ends_the_run_and_resume_continues_it(tmp_path, toy_tasks, vllm_dir):
+    """Rank 1 killed outright (SIGKILL, as the kernel's OOM killer does) during the second step's rollouts ends rank 0
+    too, no hang: torchrun exits non-zero naming the rank and its signal, rank 0 unwound (its sandboxes removed).
+    --resume on two ranks then continues the run as the uncut one goes on: step 1's row and checkpoint kept, both
+    ranks restart from that checkpoint (trainer, Adam's state, engine): after step 2 they hold the same weights,
+    their engines sample them, and the row counts both ranks' four episodes; the dead rank's sandboxes are swept."""
+    out = tmp_path / "run"
+    proc = run_cli(out, toy_tasks, vllm_dir, *TWO_RANKS, wait=False, ranks=2)
+    ranks = {}
+
+    def rolling_out_step_2():  # step 1's sandboxes are gone before its checkpoint: any now are step 2's
+        ranks.update(rank_pids(proc.pid))
+        return len(ranks) == 2 and (out / "step-000001").exists() and owned_by(ranks[1])
+    wait_for(proc, rolling_out_step_2)
+    os.kill(ranks[1], signal.SIGKILL)
+    t = time.time()
+    try:
+        text, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:  # a hang: the test fails, and leaves nothing running
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode != 0 and "Signal 9 (SIGKILL)" in text, text[-3000:]
+    assert re.search(r"rank\s*: 1 \(local_rank: 1\)\s*exitcode\s*: -9", text), text[-3000:]
+    assert owned_by(ranks[0]) == [] and not Path(f"/proc/{ranks[0]}").exists(), f"{time.time() - t:.0f}s"
+    assert not (out / "step-000002").exists() and [r["step"] for r in log_rows(out)] == [1]
+    first, before = log_rows(out)[0], checksum(out / "step-000001")
+
+    text = run_cli(out, toy_tasks, vllm_dir, *TWO_RANKS, "--resume", ranks=2)
+    assert "resumed at step 1" in text and "world 2" in text and owned_by(ranks[1]) == []
+    rows = log_rows(out)
+    assert rows[0] == first and [r["step"] for r in rows] == [1, 2] and checksum(out / "step-000001") == before
+    r = rows[1]
+    assert r["rollout/groups_drawn"] == 2 and r["rollout/episodes_valid"] + r["rollout/infra_excluded"] == 4
+    assert r["train/weights_checksum_spread"] == 0 and r["train/mismatch_abs_rank_max"] <= 1e-5
+    assert r["train/weights_checksum"] == pytest.approx(checksum(out / "step-000002"), rel=1e-12)
+    assert r["train/kl_init_k3"] > 1e-4  # the engines were started from the step-1 checkpoint, not the init
+    state = torch.load(out / "step-000002" / "trainer_state.pt", weights_only=False)
+    assert {int(s["step"]) for s in state["optimizer"]["state"].values()} == {2}  # Adam's state went on
+
+
+@pytest.mark.slow
+def test_a_task_only_one_rank_draws_that_cannot_build(tmp_path, toy_tasks, vllm_dir):
+    """A task whose image cannot build, drawn by rank 1 alone: its episodes are lost to the infrastructure (the run
+    goes on, as on one rank), the row counts them, and rank 0 names the build failure it never saw. Under FSDP2 with
+    --ppo-epochs 2 and --tis-cap, rank 1, left without examples, still runs the forwards rank 0 runs."""
+    tasks = tmp_path / "tasks"
+    shutil.copytree(toy_tasks, tasks)
+    broken = tasks / "zz-broken"  # sorted last: task index 2
+    shutil.copytree(next(toy_tasks.iterdir()), broken)
+    (broken / "environment" / "Dockerfile").write_text(f"FROM {sandbox.BASE_IMAGE}\nRUN exit 3\n")
+    seed = next(s for s in range(100) if grpo.step_groups(3, 2, 0, s)[1] == 2)  # rank 1's group at step 1
+    text = run_cli(tmp_path / "run", tasks, vllm_dir, *TWO_RANKS, "--steps", "1", "--seed", str(seed), "--fsdp",
+                   "--ppo-epochs", "2", "--tis-cap", "2", ranks=2)
+    r = log_rows(tmp_path / "run")[0]
+    assert r["rollout/infra_excluded"] == 2 and r["rollout/failures/image_build_error"] == 2
+    assert r["rollout/episodes_valid"] == 2 and r["train/episodes_trained"] == 2 and r["train/optimizer_steps"] == 2
+    assert "2 of the step's episodes lost to the infrastructure, e.g. " in text
+    assert re.search(r"lost to the infrastructure, e\.g\. \S+: image_build_error: \S*zz-broken/environment/Dockerfile: "
+                     r"build failed", text)
 
 
 def test_load_tasks_keeps_the_kinds_asked_for(tmp_path, base_image):
