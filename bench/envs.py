@@ -22,6 +22,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import disk
 import envs
 import sandbox
 
@@ -89,7 +90,7 @@ ONE_COMMAND = json.dumps({"analysis": "", "plan": "", "commands": [{"keystrokes"
 def use_daemon(host):
     """Point sandbox.py at another daemon: its client and what it cached of the last one are dropped."""
     os.environ["DOCKER_HOST"] = host
-    sandbox._client, sandbox._cpus, sandbox._quota_fs = None, None, None
+    sandbox._client, sandbox._cpus, disk._quota = None, None, None
     sandbox.image_archive.cache_clear()
     sandbox._image_commands.cache_clear()
 
@@ -123,7 +124,7 @@ def compare_daemons(args):
     for r in range(args.rounds):
         for host in args.daemons:
             use_daemon(host)
-            sandbox.disk_quota()  # says (stderr) which budget this daemon has, outside the timed part
+            disk.quota()  # says (stderr) which budget this daemon has, outside the timed part
             t0 = time.perf_counter()
             eps = envs.run_episodes([task] * args.episodes, lambda convs: [ONE_COMMAND] * len(convs),
                                     max_turns=3, concurrency=args.episodes)
@@ -137,7 +138,7 @@ def compare_daemons(args):
               f"({', '.join(f'{x:.1f}' for x in w)}) | {statistics.median(w) / base:.2f}x the first")
     for host in args.daemons:
         use_daemon(host)
-        quota = sandbox.disk_quota()
+        quota = disk.quota()
         peak, outcomes = disk_rise(args.image, args.writers)
         print(f"{host} ({quota.kind if quota else 'watched only'}): {args.writers} sandboxes of 256 MB writing past "
               f"it at once: disk rise peak {peak:.0f} MB | {', '.join(outcomes)}")

@@ -10,6 +10,7 @@ import time
 
 import pytest
 
+import disk
 import envs
 import sandbox
 
@@ -178,7 +179,7 @@ def test_writes_past_the_disk_budget_fail_inside_and_the_host_keeps_its_space(tm
     one fallocate of 4 GB fails whole inside two of them, and a loop of writes stops at the budget in the other
     two and ends their episodes as disk_limit, reward 0: the disk under the daemon never holds more than the
     budgets and their margins."""
-    assert sandbox.disk_quota() is not None, "the Docker daemon has no disk quota (.ci/dockerd.sh says why)"
+    assert disk.quota() is not None, "the Docker daemon has no disk quota (.ci/dockerd.sh says why)"
     root = sandbox.docker_client().info()["DockerRootDir"]
     pay = {"test.sh": b"echo 1 > /logs/verifier/reward.txt\n"}  # pays for anything: the disk limit must win
     whole = {"test.sh": b"[ $(stat -c %s /app/big) -ge $((2**32)) ] && r=1 || r=0\n"
@@ -201,7 +202,7 @@ def test_writes_past_the_disk_budget_fail_inside_and_the_host_keeps_its_space(tm
     # the fallocate was refused: nothing to pay for; the loop ran into the cap
     assert got == [("big", 0.0, None)] * 2 + [("fill", 0.0, "disk_limit")] * 2, got
     assert time.time() - t0 < 180
-    cap = 256 + sandbox.QUOTA_MARGIN_MB
+    cap = 256 + disk.QUOTA_MARGIN_MB
     peak_mb = (free0 - min(low)) / 2**20
     assert peak_mb < 4 * cap, f"disk use peaked at {peak_mb:.0f} MB"
     print(f"disk use peak: {peak_mb:.0f} MB for four sandboxes of 256 MB (cap {cap} MB each)")
