@@ -165,6 +165,31 @@ def tree_bytes(path):
     return total
 
 
+class HostRise:
+    """`with HostRise() as rise:` -> rise.mb: how far the disk holding the daemon's data root filled past its level
+    at the start, at most, sampled every `every` s while the block ran (a measure for tests and benchmarks: every
+    writer on that disk counts)."""
+
+    def __init__(self, every=0.05):
+        self.every, self.mb, self._done = every, 0.0, threading.Event()
+
+    def __enter__(self):
+        from sandbox import docker_client
+        root = docker_client().info()["DockerRootDir"]
+        free0 = shutil.disk_usage(root).free
+
+        def sample():
+            while not self._done.wait(self.every):
+                self.mb = max(self.mb, (free0 - shutil.disk_usage(root).free) / 2**20)
+        self._thread = threading.Thread(target=sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._done.set()
+        self._thread.join()
+
+
 class Budget:
     """One sandbox's disk budget of `mb` MB: the create options that enforce it (create_options), the cap set
     before the container starts (limit), and the watch (watch, until close); `exceeded` says why the watch
