@@ -16,9 +16,7 @@ ratio of each against the first; then on each, `--writers` sandboxes of 256 MB a
 import argparse
 import json
 import os
-import shutil
 import statistics
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -103,18 +101,9 @@ def disk_rise(image, writers):
                     solution={"solve.sh": b"fallocate -l 4G /app/big\n"})
     fill = envs.Task("dd", "x", image=image, storage_mb=256, tests=pay, solution={
         "solve.sh": b"for i in $(seq 64); do dd if=/dev/zero of=/app/f$i bs=1M count=16 status=none || break; done\n"})
-    root = sandbox.docker_client().info()["DockerRootDir"]
-    free0, low, done = shutil.disk_usage(root).free, [shutil.disk_usage(root).free], threading.Event()
-
-    def sample():
-        while not done.wait(0.02):
-            low.append(shutil.disk_usage(root).free)
-    threading.Thread(target=sample, daemon=True).start()
-    try:
+    with disk.HostRise(0.02) as rise:
         eps = envs.run_oracle([big, fill] * (writers // 2), concurrency=writers)
-    finally:
-        done.set()
-    return (free0 - min(low)) / 2**20, sorted(f"{e.task}: {e.reward:.0f} {e.failure or 'ok'}" for e in eps)
+    return rise.mb, sorted(f"{e.task}: {e.reward:.0f} {e.failure or 'ok'}" for e in eps)
 
 
 def compare_daemons(args):
