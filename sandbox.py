@@ -426,10 +426,9 @@ class ProcessLimit(SandboxError):
 class Sandbox:
     """A container with the task's limits and a tmux terminal; use as a context manager (always removed).
     storage_mb: the disk budget of the container's writable layer (disk.py: what holds it on each kind of daemon).
-    network:
-    None (no network: only loopback) or a Docker network mode: "bridge" (the daemon's NAT network: the internet,
-    not the host's own network), "host" (the host's network namespace, its local services included: the only
-    way out on a daemon started with --bridge=none and no iptables, like .ci/dockerd.sh's, whose user-defined
+    network: None (no network: only loopback) or a Docker network mode: "bridge" (the daemon's NAT network: the
+    internet, not the host's own network), "host" (the host's network namespace, its local services included: the
+    only way out on a daemon started with --bridge=none and no iptables, like .ci/dockerd.sh's, whose user-defined
     bridges reach nothing), or a user-defined network's name."""
 
     def __init__(self, image, *, workdir="/app", user="root", cpus=1.0, memory_mb=2048, storage_mb=DEFAULT_STORAGE_MB,
