@@ -13,7 +13,9 @@ watched and what neither covers, by the kind of Docker daemon (`quota()` finds i
     write, truncate, fallocate or posix_fallocate past it allocates nothing and fails (SIGXFSZ ends the writer,
     exit 153, or EFBIG where the signal is ignored); the agent's shell and the rest of the sandbox go on.
     `docker exec` processes (the terminal, the verifier) inherit it; the agent cannot raise it (Docker's default
-    capabilities have no CAP_SYS_RESOURCE). `--ulimit core=0`: the killed writer dumps no core onto the disk.
+    capabilities have no CAP_SYS_RESOURCE). It caps files on the sandbox's tmpfs mounts too (no file may be larger
+    than the budget anyway). `--ulimit core=0`: the killed writer dumps no core onto the disk (where the host's
+    core_pattern is a file; a pipe to a host program is that program's to limit).
   * a seccomp profile, Docker's default (DOCKER_SECCOMP) plus: fallocate only in its plain and punch-hole modes
     (FALLOC_FL_KEEP_SIZE allocates past the file's size, which fsize does not check: EOPNOTSUPP, as a file
     system without the mode answers); the FS_IOC_RESVSP and FS_IOC_RESVSP64 ioctls, fallocate with KEEP_SIZE
