@@ -16,12 +16,12 @@ watched and what neither covers, by the kind of Docker daemon (`quota()` finds i
     capabilities have no CAP_SYS_RESOURCE). It caps files on the sandbox's tmpfs mounts too (no file may be larger
     than the budget anyway). `--ulimit core=0`: the killed writer dumps no core onto the disk (where the host's
     core_pattern is a file; a pipe to a host program is that program's to limit).
-  * a seccomp profile, Docker's default (DOCKER_SECCOMP) plus: fallocate only in its plain and punch-hole modes
-    (FALLOC_FL_KEEP_SIZE allocates past the file's size, which fsize does not check: EOPNOTSUPP, as a file
-    system without the mode answers); the FS_IOC_RESVSP and FS_IOC_RESVSP64 ioctls, fallocate with KEEP_SIZE
-    inside the kernel, refused (EPERM), their 32-bit forms too; io_uring refused (its requests run fallocate past
-    seccomp; Docker's default refuses it from 25.0 on, 20.10's allows it). Without seccomp on the daemon these stay
-    open (watched only), said once on stderr.
+  * a seccomp profile, Docker's default (DOCKER_SECCOMP, in place of the daemon's own) plus: fallocate only in its
+    plain and punch-hole modes (FALLOC_FL_KEEP_SIZE allocates past the file's size, which fsize does not check;
+    every other mode gets EOPNOTSUPP, as from a file system without it, and programs fall back); the
+    FS_IOC_RESVSP and FS_IOC_RESVSP64 ioctls, fallocate with KEEP_SIZE inside the kernel, refused (EPERM), their
+    32-bit forms too; io_uring refused (its requests run fallocate past seccomp; Docker's default refuses it from
+    25.0 on, 20.10's allows it). Without seccomp on the daemon these stay open (watched only), said once on stderr.
   * many files, each under the budget, or mmap'd writes into files under it: watched (below).
 On every kind the layer is watched every DISK_POLL_S s: its qgroup's counters on btrfs, else a walk of overlay2's
 upper dir (allocated blocks: preallocated space counts, holes do not; ext4 counts delayed allocations at once),
