@@ -24,9 +24,11 @@ watched and what neither covers, by the kind of Docker daemon (`quota()` finds i
     25.0 on, 20.10's allows it). Without seccomp on the daemon these stay open (watched only), said once on stderr.
   * many files, each under the budget, or mmap'd writes into files under it: watched (below).
 On every kind the layer is watched every DISK_POLL_S s: its qgroup's counters on btrfs, else a walk of overlay2's
-upper dir (allocated blocks: preallocated space counts, holes do not; ext4 counts delayed allocations at once),
-else the daemon's SizeRw. Past the budget, every process in the sandbox is killed, and the episode ends
-`disk_limit`, reward 0 (envs.py). The watch's overshoot is what the agent writes in many files between two polls.
+upper dir (allocated blocks: preallocated space counts, holes do not; ext4 counts delayed allocations at once;
+XFS's speculative preallocation past a growing file's end counts too, unless it is mounted with a fixed allocsize
+as .ci/dockerd.sh mounts it), else the daemon's SizeRw. Past the budget, every process in the sandbox is killed,
+and the episode ends `disk_limit`, reward 0 (envs.py). The watch's overshoot is what the agent writes in many files
+between two polls.
 Not covered anywhere: bind mounts and volumes (sandboxes have none), tmpfs mounts (memory: the memory limit
 counts them), inodes (a million empty files), and what the daemon itself writes for the sandbox (its log, archives
 put into it by envs.py).
