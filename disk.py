@@ -22,13 +22,15 @@ watched and what neither covers, by the kind of Docker daemon (`quota()` finds i
     FS_IOC_RESVSP and FS_IOC_RESVSP64 ioctls, fallocate with KEEP_SIZE inside the kernel, refused (EPERM), their
     32-bit forms too; io_uring refused (its requests run fallocate past seccomp; Docker's default refuses it from
     25.0 on, 20.10's allows it). Without seccomp on the daemon these stay open (watched only), said once on stderr.
-  * many files, each under the budget, or mmap'd writes into files under it: watched (below).
+  * many files, each under the budget, mmap'd writes into files under it, files deleted while still open or
+    mapped: watched (below).
 On every kind the layer is watched every DISK_POLL_S s: its qgroup's counters on btrfs, else a walk of overlay2's
 upper dir (allocated blocks: preallocated space counts, holes do not; ext4 counts delayed allocations at once;
 XFS's speculative preallocation past a growing file's end counts too, unless it is mounted with a fixed allocsize
-as .ci/dockerd.sh mounts it), else the daemon's SizeRw. Past the budget, every process in the sandbox is killed,
-and the episode ends `disk_limit`, reward 0 (envs.py). The watch's overshoot is what the agent writes in many files
-between two polls.
+as .ci/dockerd.sh mounts it) plus the files its processes deleted but hold (unlinked_bytes), else the daemon's
+SizeRw (blind to those). Past the budget, every process in the sandbox is killed (a `docker exec` of `kill -9 -1`),
+and the episode ends `disk_limit`, reward 0 (envs.py). The watch's overshoot is what the agent writes, in many files
+or processes at once, between two polls and until that kill lands.
 Not covered anywhere: bind mounts and volumes (sandboxes have none), tmpfs mounts (memory: the memory limit
 counts them), inodes (a million empty files), and what the daemon itself writes for the sandbox (its log, archives
 put into it by envs.py).
@@ -169,6 +171,35 @@ def tree_bytes(path):
     return total
 
 
+def unlinked_bytes(root):
+    """Bytes of the files that the processes of a container hold open or mapped after deleting them: out of any
+    folder's walk, yet on the disk until the last of them lets go. root: the container's / as this host sees it
+    (/proc/<its init's pid>/root); its processes are listed by its own /proc, and only files on its root file
+    system count (a deleted file on a tmpfs is memory)."""
+    try:
+        dev, pids = os.stat(root).st_dev, os.listdir(f"{root}/proc")
+    except OSError:
+        return 0  # the container is gone
+    seen, total = set(), 0
+    for pid in filter(str.isdigit, pids):
+        proc = f"{root}/proc/{pid}"
+        try:  # its open files, and its mappings of deleted files (the maps' text: cheaper than a stat per mapping)
+            held = [f"{proc}/fd/{fd}" for fd in os.listdir(f"{proc}/fd")]
+            with open(f"{proc}/maps") as maps:
+                held += [f"{proc}/map_files/{line.split()[0]}" for line in maps if line.endswith(" (deleted)\n")]
+        except OSError:
+            continue  # the process is gone
+        for path in held:
+            try:
+                st = os.stat(path)
+            except OSError:
+                continue
+            if st.st_nlink == 0 and st.st_dev == dev and st.st_ino not in seen:
+                seen.add(st.st_ino)
+                total += st.st_blocks * 512
+    return total
+
+
 class HostRise:
     """`with HostRise() as rise:` -> rise.mb: how far the disk holding the daemon's data root filled past its level
     at the start, at most, sampled every `every` s while the block ran (a measure for tests and benchmarks: every
@@ -233,14 +264,15 @@ class Budget:
             raise SandboxError(f"could not set the disk quota: {getattr(e, 'stderr', '') or e}") from None
         self.qgroup = Path(self.quota.sysfs, f"0_{rootid}")
 
-    def used(self, container, upper):
+    def used(self, container, upper, root):
         """Bytes the sandbox wrote: its qgroup's exclusive bytes plus what is reserved for writes not yet
-        committed (the kernel checks the cap against that sum), or a walk of overlay2's upper dir, or the daemon's
-        SizeRw (a remote daemon or another driver: slower, same result)."""
+        committed (the kernel checks the cap against that sum), or a walk of overlay2's upper dir and the files
+        its processes deleted but hold (unlinked_bytes), or the daemon's SizeRw (a remote daemon or another
+        driver: slower, and blind to those)."""
         if self.qgroup is not None:
             return sum(int((self.qgroup / name).read_text()) for name in ("exclusive", "rsv_data"))
         if upper:
-            return tree_bytes(upper)
+            return tree_bytes(upper) + unlinked_bytes(root)
         from sandbox import docker_client
         api = docker_client().api  # the SDK's inspect_container has no `size` parameter: the endpoint, directly
         return api._result(api._get(api._url("/containers/{0}/json", container.id), params={"size": 1}),
@@ -253,11 +285,17 @@ class Budget:
         threading.Thread(target=self._watch, args=(container, upper), daemon=True).start()
 
     def _watch(self, container, upper):
-        limit, took = self.mb * 2**20, 0.0
+        limit, took, root = self.mb * 2**20, 0.0, None
+        if upper:
+            try:
+                container.reload()  # here, not in the sandbox's start: its init's pid, known once it started
+            except Exception:
+                return  # the container is gone
+            root = f"/proc/{container.attrs['State']['Pid']}/root"
         while not self._closed.wait(max(DISK_POLL_S, 10 * took)):  # a huge tree: at most ~10% of a core
             t = time.time()
             try:
-                used = self.used(container, upper)
+                used = self.used(container, upper, root)
             except Exception:
                 return  # the container is gone
             took = time.time() - t

@@ -146,6 +146,11 @@ def no_quota(base_image, monkeypatch):
 MMAP = ("python3 -c \"import mmap, os\nfor i in range(16):\n"
         " f = os.open(f'/app/m{i}', os.O_CREAT | os.O_RDWR); os.ftruncate(f, 200 << 20); m = mmap.mmap(f, 0)\n"
         " for o in range(0, 200 << 20, 1 << 20): m[o:o + (1 << 20)] = b'x' * (1 << 20)\"\n")
+UNLINKED_MAPPED = ("python3 -c \"import mmap, os, time\nmaps = []\nfor i in range(6):\n"
+                   " f = os.open(f'/app/m{i}', os.O_CREAT | os.O_RDWR); os.ftruncate(f, 200 << 20)\n"
+                   " maps.append(mmap.mmap(f, 0)); os.close(f); os.unlink(f'/app/m{i}')\n"
+                   " for o in range(0, 200 << 20, 1 << 20): maps[-1][o:o + (1 << 20)] = b'x' * (1 << 20)\n"
+                   "time.sleep(1000)\"\n")
 DISK_ATTACKS = {  # name: (keystrokes, ending)
     "fallocate": ("fallocate -l 4G /app/big\n", None),
     "posix_fallocate": ("python3 -c \"import os; os.posix_fallocate(os.open('/app/big', os.O_CREAT | os.O_WRONLY), 0, "
@@ -156,6 +161,10 @@ DISK_ATTACKS = {  # name: (keystrokes, ending)
     "stream": ("head -c 3G /dev/zero > /app/big\n", "disk_limit"),  # stopped at the budget: the layer is past it
     "files": ("for i in $(seq 2000); do head -c 1M /dev/zero > /app/f$i; done\n", "disk_limit"),
     "mmap": (MMAP, "disk_limit"),
+    # files deleted while held open, or mapped: out of the layer's folders, on the disk until let go
+    "unlinked": ("for i in $(seq 6); do (exec 3>/app/x$i; rm /app/x$i; head -c 200M /dev/zero >&3; sleep 1000) & "
+                 "done; wait\n", "disk_limit"),
+    "unlinked-mapped": (UNLINKED_MAPPED, "disk_limit"),
     "honest": ("head -c 200M /dev/zero > /app/data && echo right > /app/answer\n", None),
 }
 
