@@ -9,8 +9,9 @@ ratio of each against the first; then on each, `--writers` sandboxes of 256 MB a
 `fallocate -l 4G`, half a `dd` loop of 1 GB, with the peak rise of the disk under the daemon's data root.
 
 With --limits, the same rounds on one daemon treated as one without a disk quota (disk.py), alternately with its
-per-file limits (ulimit fsize and core, the seccomp profile) and without them (the watch alone), in paired rounds
-whose order alternates: each round's wall ratio, and their median.
+per-file limits (ulimit fsize and core, the seccomp profile) and the watch's count of deleted files still held, and
+without them (the watch of the layer's folders alone, as before issue 53), in paired rounds whose order alternates:
+each round's wall ratio, and their median.
 
     python envs.py base-image && python -m bench.envs
     python -m bench.envs --reps 50 --steps 20 --concurrency 1 8 32
@@ -128,18 +129,20 @@ def episodes_wall(args, what):
 
 
 def compare_limits(args):
-    """--limits: paired rounds with and without the per-file limits, on a daemon treated as one without a quota."""
+    """--limits: paired rounds with and without the per-file limits and the count of deleted files still held, on
+    a daemon treated as one without a quota."""
     disk.quota()  # found (and said on stderr) outside the timed part
     disk._quota = False  # where the daemon has a quota, its sandboxes are created without it
-    with_limits = disk.Budget.create_options
+    with_limits, unlinked = disk.Budget.create_options, disk.unlinked_bytes
     ratios = []
     for r in range(args.rounds):
         walls = {}
         for arm in ("with", "without") if r % 2 == 0 else ("without", "with"):
-            disk.Budget.create_options = with_limits if arm == "with" else lambda self: {}  # without: the watch only
+            disk.Budget.create_options = with_limits if arm == "with" else lambda self: {}
+            disk.unlinked_bytes = unlinked if arm == "with" else lambda root: 0
             walls[arm] = episodes_wall(args, f"round {r + 1} {arm} the limits")
         ratios.append(walls["with"] / walls["without"])
-    disk.Budget.create_options = with_limits
+    disk.Budget.create_options, disk.unlinked_bytes = with_limits, unlinked
     print(f"{args.episodes} concurrent one-command episodes, with / without the limits, paired: "
           f"{', '.join(f'{x:.2f}' for x in ratios)} | median {statistics.median(ratios):.2f}x")
 
