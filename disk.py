@@ -51,6 +51,7 @@ from pathlib import Path
 
 DISK_POLL_S = 0.2  # how often a sandbox's writable layer is measured (a walk of a small one: ~0.2 ms)
 QUOTA_MARGIN_MB = 16  # the kernel's cap is the budget plus this, so a sandbox stopped by the cap shows as over budget
+HELD_RESCAN_S, HELD_RESCAN_MB = 1.0, 16  # see Budget._watch
 # Docker's default seccomp profile as Docker 28.5.2 ships it (moby vendor/github.com/moby/profiles/seccomp/
 # default.json, Apache-2.0), data only: seccomp_profile() adds this module's rules to it.
 DOCKER_SECCOMP = Path(__file__).with_name("docker-default-seccomp.json")
@@ -287,15 +288,15 @@ class Budget:
             raise SandboxError(f"could not set the disk quota: {getattr(e, 'stderr', '') or e}") from None
         self.qgroup = Path(self.quota.sysfs, f"0_{rootid}")
 
-    def used(self, container, upper, root):
+    def used(self, container, upper):
         """Bytes the sandbox wrote: its qgroup's exclusive bytes plus what is reserved for writes not yet
-        committed (the kernel checks the cap against that sum), or a walk of overlay2's upper dir and the files
-        its processes deleted but hold (unlinked_bytes), or the daemon's SizeRw (a remote daemon or another
-        driver: slower, and blind to those)."""
+        committed (the kernel checks the cap against that sum), or a walk of overlay2's upper dir (the watch adds
+        the files its processes deleted but hold), or the daemon's SizeRw (a remote daemon or another driver:
+        slower, and blind to those)."""
         if self.qgroup is not None:
             return sum(int((self.qgroup / name).read_text()) for name in ("exclusive", "rsv_data"))
         if upper:
-            return tree_bytes(upper) + unlinked_bytes(root)
+            return tree_bytes(upper)
         from sandbox import docker_client
         api = docker_client().api  # the SDK's inspect_container has no `size` parameter: the endpoint, directly
         return api._result(api._get(api._url("/containers/{0}/json", container.id), params={"size": 1}),
@@ -309,6 +310,7 @@ class Budget:
 
     def _watch(self, container, upper):
         limit, took, root = self.mb * 2**20, 0.0, None
+        held, scanned, free_then = 0, 0.0, 0  # the last count of deleted files held, when, the host's free bytes then
         if upper:
             try:
                 container.reload()  # here, not in the sandbox's start: its init's pid, known once it started
@@ -320,7 +322,16 @@ class Budget:
         while not self._closed.wait(max(DISK_POLL_S, 10 * took)):
             t = time.thread_time()
             try:
-                used = self.used(container, upper, root)
+                used = self.used(container, upper)
+                if root:
+                    # Held deleted files (unlinked_bytes: most of a poll's cost) counted again each HELD_RESCAN_S s,
+                    # or at once when the disk under the layer lost HELD_RESCAN_MB since the last count: only then
+                    # can they have grown
+                    free = shutil.disk_usage(upper).free
+                    free_then = max(free_then, free)
+                    if free < free_then - HELD_RESCAN_MB * 2**20 or time.monotonic() - scanned > HELD_RESCAN_S:
+                        held, scanned, free_then = unlinked_bytes(root), time.monotonic(), free
+                    used += held
             except Exception:
                 return  # the container is gone
             took = time.thread_time() - t
