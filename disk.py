@@ -27,8 +27,9 @@ watched and what neither covers, by the kind of Docker daemon (`quota()` finds i
 On every kind the layer is watched every DISK_POLL_S s: its qgroup's counters on btrfs, else a walk of overlay2's
 upper dir (allocated blocks: preallocated space counts, holes do not; ext4 counts delayed allocations at once;
 XFS's speculative preallocation past a growing file's end counts too, unless it is mounted with a fixed allocsize
-as .ci/dockerd.sh mounts it) plus the files its processes deleted but hold (unlinked_bytes), else the daemon's
-SizeRw (blind to those). Past the budget, every process in the sandbox is killed (a `docker exec` of `kill -9 -1`),
+as .ci/dockerd.sh mounts it) plus the files its processes deleted but hold (unlinked_bytes: counted again each
+HELD_RESCAN_S, or at once when the disk under the layer lost HELD_RESCAN_MB; space freed elsewhere on that disk
+meanwhile can hide their growth until the next count), else the daemon's SizeRw (blind to those). Past the budget, every process in the sandbox is killed (a `docker exec` of `kill -9 -1`),
 and the episode ends `disk_limit`, reward 0 (envs.py). The watch's overshoot is what the agent writes, in many files
 or processes at once, between two polls and until that kill lands.
 Not covered anywhere: bind mounts and volumes (sandboxes have none), tmpfs mounts (memory: the memory limit
