@@ -29,9 +29,11 @@ upper dir (allocated blocks: preallocated space counts, holes do not; ext4 count
 XFS's speculative preallocation past a growing file's end counts too, unless it is mounted with a fixed allocsize
 as .ci/dockerd.sh mounts it) plus the files its processes deleted but hold (unlinked_bytes: counted again each
 HELD_RESCAN_S, or at once when the disk under the layer lost HELD_RESCAN_MB; space freed elsewhere on that disk
-meanwhile can hide their growth until the next count), else the daemon's SizeRw (blind to those). Past the budget, every process in the sandbox is killed (a `docker exec` of `kill -9 -1`),
-and the episode ends `disk_limit`, reward 0 (envs.py). The watch's overshoot is what the agent writes, in many files
-or processes at once, between two polls and until that kill lands.
+meanwhile can hide their growth until the next count), else the daemon's SizeRw (blind to those). Past the
+budget, every process in the sandbox is killed (from this host at once where its cgroup is readable here, then by a
+`docker exec` of `kill -9 -1`), and the episode ends `disk_limit`, reward 0 (envs.py). The watch's overshoot is what
+the agent writes, in many files or processes at once, between two polls and until that kill lands; it grows when
+the watching process waits for a core.
 Not covered anywhere: bind mounts and volumes (sandboxes have none), tmpfs mounts (memory: the memory limit
 counts them), inodes (a million empty files), and what the daemon itself writes for the sandbox (its log, archives
 put into it by envs.py).
