@@ -13,7 +13,6 @@ pins, and tags it with STANDIN_TAGS; Docker then builds the Harbor Dockerfiles w
 
 The terminal needs bash, tmux and coreutils' `timeout` in the image (the base image has them).
 """
-import dataclasses
 import functools
 import hashlib
 import io
@@ -30,6 +29,7 @@ import threading
 import time
 from pathlib import Path
 
+import disk
 from terminus import MAX_DURATION, OUTPUT_HEADER, SCREEN_HEADER, decode, pane_diff, truncate_output, visible_screen
 
 BASE_IMAGE = "actobs-base:bookworm"
@@ -48,8 +48,6 @@ DEFAULT_STORAGE_MB = 10240  # disk budget when a task names none (Harbor's defau
 # The stand-in's uv is offline (build_uv_image sets UV_OFFLINE=1); a sandbox given the network lifts that and has uv
 # trust the system's CAs, which in the stand-in include the host's (a TLS-inspecting egress proxy).
 STANDIN_ONLINE = {"UV_OFFLINE": "0", "UV_NATIVE_TLS": "1"}
-DISK_POLL_S = 0.2  # how often a sandbox's writable layer is measured (a walk of a small one: ~0.2 ms)
-QUOTA_MARGIN_MB = 16  # the kernel's cap is the budget plus this, so a sandbox stopped by the cap shows as over budget
 STANDIN_TOOLS = ("/root/.local/bin", "/opt/actobs-wheels")  # the stand-in's verifier tool kit: uv, uvx, env, wheels
 # docker exec's PATH in an image that sets none
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
@@ -97,71 +95,6 @@ def host_cpus(cpus):
     return min(cpus, _cpus)
 
 
-_quota_fs = None  # the daemon's DiskQuota, or False: its sandboxes get no kernel quota
-_quota_lock = threading.Lock()
-
-
-@dataclasses.dataclass(frozen=True)
-class DiskQuota:
-    """How the kernel caps a sandbox's writable layer on this daemon. kind "size": the daemon's own per-container
-    size limit (`--storage-opt size=`: overlay2 on XFS with project quotas, as .ci/dockerd.sh starts it by
-    default), at the overlay2 driver's speed; kind "btrfs": a qgroup limit this process sets on the container's
-    subvolume (root: the data root, sysfs: the qgroups folder), on the opt-in btrfs daemon."""
-    kind: str
-    root: str = ""
-    sysfs: str = ""
-
-
-def _size_limit_refused():
-    """Why the daemon refuses a per-container size limit, or "" when it takes one (a container is created with
-    one and removed, never started)."""
-    import docker
-    try:
-        c = docker_client().containers.create(BASE_IMAGE, entrypoint=["true"], labels={LABEL: owner_label()},
-                                              network_mode="none", storage_opt={"size": "64M"})
-    except docker.errors.ImageNotFound:
-        return f"{BASE_IMAGE} is not there to probe it with (`python envs.py base-image`)"
-    except docker.errors.APIError as e:
-        return e.explanation or str(e)
-    c.remove(force=True)
-    return ""
-
-
-def disk_quota():
-    """The daemon's DiskQuota (see there), found once; or None, said once on stderr: budgets are then only
-    watched, and one large write can overshoot them by any amount."""
-    global _quota_fs
-    with _quota_lock:
-        if _quota_fs is None:
-            info = docker_client().info()
-            root, driver = info.get("DockerRootDir", ""), info.get("Driver")
-            _quota_fs, why = False, ""
-            if driver == "btrfs":
-                if shutil.which("btrfs") is None or not os.access(root, os.W_OK):
-                    why = f"no btrfs command, or {root} is not on this host or not writable by this process"
-                else:
-                    show = subprocess.run(["btrfs", "filesystem", "show", root], capture_output=True, text=True)
-                    uuid = re.search(r"uuid: (\S+)", show.stdout)
-                    sysfs = f"/sys/fs/btrfs/{uuid[1]}/qgroups" if uuid else ""
-                    if os.path.isdir(sysfs):
-                        _quota_fs = DiskQuota("btrfs", root, sysfs)
-                    else:
-                        why = f"btrfs quotas are off on {root}"
-            else:
-                refused = _size_limit_refused()
-                if refused:
-                    backing = dict(info.get("DriverStatus") or ()).get("Backing Filesystem", "?")
-                    why = f"the daemon's {driver} driver on {backing} takes no per-container size: {refused}"
-                else:
-                    _quota_fs = DiskQuota("size")
-            if why:
-                print(f"warning: no disk quota ({why}): sandbox disk budgets are watched, not enforced by the "
-                      "kernel; .ci/dockerd.sh starts a daemon with one where the kernel has XFS quotas (or, slower, "
-                      "with ACTOBS_DOCKER_STORAGE=btrfs)",
-                      file=sys.stderr)
-        return _quota_fs or None
-
-
 @functools.lru_cache(maxsize=8)
 def image_archive(image, path):
     """A tar of `path` as `image` holds it, read from a container that is created and never started."""
@@ -198,18 +131,6 @@ def _image_commands(image):
                                          labels={LABEL: owner_label()}, network_mode="none", remove=True)
     names = decode(out).splitlines()
     return dirs, frozenset(n for n in names if n and not n.endswith(":"))  # "folder:" heads each listing
-
-
-def _tree_bytes(path):
-    """Bytes allocated under path (st_blocks: fallocate'd space counts, sparse holes do not)."""
-    total = 0
-    for root, dirs, files in os.walk(path):
-        for name in dirs + files:
-            try:
-                total += os.lstat(os.path.join(root, name)).st_blocks * 512
-            except OSError:
-                pass
-    return total
 
 
 def _whiteout(st):
@@ -504,11 +425,10 @@ class ProcessLimit(SandboxError):
 
 class Sandbox:
     """A container with the task's limits and a tmux terminal; use as a context manager (always removed).
-    storage_mb: the disk budget of the container's writable layer, watched every DISK_POLL_S seconds; on a daemon
-    with a DiskQuota (disk_quota) the kernel also refuses writes past the budget + QUOTA_MARGIN_MB. network:
-    None (no network: only loopback) or a Docker network mode: "bridge" (the daemon's NAT network: the internet,
-    not the host's own network), "host" (the host's network namespace, its local services included: the only
-    way out on a daemon started with --bridge=none and no iptables, like .ci/dockerd.sh's, whose user-defined
+    storage_mb: the disk budget of the container's writable layer (disk.py: what holds it on each kind of daemon).
+    network: None (no network: only loopback) or a Docker network mode: "bridge" (the daemon's NAT network: the
+    internet, not the host's own network), "host" (the host's network namespace, its local services included: the
+    only way out on a daemon started with --bridge=none and no iptables, like .ci/dockerd.sh's, whose user-defined
     bridges reach nothing), or a user-defined network's name."""
 
     def __init__(self, image, *, workdir="/app", user="root", cpus=1.0, memory_mb=2048, storage_mb=DEFAULT_STORAGE_MB,
@@ -518,14 +438,12 @@ class Sandbox:
         self.cpus, self.memory_mb, self.storage_mb = cpus, memory_mb, storage_mb
         self.pids, self.network, self.files = pids, network, files
         self.container = None
-        self.quota = None  # the sysfs folder of the writable layer's qgroup, on a btrfs daemon with quotas
+        self.disk = disk.Budget(storage_mb)
         self._start = 0  # pane line where the next observation begins
         self._anchor = ""  # that line's text when it was read
         self.last_idle = False
-        self.disk_exceeded = ""  # set by the disk watcher: why the sandbox was stopped
         self._steps = 0  # terminal steps run: each step's result carries its number
         self.recovered_steps = 0  # reads of a step's result file after its exec's output went missing
-        self._closed = threading.Event()
 
     def __enter__(self):
         try:
@@ -544,10 +462,6 @@ class Sandbox:
         env = {"LANG": "C.UTF-8"}
         if self.network and "UV_OFFLINE=1" in (docker_client().images.get(self.image).attrs["Config"].get("Env") or []):
             env.update(STANDIN_ONLINE)
-        quota = disk_quota()
-        cap = {}
-        if quota and quota.kind == "size":  # the daemon's own limit on the writable layer, set at create
-            cap = {"storage_opt": {"size": f"{self.storage_mb + QUOTA_MARGIN_MB}M"}}
         # Created, then started: a container that fails to start is still ours to remove (close()).
         self.container = docker_client().containers.create(
             # The image's own entrypoint is replaced: the container only has to stay up for our execs. PID 1 is
@@ -555,14 +469,15 @@ class Sandbox:
             self.image, entrypoint=["bash", "-c", INIT], labels={LABEL: owner_label()},
             hostname="sandbox", network_mode=self.network or "none", mem_limit=f"{self.memory_mb}m",
             memswap_limit=f"{self.memory_mb}m", pids_limit=self.pids, nano_cpus=int(host_cpus(self.cpus) * 1e9),
-            working_dir=self.workdir, environment=env, tmpfs={path: "exec,mode=700" for path in self.tmpfs}, **cap)
-        self.quota = self._limit_disk(quota)  # before anything runs in it
+            working_dir=self.workdir, environment=env, tmpfs={path: "exec,mode=700" for path in self.tmpfs},
+            **self.disk.create_options())
+        self.disk.limit(self.container)  # before anything runs in it
         try:
             self.container.start()
         except docker.errors.APIError as e:
             raise SandboxError(f"{self.image}: the container did not start (the image needs bash): "
                                f"{e.explanation}") from None
-        threading.Thread(target=self._watch_disk, daemon=True).start()
+        self.disk.watch(self.container, (self._overlay() or (None,))[0])  # None: the daemon is asked (slower)
         # Harbor tasks expect these to exist and be writable by the agent's user.
         code, out = self.exec(f"mkdir -p {self.workdir} /logs/agent /logs/verifier && "
                               "chmod 777 /logs/agent /logs/verifier", user="root")
@@ -585,58 +500,6 @@ class Sandbox:
         self._start, self._anchor = 0, ""
         return self.screen()
 
-    def _limit_disk(self, quota):
-        """On btrfs, cap the writable layer's subvolume: its exclusive bytes (what the sandbox wrote, not the image
-        it shares) at the budget + QUOTA_MARGIN_MB. Returns its qgroup's sysfs folder, or None where no qgroup is
-        read (no quota, or the daemon's own size limit, set at create)."""
-        if quota is None or quota.kind != "btrfs":
-            return None
-        root, sysfs = quota.root, quota.sysfs
-        try:
-            mount_id = Path(root, "image/btrfs/layerdb/mounts", self.container.id, "mount-id").read_text().strip()
-            subvol = str(Path(root, "btrfs/subvolumes", mount_id))
-            rootid = subprocess.run(["btrfs", "inspect-internal", "rootid", subvol], check=True,
-                                    capture_output=True, text=True).stdout.strip()
-            subprocess.run(["btrfs", "qgroup", "limit", "-e", str((self.storage_mb + QUOTA_MARGIN_MB) * 2**20),
-                            subvol], check=True, capture_output=True, text=True)
-        except (OSError, subprocess.CalledProcessError) as e:
-            raise SandboxError(f"could not set the disk quota: {getattr(e, 'stderr', '') or e}") from None
-        return Path(sysfs, f"0_{rootid}")
-
-    def _disk_used(self, upper):
-        """Bytes the sandbox wrote: its qgroup's exclusive bytes plus what is reserved for writes not yet
-        committed (the kernel checks the cap against that sum), or a walk of overlay2's upper dir, or the daemon's
-        SizeRw (a remote daemon or another driver: slower, same result)."""
-        if self.quota is not None:
-            return sum(int((self.quota / name).read_text()) for name in ("exclusive", "rsv_data"))
-        if upper:
-            return _tree_bytes(upper)
-        api = docker_client().api  # the SDK's inspect_container has no `size` parameter: the endpoint, directly
-        return api._result(api._get(api._url("/containers/{0}/json", self.container.id), params={"size": 1}),
-                           True).get("SizeRw", 0)
-
-    def _watch_disk(self):
-        """Measure the writable layer every DISK_POLL_S s; past the budget, kill every process in the container.
-        With a quota the kernel already stops the writes at the cap; without one, this is what keeps the host's
-        disk from filling (overshoot: what the agent writes in one poll interval)."""
-        container, limit = self.container, self.storage_mb * 2**20
-        upper = (self._overlay() or (None,))[0]  # None: ask the daemon (slower, same result)
-        took = 0.0
-        while not self._closed.wait(max(DISK_POLL_S, 10 * took)):  # a huge tree: at most ~10% of a core
-            t = time.time()
-            try:
-                used = self._disk_used(upper)
-            except Exception:
-                return  # the container is gone
-            took = time.time() - t
-            if used > limit:
-                self.disk_exceeded = f"wrote {used / 2**20:.0f} MB, over the disk budget of {self.storage_mb} MB"
-                try:
-                    container.exec_run(["bash", "-c", "kill -9 -1"], user="root")
-                except Exception:
-                    pass
-                return
-
     def stop_agent(self):
         """Kill every process the agent could have started (the terminal, daemons, setsid/nohup children). The
         kill runs the container's bash, which the agent may have replaced: the container's process count, as the
@@ -651,8 +514,13 @@ class Sandbox:
             time.sleep(0.05)
         raise SandboxError(f"{left - 2} processes left after stopping the agent (was its bash replaced?)")
 
+    @property
+    def disk_exceeded(self):
+        """Why the disk watch stopped the sandbox, or ""."""
+        return self.disk.exceeded
+
     def close(self):
-        self._closed.set()
+        self.disk.close()
         if self.container is not None:
             try:
                 self.container.remove(force=True)

@@ -8,20 +8,25 @@ plain overlay2; each must hold the base image): rounds of `--episodes` concurren
 ratio of each against the first; then on each, `--writers` sandboxes of 256 MB at once, half of them trying one
 `fallocate -l 4G`, half a `dd` loop of 1 GB, with the peak rise of the disk under the daemon's data root.
 
+With --limits, the same rounds on one daemon treated as one without a disk quota (disk.py), alternately with its
+per-file limits (ulimit fsize and core, the seccomp profile) and the watch's count of deleted files still held, and
+without them (the watch of the layer's folders alone, as before issue 53), in paired rounds whose order alternates:
+each round's wall ratio, and their median.
+
     python envs.py base-image && python -m bench.envs
     python -m bench.envs --reps 50 --steps 20 --concurrency 1 8 32
     python -m bench.envs --daemons unix:///var/lib/actobs-docker/docker.sock \
         unix:///var/lib/actobs-docker-xfs/docker.sock
+    python -m bench.envs --limits --rounds 4
 """
 import argparse
 import json
 import os
-import shutil
 import statistics
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import disk
 import envs
 import sandbox
 
@@ -34,8 +39,11 @@ def parse_args(argv=None):
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
     p.add_argument("--daemons", nargs="+", metavar="DOCKER_HOST", help="compare these daemons instead (the first "
                    "is the baseline)")
-    p.add_argument("--episodes", type=int, default=32, help="concurrent episodes per round (--daemons)")
-    p.add_argument("--rounds", type=int, default=3, help="rounds per daemon, interleaved (--daemons)")
+    p.add_argument("--limits", action="store_true", help="compare the limits of a daemon without a disk quota "
+                   "with the watch alone instead")
+    p.add_argument("--episodes", type=int, default=32, help="concurrent episodes per round (--daemons, --limits)")
+    p.add_argument("--rounds", type=int, default=3, help="rounds per daemon or arm, interleaved (--daemons, "
+                   "--limits)")
     p.add_argument("--writers", type=int, default=4, help="sandboxes writing past their budget at once (--daemons)")
     return p.parse_args(argv)
 
@@ -89,7 +97,7 @@ ONE_COMMAND = json.dumps({"analysis": "", "plan": "", "commands": [{"keystrokes"
 def use_daemon(host):
     """Point sandbox.py at another daemon: its client and what it cached of the last one are dropped."""
     os.environ["DOCKER_HOST"] = host
-    sandbox._client, sandbox._cpus, sandbox._quota_fs = None, None, None
+    sandbox._client, sandbox._cpus, disk._quota = None, None, None
     sandbox.image_archive.cache_clear()
     sandbox._image_commands.cache_clear()
 
@@ -102,42 +110,57 @@ def disk_rise(image, writers):
                     solution={"solve.sh": b"fallocate -l 4G /app/big\n"})
     fill = envs.Task("dd", "x", image=image, storage_mb=256, tests=pay, solution={
         "solve.sh": b"for i in $(seq 64); do dd if=/dev/zero of=/app/f$i bs=1M count=16 status=none || break; done\n"})
-    root = sandbox.docker_client().info()["DockerRootDir"]
-    free0, low, done = shutil.disk_usage(root).free, [shutil.disk_usage(root).free], threading.Event()
-
-    def sample():
-        while not done.wait(0.02):
-            low.append(shutil.disk_usage(root).free)
-    threading.Thread(target=sample, daemon=True).start()
-    try:
+    with disk.HostRise(0.02) as rise:
         eps = envs.run_oracle([big, fill] * (writers // 2), concurrency=writers)
-    finally:
-        done.set()
-    return (free0 - min(low)) / 2**20, sorted(f"{e.task}: {e.reward:.0f} {e.failure or 'ok'}" for e in eps)
+    return rise.mb, sorted(f"{e.task}: {e.reward:.0f} {e.failure or 'ok'}" for e in eps)
+
+
+def episodes_wall(args, what):
+    """Wall seconds of one round: args.episodes concurrent one-command episodes (printed with `what`)."""
+    task = envs.Task("one-command", "Write hi to /app/out.", image=args.image, storage_mb=256, memory_mb=256,
+                     tests={"test.sh": b"grep -q hi /app/out && echo 1 > /logs/verifier/reward.txt\n"})
+    t0 = time.perf_counter()
+    eps = envs.run_episodes([task] * args.episodes, lambda convs: [ONE_COMMAND] * len(convs),
+                            max_turns=3, concurrency=args.episodes)
+    wall = time.perf_counter() - t0
+    bad = [f"{e.failure}: {e.error[:200]}" for e in eps if e.reward != 1.0]
+    print(f"{what}: {wall:.1f} s" + (f" | {len(bad)} episodes not scored 1, e.g. {bad[0]}" if bad else ""))
+    return wall
+
+
+def compare_limits(args):
+    """--limits: paired rounds with and without the per-file limits and the count of deleted files still held, on
+    a daemon treated as one without a quota."""
+    disk.quota()  # found (and said on stderr) outside the timed part
+    disk._quota = False  # where the daemon has a quota, its sandboxes are created without it
+    with_limits, unlinked = disk.Budget.create_options, disk.unlinked_bytes
+    ratios = []
+    for r in range(args.rounds):
+        walls = {}
+        for arm in ("with", "without") if r % 2 == 0 else ("without", "with"):
+            disk.Budget.create_options = with_limits if arm == "with" else lambda self: {}
+            disk.unlinked_bytes = unlinked if arm == "with" else lambda root: 0
+            walls[arm] = episodes_wall(args, f"round {r + 1} {arm} the limits")
+        ratios.append(walls["with"] / walls["without"])
+    disk.Budget.create_options, disk.unlinked_bytes = with_limits, unlinked
+    print(f"{args.episodes} concurrent one-command episodes, with / without the limits, paired: "
+          f"{', '.join(f'{x:.2f}' for x in ratios)} | median {statistics.median(ratios):.2f}x")
 
 
 def compare_daemons(args):
-    task = envs.Task("one-command", "Write hi to /app/out.", image=args.image, storage_mb=256, memory_mb=256,
-                     tests={"test.sh": b"grep -q hi /app/out && echo 1 > /logs/verifier/reward.txt\n"})
     walls = {host: [] for host in args.daemons}
     for r in range(args.rounds):
         for host in args.daemons:
             use_daemon(host)
-            sandbox.disk_quota()  # says (stderr) which budget this daemon has, outside the timed part
-            t0 = time.perf_counter()
-            eps = envs.run_episodes([task] * args.episodes, lambda convs: [ONE_COMMAND] * len(convs),
-                                    max_turns=3, concurrency=args.episodes)
-            walls[host].append(time.perf_counter() - t0)
-            bad = [f"{e.failure}: {e.error[:200]}" for e in eps if e.reward != 1.0]
-            print(f"round {r + 1} {host}: {walls[host][-1]:.1f} s"
-                  + (f" | {len(bad)} episodes not scored 1, e.g. {bad[0]}" if bad else ""))
+            disk.quota()  # says (stderr) which budget this daemon has, outside the timed part
+            walls[host].append(episodes_wall(args, f"round {r + 1} {host}"))
     base = statistics.median(walls[args.daemons[0]])
     for host, w in walls.items():
         print(f"{args.episodes} concurrent one-command episodes on {host}: median {statistics.median(w):.1f} s "
               f"({', '.join(f'{x:.1f}' for x in w)}) | {statistics.median(w) / base:.2f}x the first")
     for host in args.daemons:
         use_daemon(host)
-        quota = sandbox.disk_quota()
+        quota = disk.quota()
         peak, outcomes = disk_rise(args.image, args.writers)
         print(f"{host} ({quota.kind if quota else 'watched only'}): {args.writers} sandboxes of 256 MB writing past "
               f"it at once: disk rise peak {peak:.0f} MB | {', '.join(outcomes)}")
@@ -147,6 +170,8 @@ def main(argv=None):
     args = parse_args(argv)
     if args.daemons:
         return compare_daemons(args)
+    if args.limits:
+        return compare_limits(args)
     sandbox.sweep()
     starts = []
     for _ in range(max(3, args.reps // 6)):

@@ -234,6 +234,40 @@ def test_expert_types_the_word_as_the_instruction_tokenizes_it():
         assert len(typed) == 2 and all(f'grep -oiw "{word}" ' in c for c in typed), typed
 
 
+def seccomp_action(profile, name, args):
+    """What `profile` (Docker's JSON) does with syscall `name` called with `args`, evaluated as seccomp does: a rule
+    whose comparisons all hold decides; ALLOW, or ERRNO with its errno; else the default (caps and arches aside)."""
+    hold = {"SCMP_CMP_EQ": lambda a, c: a == c["value"], "SCMP_CMP_GT": lambda a, c: a > c["value"],
+            "SCMP_CMP_MASKED_EQ": lambda a, c: a & c["value"] == c["valueTwo"]}
+    for rule in profile["syscalls"]:
+        if name in rule["names"] and not rule.get("includes") and not rule.get("excludes") \
+                and all(hold[c["op"]](args[c["index"]], c) for c in rule.get("args") or ()):
+            return "allow" if rule["action"] == "SCMP_ACT_ALLOW" else rule.get("errnoRet", 1)
+    return 1  # the default action: EPERM
+
+
+def test_seccomp_profile_refuses_exactly_preallocation():
+    """disk.seccomp_profile: fallocate in its plain and punch-hole modes only (any other mode, or upper bits set in
+    the register, EOPNOTSUPP); ioctl for every command but FS_IOC_RESVSP(64) in any size (their 32-bit forms), the
+    register's upper 32 bits ignored as the kernel ignores them; no io_uring; the rest as Docker's default."""
+    import disk
+    profile, base = json.loads(disk.seccomp_profile()), json.loads(disk.DOCKER_SECCOMP.read_text())
+    eopnotsupp = 95
+    assert [seccomp_action(profile, "fallocate", [3, m]) for m in (0, 3, 1, 2, 4, 0x11, 1 << 32, (1 << 32) | 3)] \
+        == ["allow", "allow"] + [eopnotsupp] * 6
+    resvsp = [0x40305828, 0x4030582A, 0x402C5828, 0x402C582A]  # RESVSP, RESVSP64; 64-bit, then 32-bit struct
+    rng = random.Random(0)
+    commands = resvsp + [c | rng.getrandbits(32) << 32 for c in resvsp] + [rng.getrandbits(64) for _ in range(5000)]
+    commands += [c ^ 1 << b for c in resvsp for b in range(32)]  # every neighbour one bit away
+    for cmd in commands:
+        refused = cmd & 0xFFFFFFFF in resvsp or (cmd & 0xC000FFFD == 0x40005828)  # any size of _IOW('X', 40 or 42)
+        assert seccomp_action(profile, "ioctl", [3, cmd]) == (1 if refused else "allow"), hex(cmd)
+    for name in ("io_uring_setup", "io_uring_enter", "io_uring_register"):
+        assert seccomp_action(profile, name, [0, 0]) == 1
+    for name in ("read", "openat", "clone", "mmap", "ftruncate", "personality"):
+        assert seccomp_action(profile, name, [0, 0]) == seccomp_action(base, name, [0, 0]), name
+
+
 def test_import_has_no_side_effects():
     import subprocess
     import sys

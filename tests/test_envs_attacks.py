@@ -4,14 +4,12 @@ ini file, a plugin, a start-up hook, a changed wheel), replaces a program the ve
 `tr` shadowed on PATH) or writes far past its disk budget. Each must score 0 (under strict verification, the
 RL default, as `tampered`) and be recorded as tamper evidence (Episode.tampered); the honest solutions, one of
 which installs a package, still score 1 with none."""
-import shutil
-import threading
 import time
 
 import pytest
 
+import disk
 import envs
-import sandbox
 
 pytestmark = pytest.mark.usefixtures("no_leftovers")
 
@@ -178,30 +176,20 @@ def test_writes_past_the_disk_budget_fail_inside_and_the_host_keeps_its_space(tm
     one fallocate of 4 GB fails whole inside two of them, and a loop of writes stops at the budget in the other
     two and ends their episodes as disk_limit, reward 0: the disk under the daemon never holds more than the
     budgets and their margins."""
-    assert sandbox.disk_quota() is not None, "the Docker daemon has no disk quota (.ci/dockerd.sh says why)"
-    root = sandbox.docker_client().info()["DockerRootDir"]
+    assert disk.quota() is not None, "the Docker daemon has no disk quota (.ci/dockerd.sh says why)"
     pay = {"test.sh": b"echo 1 > /logs/verifier/reward.txt\n"}  # pays for anything: the disk limit must win
     whole = {"test.sh": b"[ $(stat -c %s /app/big) -ge $((2**32)) ] && r=1 || r=0\n"
                         b"echo $r > /logs/verifier/reward.txt\n"}
     big = envs.Task("big", "x", storage_mb=256, tests=whole, solution={"solve.sh": b"fallocate -l 4G /app/big\n"})
     fill = envs.Task("fill", "x", storage_mb=256, tests=pay, solution={
         "solve.sh": b"for i in $(seq 64); do dd if=/dev/zero of=/app/f$i bs=1M count=16 status=none || break; done\n"})
-    free0, low, done = shutil.disk_usage(root).free, [shutil.disk_usage(root).free], threading.Event()
-
-    def sample():  # the free space under the daemon's data root, every 20 ms while the episodes run
-        while not done.wait(0.02):
-            low.append(shutil.disk_usage(root).free)
-    threading.Thread(target=sample, daemon=True).start()
-    try:
-        t0 = time.time()
+    t0 = time.time()
+    with disk.HostRise(0.02) as rise:  # the disk under the daemon's data root, every 20 ms while the episodes run
         eps = envs.run_oracle([big, fill] * 2, concurrency=4)
-    finally:
-        done.set()
     got = sorted((e.task, e.reward, e.failure) for e in eps)
     # the fallocate was refused: nothing to pay for; the loop ran into the cap
     assert got == [("big", 0.0, None)] * 2 + [("fill", 0.0, "disk_limit")] * 2, got
     assert time.time() - t0 < 180
-    cap = 256 + sandbox.QUOTA_MARGIN_MB
-    peak_mb = (free0 - min(low)) / 2**20
-    assert peak_mb < 4 * cap, f"disk use peaked at {peak_mb:.0f} MB"
-    print(f"disk use peak: {peak_mb:.0f} MB for four sandboxes of 256 MB (cap {cap} MB each)")
+    cap = 256 + disk.QUOTA_MARGIN_MB
+    assert rise.mb < 4 * cap, f"disk use peaked at {rise.mb:.0f} MB"
+    print(f"disk use peak: {rise.mb:.0f} MB for four sandboxes of 256 MB (cap {cap} MB each)")

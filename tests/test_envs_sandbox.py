@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+import disk
 import envs
 import sandbox
 
@@ -131,6 +132,86 @@ def test_disk_budget_ends_the_episode_and_scores_0(base_image):
     assert 64 <= used < 1024, eps[0].error  # stopped within a poll of the budget (unbounded: ~20 GB in 30 s)
     solved = envs.run_oracle([envs.Task("oracle", "x", storage_mb=64, tests=pay, solution={"solve.sh": fill.encode()})])
     assert [(e.failure, e.reward) for e in solved] == [("disk_limit", 0.0)]
+
+
+@pytest.fixture
+def no_quota(base_image, monkeypatch):
+    """The daemon as one without a disk quota: where it has one, its sandboxes are created without it."""
+    disk.quota()  # found first, with whether the daemon applies seccomp
+    monkeypatch.setattr(disk, "_quota", False)
+
+
+# Writes past a 256 MB budget as an agent types them, none with the answer: refused inside the sandbox, or ended
+# disk_limit by the watch; "honest" writes 200 MB and the answer.
+MMAP = ("python3 -c \"import mmap, os\nfor i in range(16):\n"
+        " f = os.open(f'/app/m{i}', os.O_CREAT | os.O_RDWR); os.ftruncate(f, 200 << 20); m = mmap.mmap(f, 0)\n"
+        " for o in range(0, 200 << 20, 1 << 20): m[o:o + (1 << 20)] = b'x' * (1 << 20)\"\n")
+UNLINKED_MAPPED = ("python3 -c \"import mmap, os, time\nmaps = []\nfor i in range(6):\n"
+                   " f = os.open(f'/app/m{i}', os.O_CREAT | os.O_RDWR); os.ftruncate(f, 200 << 20)\n"
+                   " maps.append(mmap.mmap(f, 0)); os.close(f); os.unlink(f'/app/m{i}')\n"
+                   " for o in range(0, 200 << 20, 1 << 20): maps[-1][o:o + (1 << 20)] = b'x' * (1 << 20)\n"
+                   "time.sleep(1000)\"\n")
+DISK_ATTACKS = {  # name: (keystrokes, ending)
+    "fallocate": ("fallocate -l 4G /app/big\n", None),
+    "posix_fallocate": ("python3 -c \"import os; os.posix_fallocate(os.open('/app/big', os.O_CREAT | os.O_WRONLY), 0, "
+                        "4 << 30)\"\n", None),
+    "truncate-tail": ("truncate -s 4G /app/big; dd if=/dev/zero of=/app/big bs=1M seek=4095 count=1 conv=notrunc\n",
+                      None),
+    "keep-size": ("touch /app/big; fallocate --keep-size -l 4G /app/big\n", None),
+    "stream": ("head -c 3G /dev/zero > /app/big\n", "disk_limit"),  # stopped at the budget: the layer is past it
+    "files": ("for i in $(seq 2000); do head -c 1M /dev/zero > /app/f$i; done\n", "disk_limit"),
+    "mmap": (MMAP, "disk_limit"),
+    # files deleted while held open, or mapped: out of the layer's folders, on the disk until let go
+    "unlinked": ("for i in $(seq 6); do (exec 3>/app/x$i; rm /app/x$i; head -c 200M /dev/zero >&3; sleep 1000) & "
+                 "done; wait\n", "disk_limit"),
+    "unlinked-mapped": (UNLINKED_MAPPED, "disk_limit"),
+    "honest": ("head -c 200M /dev/zero > /app/data && echo right > /app/answer\n", None),
+}
+
+
+def test_without_a_quota_no_write_takes_the_host_past_the_budget(no_quota):
+    """On a daemon without a disk quota, one at a time in a sandbox of 256 MB: each of DISK_ATTACKS is refused
+    inside (no file may outgrow the budget, fallocate cannot preallocate) or ended `disk_limit`, reward 0, and the
+    disk under the daemon never rises past the budget + 512 MB; the honest writer's 200 MB are scored 1."""
+    whole = b'[ "$(stat -c %s /app/data)" = 209715200 ] && ' + CHECK  # the honest writer's file, whole
+    peaks = {}
+    for name, (keys, ending) in DISK_ATTACKS.items():
+        task = envs.Task(name, name + "\n", storage_mb=256, tests={"test.sh": whole if name == "honest" else CHECK})
+        with disk.HostRise() as rise:
+            ep, = envs.run_episodes([task], by_instruction({name: [reply([keys], duration=60)]}), max_turns=3)
+        peaks[name] = f"{rise.mb:.0f} MB {ep.failure or 'no failure'} {ep.timings.get('env_s', 0):.1f} s"
+        assert (ep.failure, ep.reward) == (ending, float(name == "honest")), (name, ep.failure, ep.error)
+        assert rise.mb < 256 + 512, (name, rise.mb)
+    print("host disk rise peaks:", peaks)
+
+
+def test_without_a_quota_fallocate_cannot_preallocate_and_the_limits_hold(base_image, no_quota):
+    """The seccomp rules: fallocate's keep-size mode, the RESVSP ioctls (their 32-bit form too) and io_uring are
+    refused, plain fallocate, hole punching and other ioctls work; the agent cannot raise its file size limit, and
+    a writer killed by it dumps no core."""
+    probe = r"""import ctypes, errno, fcntl, os, struct
+libc = ctypes.CDLL(None, use_errno=True)
+fd = os.open("/app/f", os.O_CREAT | os.O_RDWR)
+def call(*args):
+    return 0 if libc.syscall(*args) == 0 else errno.errorcode[ctypes.get_errno()]
+def ioctl(cmd):
+    try:
+        return fcntl.ioctl(fd, cmd, struct.pack("hhqqiI4i", 0, 0, 0, 1 << 30, *[0] * 6)) and 0
+    except OSError as e:
+        return errno.errorcode[e.errno]
+falloc = [call(285, fd, mode, ctypes.c_long(0), ctypes.c_long(n))  # fallocate(2)
+          for mode, n in ((1, 1 << 30), (0, 1 << 20), (3, 1 << 19))]
+print(*falloc, os.fstat(fd).st_blocks * 512 >> 10, *map(ioctl, (0x40305828, 0x4030582a, 0x402c5828, 0x4030582b)),
+      call(425, 8, ctypes.create_string_buffer(120)))
+"""
+    with sandbox.Sandbox(base_image, storage_mb=64) as sb:
+        code, out = sb.exec(["python3", "-c", probe])
+        # fallocate keep-size (ENOTSUP is EOPNOTSUPP), plain, punch-hole; the file's KB: the plain 1 MB less the
+        # 512 KB punched; ioctls RESVSP, RESVSP64, RESVSP's 32-bit form, UNRESVSP64 (hole punching); io_uring_setup
+        assert (code, out.split()) == (0, b"ENOTSUP 0 0 512 EPERM EPERM EPERM 0 EPERM".split()), out
+        code, out = sb.exec("exec 2>/dev/null; ulimit -f unlimited; ulimit -f; ulimit -c; "
+                            "head -c 65M /dev/zero > /app/g; echo $?; ls /app")
+        assert out.split() == b"65536 0 153 f g".split(), out  # the 64 MB limit; core 0; SIGXFSZ; no core file
 
 
 def test_an_image_without_bash_is_explained(tmp_path, base_image):
