@@ -185,8 +185,9 @@ def upper_changes(upper, lowers):
     return found
 
 
-def owner_label():
-    return f"{socket.gethostname()}:{os.getpid()}"
+def owner_label(pid=None):
+    """The LABEL value of the containers process `pid` on this host owns (default: this process)."""
+    return f"{socket.gethostname()}:{pid or os.getpid()}"
 
 
 def sweep():
@@ -219,9 +220,9 @@ def _pid_alive(pid):
         return True
 
 
-def my_containers():
-    """Containers owned by this process (tests assert this is empty after every episode)."""
-    return docker_client().containers.list(all=True, sparse=True, filters={"label": f"{LABEL}={owner_label()}"})
+def my_containers(pid=None):
+    """Containers owned by process `pid` (default: this process; tests assert this is empty after every episode)."""
+    return docker_client().containers.list(all=True, sparse=True, filters={"label": f"{LABEL}={owner_label(pid)}"})
 
 
 def image_exists(tag):

@@ -45,8 +45,7 @@ def group_pids(pgid):
 
 def containers_of(pids):
     import sandbox
-    return [c for c in sandbox.docker_client().containers.list(all=True, sparse=True, filters={"label": sandbox.LABEL})
-            if int(c.attrs["Labels"][sandbox.LABEL].rsplit(":", 1)[1]) in pids]
+    return [c for pid in pids for c in sandbox.my_containers(pid)]
 
 
 def stop(proc, lines):

@@ -655,10 +655,6 @@ def weights(path):
     return load_file(str(Path(path) / "model.safetensors"))
 
 
-def owned_by(pid):
-    return sandbox.docker_client().containers.list(all=True, sparse=True, filters={"label": f"{sandbox.LABEL}={sandbox.owner_label().rsplit(':', 1)[0]}:{pid}"})
-
-
 @pytest.mark.slow
 def test_end_to_end_killed_and_resumed(tmp_path, toy_tasks, vllm_dir, no_leftovers):
     """Two steps on toy tasks with real sandboxes and real vLLM. The run is killed (SIGTERM) during its second
@@ -668,13 +664,13 @@ def test_end_to_end_killed_and_resumed(tmp_path, toy_tasks, vllm_dir, no_leftove
     out = tmp_path / "run"
     proc = run_cli(out, toy_tasks, vllm_dir, wait=False)
     deadline = time.time() + 600
-    while not ((out / "step-000001").exists() and owned_by(proc.pid)):
+    while not ((out / "step-000001").exists() and sandbox.my_containers(proc.pid)):
         if proc.poll() is not None or time.time() > deadline:
             pytest.fail(proc.stdout.read()[-3000:])
         time.sleep(0.2)
     os.killpg(proc.pid, signal.SIGTERM)
     proc.wait(timeout=120)
-    assert owned_by(proc.pid) == [] and not (out / "step-000002").exists()
+    assert sandbox.my_containers(proc.pid) == [] and not (out / "step-000002").exists()
     first = (out / "log.jsonl").read_text().splitlines()
     assert [json.loads(r)["step"] for r in first] == [1]
     before = weights(out / "step-000001")
@@ -801,7 +797,7 @@ def test_a_rank_killed_ends_the_run_and_resume_continues_it(tmp_path, toy_tasks,
 
     def rolling_out_step_2():  # step 1's sandboxes are gone before its checkpoint: any now are step 2's
         ranks.update(rank_pids(proc.pid))
-        return len(ranks) == 2 and (out / "step-000001").exists() and owned_by(ranks[1])
+        return len(ranks) == 2 and (out / "step-000001").exists() and sandbox.my_containers(ranks[1])
     wait_for(proc, rolling_out_step_2)
     os.kill(ranks[1], signal.SIGKILL)
     t = time.time()
@@ -812,12 +808,12 @@ def test_a_rank_killed_ends_the_run_and_resume_continues_it(tmp_path, toy_tasks,
             os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode != 0 and "Signal 9 (SIGKILL)" in text, text[-3000:]
     assert re.search(r"rank\s*: 1 \(local_rank: 1\)\s*exitcode\s*: -9", text), text[-3000:]
-    assert owned_by(ranks[0]) == [] and not Path(f"/proc/{ranks[0]}").exists(), f"{time.time() - t:.0f}s"
+    assert sandbox.my_containers(ranks[0]) == [] and not Path(f"/proc/{ranks[0]}").exists(), f"{time.time() - t:.0f}s"
     assert not (out / "step-000002").exists() and [r["step"] for r in log_rows(out)] == [1]
     first, before = log_rows(out)[0], checksum(out / "step-000001")
 
     text = run_cli(out, toy_tasks, vllm_dir, *TWO_RANKS, "--resume", ranks=2)
-    assert "resumed at step 1" in text and "world 2" in text and owned_by(ranks[1]) == []
+    assert "resumed at step 1" in text and "world 2" in text and sandbox.my_containers(ranks[1]) == []
     rows = log_rows(out)
     assert rows[0] == first and [r["step"] for r in rows] == [1, 2] and checksum(out / "step-000001") == before
     r = rows[1]
