@@ -13,7 +13,11 @@ With a grammar (terminus.reply_grammar: --grammar), vLLM's structured outputs (x
 to the tokens the grammar allows, and the log-probs it returns are the masked, renormalised distribution's. So the
 trainer can optimise that same policy, the rollout replays the grammar over each reply's sampled ids once
 (allowed_masks) and stores, per token, which tokens were allowed (Episode.masks, mask_ids): the trainer masks its
-log-softmax with them (common.token_logprobs' allowed) and gives a token with one allowed choice no loss.
+log-softmax with them (common.token_logprobs' allowed) and gives a token with one allowed choice no loss. A reply
+that reaches max_new_tokens under the grammar is closed with the shortest text that completes it
+(terminus.close_reply) and the template's end of turn: forced tokens, each under a mask that allows it alone, so
+every reply a constrained policy writes parses (a random policy's strings seldom close: 5 of ~1,800 allowed tokens
+end one), and the closing tokens carry no loss.
 
 Nothing heavy at import: vLLM is imported when an engine or a policy is made.
 """
@@ -95,6 +99,12 @@ def sync_weights(engine, model):
 
 
 _SKELETON = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]
+
+
+def end_of_turn_id(tok):
+    """The token the chat template ends an assistant turn with: the last one a reply that stops samples."""
+    ids, _, _, off, spans = encode_spans(tok, _SKELETON)
+    return int(ids[int(np.searchsorted(off[:, 0], spans[1][-1][1])) - 1])
 
 
 def prompt_tokens(tok, messages):
@@ -213,8 +223,9 @@ class VLLMPolicy:
         # config (Qwen3: top_k 20) must not apply. logprobs=0: the sampled token's own log-prob.
         self.params = dict(temperature=temperature, top_p=1.0, top_k=0, logprobs=0 if logprobs else None,
                            detokenize=False, output_kind=RequestOutputKind.FINAL_ONLY)
-        self.compiled = None
+        self.compiled, self.grammar = None, grammar
         if grammar:
+            self.end_of_turn = end_of_turn_id(tok)
             ebnf = terminus.reply_grammar(think=grammar == "think")
             self.params["structured_outputs"] = StructuredOutputsParams(grammar=ebnf)
             if logprobs:  # the trainer needs the masks the log-probs were taken under
@@ -261,14 +272,19 @@ class VLLMPolicy:
         self.engine.llm_engine.add_request(rid, {"prompt_token_ids": list(token_ids)}, params)
         return rid
 
-    def reply_masks(self, ep, ids):
+    def reply_masks(self, ep, ids, forced=0):
         """Per id of a reply: the index in ep.masks of the mask it was sampled under (appended when new), or -1
-        without a grammar to replay. Within a free value the mask repeats: the distinct ones are few."""
+        without a grammar to replay; the last `forced` ids (the engine's closing of a cut reply) each under a mask
+        that allows it alone. Within a free value the mask repeats: the distinct ones are few."""
         if self.compiled is None:
             return [-1] * len(ids)
         index = {m.tobytes(): i for i, m in enumerate(ep.masks)}
         out = []
-        for m in allowed_masks(self.compiled, ids, self.stop_ids):
+        masks = allowed_masks(self.compiled, ids, self.stop_ids)  # raises if the closing is not the grammar's
+        for i in range(len(ids) - forced, len(ids)):
+            masks[i] = np.zeros_like(masks[i])
+            masks[i][ids[i] // 8] = 1 << ids[i] % 8
+        for m in masks:
             if m.tobytes() not in index:
                 index[m.tobytes()] = len(ep.masks)
                 ep.masks.append(m)
@@ -290,15 +306,24 @@ class VLLMPolicy:
                 continue
             key = self.requests.pop(o.request_id)
             ep, c = self.eps[key], o.outputs[0]
-            ids = list(c.token_ids)
+            ids, closing = list(c.token_ids), []
+            ep.cut_replies += c.finish_reason == "length"
+            if self.grammar and c.finish_reason == "length":  # closed where the context has room for it
+                text = terminus.close_reply(self.tok.decode(ids), think=self.grammar == "think")
+                closing = self.tok(text, add_special_tokens=False)["input_ids"] + [self.end_of_turn]
+                if len(ep.token_ids) + len(ids) + len(closing) > self.max_len:
+                    closing = []
+            logprobs = [d[t].logprob for d, t in zip(c.logprobs, ids)] if c.logprobs else [0.0] * len(ids)
+            ids += closing
             ep.token_ids += ids
             ep.roles += [ACTION] * len(ids)
             ep.obs_wrapper += [False] * len(ids)
-            ep.logprobs += [d[t].logprob for d, t in zip(c.logprobs, ids)] if c.logprobs else [0.0] * len(ids)
-            ep.mask_ids += self.reply_masks(ep, ids)
-            self.closed[key] = c.finish_reason == "stop"  # ended with its end-of-turn (a stop token), included in ids
+            ep.logprobs += logprobs + [0.0] * len(closing)  # a forced token's probability is 1
+            ep.mask_ids += self.reply_masks(ep, ids, len(closing))
+            # ended with its end-of-turn (a stop token, or the closing's), included in ids
+            self.closed[key] = c.finish_reason == "stop" or bool(closing)
             reply = self.tok.decode(ids[:-1] if self.closed[key] else ids)
-            if c.finish_reason == "length" and len(ep.token_ids) >= self.max_len:
+            if c.finish_reason == "length" and not closing and len(ep.token_ids) >= self.max_len:
                 ep.truncated = True  # the episode's context is full
                 out.append((key, None))
             else:

@@ -236,10 +236,17 @@ def parse_reply(text):
 # optional <think>...</think> block first, as Qwen3-style models write it and parse_reply skips it; its text holds
 # no '<', so the block ends only with </think>. Strings are right-recursive rules: xgrammar then computes a token
 # mask inside a string in ~30 us on a 2k vocabulary; as one `(a | b | c)*` loop it took 1.6 ms (measured).
-_REPLY_EBNF = r"""
-reply ::= "{\"analysis\": " string ", \"plan\": " string ", \"commands\": [" (command (", " command)*)?
-          "], \"task_complete\": " ("true" | "false") "}"
-command ::= "{\"keystrokes\": " string ", \"duration\": " number "}"
+# The reply's parts in order: fixed text, or a free value (a rule of _VALUE_EBNF); a command's the same. The grammar's
+# reply and command rules are written from them, and so is close_reply's completion of a cut reply.
+STRING, NUMBER, BOOL, COMMANDS = "string", "number", "bool", "commands"
+_REPLY_PARTS = ('{"analysis": ', STRING, ', "plan": ', STRING, ', "commands": [', COMMANDS, '], "task_complete": ', BOOL,
+                "}")
+_COMMAND_PARTS = ('{"keystrokes": ', STRING, ', "duration": ', NUMBER, "}")
+_COMMAND_SEP = ", "
+_THINK_OPEN, _THINK_CLOSE = "<think>", "</think>\n\n"
+_VALUE_EBNF = r"""
+commands ::= (command (COMMAND_SEP command)*)?
+bool ::= "true" | "false"
 string ::= "\"" chars "\""
 chars ::= "" | plain chars | escape chars | "<" lt
 lt ::= "" | "<" lt | safe chars | escape chars
@@ -248,13 +255,118 @@ safe ::= [ !#-.0-;=-\[\]-su-~]
 escape ::= "\\" (["\\bfnrt] | "u" hex hex hex hex)
 hex ::= [0-9a-f]
 number ::= ("0" | [1-9] [0-9]?) ("." [0-9] [0-9]?)?
-think ::= "<think>" [^<]* "</think>\n\n"
 """
 
 
+def _ebnf_rule(name, parts):
+    return f"{name} ::= " + " ".join(json.dumps(p) if p not in (STRING, NUMBER, BOOL, COMMANDS) else p
+                                     for p in parts)
+
+
 def reply_grammar(think=False):
-    """The grammar of a reply (_REPLY_EBNF), with or without the optional <think> block before its JSON."""
-    return ("root ::= think? reply" if think else "root ::= reply") + _REPLY_EBNF
+    """The grammar of a reply (xgrammar's EBNF), with or without the optional <think> block before its JSON."""
+    return "\n".join(["root ::= think? reply" if think else "root ::= reply", _ebnf_rule("reply", _REPLY_PARTS),
+                      _ebnf_rule("command", _COMMAND_PARTS),
+                      f"think ::= {json.dumps(_THINK_OPEN)} [^<]* {json.dumps(_THINK_CLOSE)}",
+                      _VALUE_EBNF.replace("COMMAND_SEP", json.dumps(_COMMAND_SEP)).strip()])
+
+
+# A reply cut by --max-new-tokens under the grammar is closed by the engine with the shortest text that completes
+# it (close_reply), so every reply a constrained policy writes parses: the cut value at its shortest end, every
+# part after it at its shortest. Each part's scanner takes (text, pos) and returns the position after the part, or,
+# where the text ends inside it, the text that completes it.
+_SHORTEST = {STRING: '""', NUMBER: "0", BOOL: "false", COMMANDS: ""}
+_NUMBER = re.compile(r"[0-9]*(\.[0-9]*)?")
+
+
+def _shortest(parts):
+    return "".join(_SHORTEST.get(p, p) for p in parts)
+
+
+def _fixed(part, text, pos):
+    if text.startswith(part, pos):
+        return pos + len(part)
+    if part.startswith(text[pos:]):
+        return part[len(text) - pos:]
+    raise ValueError(f"not a prefix of a reply the grammar admits: {part!r} expected at {pos} of {text!r}")
+
+
+def _string(text, pos):
+    if pos == len(text):
+        return _SHORTEST[STRING]
+    i = _fixed('"', text, pos)
+    while i < len(text) and text[i] != '"':
+        if text[i] != "\\":
+            i += 1
+        elif i + 1 == len(text):
+            return 'n"'  # the shortest escape
+        elif text[i + 1] == "u":  # \uXXXX: the cut digits as 0
+            if len(text) < i + 6:
+                return "0" * (i + 6 - len(text)) + '"'
+            i += 6
+        else:
+            i += 2
+    return i + 1 if i < len(text) else '"'
+
+
+def _number(text, pos):
+    end = _NUMBER.match(text, pos).end()
+    if end == len(text) and (end == pos or text.endswith(".")):
+        return "0"  # no digit yet, or none after the point
+    return end
+
+
+def _bool(text, pos):
+    for word in ("true", "false"):
+        if text.startswith(word, pos):
+            return pos + len(word)
+    return _fixed("false" if text.startswith("f", pos) or pos == len(text) else "true", text, pos)
+
+
+def _commands(text, pos):
+    first = True
+    while pos < len(text) and text[pos] != "]":
+        if not first:
+            pos = _fixed(_COMMAND_SEP, text, pos)
+            if isinstance(pos, str):
+                return pos + _shortest(_COMMAND_PARTS)
+        pos, first = _parts(text, pos, _COMMAND_PARTS), False
+        if isinstance(pos, str):
+            return pos
+    return pos
+
+
+_SCAN = {STRING: _string, NUMBER: _number, BOOL: _bool, COMMANDS: _commands}
+
+
+def _parts(text, pos, parts):
+    """Scan `parts` from pos: -> the position after them, or the completion of the text cut inside them."""
+    for k, part in enumerate(parts):
+        pos = _SCAN[part](text, pos) if part in _SCAN else _fixed(part, text, pos)
+        if isinstance(pos, str):
+            return pos + _shortest(parts[k + 1:])
+    return pos
+
+
+def close_reply(text, think=False):
+    """The shortest text that makes `text`, a prefix of a reply reply_grammar(think) admits (one cut by
+    --max-new-tokens), a whole reply the grammar admits; "" for a whole reply. Raises ValueError for a text that
+    is no such prefix."""
+    pos = 0
+    if think and text.startswith("<"):  # the think block: its text holds no '<' but the one of its end
+        pos = _fixed(_THINK_OPEN, text, 0)
+        if isinstance(pos, str):
+            return pos + _THINK_CLOSE + _shortest(_REPLY_PARTS)
+        end = text.find("<", pos)
+        pos = len(text) if end < 0 else _fixed(_THINK_CLOSE, text, end)
+        if end < 0 or isinstance(pos, str):
+            return (_THINK_CLOSE if end < 0 else pos) + _shortest(_REPLY_PARTS)
+    pos = _parts(text, pos, _REPLY_PARTS)
+    if isinstance(pos, str):
+        return pos
+    if pos != len(text):
+        raise ValueError(f"text after a whole reply at {pos} of {text!r}")
+    return ""
 
 
 # --grammar of the scripts that roll out (grpo.py, evaluate.py): whether, and under which grammar, replies are decoded

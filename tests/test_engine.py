@@ -231,27 +231,32 @@ def sample_replies(llm, tok, n, max_new_tokens, grammar):
 
 @pytest.fixture(scope="module")
 def grammar_replies(llm, vllm_dir):
-    """16 replies of the random model under --grammar's grammar, with log-probs and masks, as GRPO samples them."""
+    """16 replies of the random model under --grammar's grammar, with log-probs and masks, as GRPO samples them:
+    at 160 new tokens most are cut (its strings seldom close) and closed by the engine."""
     engine.sync_weights(llm, hf_model(vllm_dir))  # the fixture's weights, whatever tests ran before
     tok = labels.load_tokenizer(vllm_dir, "prefix")
-    return sample_replies(llm, tok, 16, 960, "reply")
+    return sample_replies(llm, tok, 16, 160, "reply")
 
 
 def test_a_random_model_writes_only_parseable_replies_under_the_grammar(llm, vllm_dir, grammar_replies):
-    """The random model writes no reply terminus.parse_reply accepts on its own; under the grammar every reply it
-    ends parses, without a warning, into the reply the grammar's JSON says; a reply cut by max_new_tokens is the
-    only way out (a random policy's free strings run long: at 960 tokens, most end)."""
+    """The random model writes no reply terminus.parse_reply accepts on its own; under the grammar every reply
+    parses, without a warning, into the reply the grammar's JSON says, those it ended and those max_new_tokens cut
+    alike (the engine closes a cut one: its closing tokens forced, log-prob 0, the template's end of turn last)."""
     engine.sync_weights(llm, hf_model(vllm_dir))
     tok = labels.load_tokenizer(vllm_dir, "prefix")
     _, free, _ = sample_replies(llm, tok, 16, 200, None)
     assert not any(terminus.parse_reply(r)[0] for r in free)
-    _, replies, closed = grammar_replies
-    assert sum(closed) >= 12, closed
-    for text, ended in zip(replies, closed):
-        if ended:
-            reply, error, warnings = terminus.parse_reply(text)
-            assert error is None and warnings == [], (error, text)
-            assert json.dumps(json.loads(text)) == text  # json.dumps's own form, as the SFT data
+    eps, replies, closed = grammar_replies
+    assert all(closed) and sum(e.cut_replies for e in eps) >= 4, [e.cut_replies for e in eps]
+    for ep, text in zip(eps, replies):
+        reply, error, warnings = terminus.parse_reply(text)
+        assert error is None and warnings == [], (error, text)
+        assert json.dumps(json.loads(text)) == text  # json.dumps's own form, as the SFT data
+        forced = engine.forced_tokens(ep.masks, ep.mask_ids)
+        n = ep.roles.count(ACTION)
+        assert ep.token_ids[-1] == engine.end_of_turn_id(tok) and forced[-1] and ep.logprobs[-1] == 0.0
+        if ep.cut_replies:  # more than the sampled tokens: the closing, forced
+            assert n > 160 and all(forced[-(n - 160):]) and not any(ep.logprobs[-(n - 160):])
 
 
 def test_grammar_logprobs_match_the_trainer(vllm_dir, grammar_replies):

@@ -203,3 +203,40 @@ def test_every_observation_of_an_expert_episode_splits():
     for o in obs:
         wrapper, payload = split_observation(o)
         assert "root@" not in wrapper and "a.txt" not in wrapper
+
+
+def test_close_reply_completes_every_cut_reply_at_its_shortest(tokenizer):
+    """A reply cut anywhere (as --max-new-tokens cuts one under the grammar) plus terminus.close_reply's text is a
+    whole reply the grammar admits and parse_reply reads without a warning, and the completion is the shortest:
+    the cut value closed (an escape's missing digits as 0, a duration's missing decimal as 0), every later part at
+    its shortest (no further command, empty strings, task_complete false). A whole reply needs nothing; a text the
+    grammar does not begin is refused."""
+    import engine
+    xgr = pytest.importorskip("xgrammar")
+    plain, think = (engine.compile_grammar(tokenizer, terminus.reply_grammar(t), len(tokenizer)) for t in (False, True))
+
+    def admits(compiled, text):
+        m = xgr.GrammarMatcher(compiled)
+        return m.accept_string(text) and m.accept_token(tokenizer.eos_token_id) and m.is_terminated()
+    crafted = [json.dumps({"analysis": 'a "q" \\ é\n<<', "plan": "", "commands": [
+        {"keystrokes": "ls -la\n", "duration": d} for d in (0.1, 10.25, 5)], "task_complete": True})]
+    replies = expert_replies()[::10] + crafted
+    for reply in replies:
+        assert terminus.close_reply(reply) == ""
+        for k in range(len(reply)):
+            text = reply[:k] + terminus.close_reply(reply[:k])
+            assert admits(plain, text), (reply[:k], text)
+            assert terminus.parse_reply(text)[1:] == (None, []), text
+    shortest = '{"analysis": "", "plan": "", "commands": [], "task_complete": false}'
+    cases = {"": shortest, '{"analysis": "ab\\': 'n", "plan": "", "commands": [], "task_complete": false}',
+             '{"analysis": "\\u00': '00", "plan": "", "commands": [], "task_complete": false}',
+             crafted[0][:crafted[0].index("0.1") + 2]: '0}], "task_complete": false}',
+             crafted[0][:crafted[0].index("true") + 2]: 'ue}',
+             crafted[0][:crafted[0].index("}, {") + 2]: ' {"keystrokes": "", "duration": 0}], "task_complete": false}'}
+    for cut, completion in cases.items():
+        assert terminus.close_reply(cut) == completion, cut
+    block = "<think>hm, a plan\n</think>\n\n" + replies[0]
+    for k in range(len(block)):
+        assert admits(think, block[:k] + terminus.close_reply(block[:k], think=True)), block[:k]
+    with pytest.raises(ValueError, match="not a prefix"):
+        terminus.close_reply('{"analysis": 1')
