@@ -17,10 +17,6 @@ One step: sample --tasks-per-step tasks, run --group-size episodes of each (all 
 --concurrency sandboxes), score them with the task's verifier, and take --ppo-epochs optimizer steps on
 
     A_i = r_i - mean(r_group)                          (/ (std(r_group) + 1e-6) with --scale-std; population std)
-          (r_i less --format-penalty x the share of the episode's replies the protocol could not parse)
-          (x --neg-weight where A_i < 0; per token x (ALPHA p_i + 1 - ALPHA) with --prob-weight ALPHA;
-           0 on a reply the protocol could not parse where A_i > 0 with --no-credit-unparsed;
-           0 on every token but the values the environment acts on with --credit acted)
     L   = -sum_{i in ACTION} n_i * w_i * min(rho_i A, clip(rho_i, 1-eps_low, 1+eps_high) A)
           + echo * mean_seq[ sum_{i in OBS(seq)} NLL_i / |OBS(seq)| ]  + kl * sum_{i in ACTION} n_i * k3_i
 
@@ -86,17 +82,6 @@ def get_parser():
     g.add_argument("--loss-norm", default="token", choices=["token", "sequence", "constant"],
                    help="n_i of the module docstring: token, sequence or constant (Dr. GRPO)")
     g.add_argument("--scale-std", action="store_true", help="divide advantages by the group's std (+1e-6)")
-    g.add_argument("--prob-weight", type=float, default=0.0, metavar="ALPHA", help="a token's advantage times "
-                   "ALPHA * p + 1 - ALPHA, p the probability it was sampled with (0 = off): tokens the policy found "
-                   "unlikely, whose gradients are the largest, push less (advantage reweighting, Yang et al. 2025)")
-    g.add_argument("--credit", default="reply", choices=["reply", "acted"], help="which tokens of a reply carry its "
-                   "advantage: reply (every one) or acted (only the values the environment acts on: keystrokes, "
-                   "duration, task_complete; terminus.acted_spans), so the analysis, plan and the JSON's fixed text "
-                   "move only under the KL term")
-    g.add_argument("--no-credit-unparsed", action="store_true", help="a reply the protocol could not parse gets "
-                   "no positive advantage: a solved episode does not reinforce the malformed replies it recovered from")
-    g.add_argument("--neg-weight", type=float, default=1.0, help="multiply negative advantages by this (1 = GRPO): "
-                   "below 1 the failed episodes push less than the solved ones pull")
     g.add_argument("--redraw", type=int, default=0, metavar="K", help="the last K steps draw the tasks the first K "
                    "drew (fresh episodes of them): the run's solve rate, first steps against last, then compares the "
                    "same tasks, not two draws of them (scripts/report.py; bench/draw_noise.py measures the draw's "
@@ -108,9 +93,6 @@ def get_parser():
                    "--max-len: keep (the verifier's reward), mask (in their group's statistics, out of the loss), "
                    "penalty (reward - --overlong-penalty)")
     g.add_argument("--overlong-penalty", type=float, default=1.0, help="what --overlong penalty subtracts")
-    g.add_argument("--format-penalty", type=float, default=0.0, metavar="C", help="subtract C x the share of an "
-                   "episode's replies the protocol could not parse from its reward (0 = off): a format reward, so "
-                   "replies that drift from the protocol's JSON are pushed back")
     g.add_argument("--tis-cap", type=float, default=0.0, help="truncated importance weight cap (0 = off)")
     g.add_argument("--kl-coef", type=float, default=0.0, help="k3 KL penalty to the initial policy (0 = off)")
     g.add_argument("--echo-coef", type=float, default=0.0, help="ECHO: weight of the observation NLL of the "
@@ -143,11 +125,11 @@ def get_parser():
 # ----------------------------------------------------------------------------------------------------------
 # The objective
 
-def group_advantages(rewards, valid=None, scale_std=False, neg_weight=1.0, eps=1e-6):
+def group_advantages(rewards, valid=None, scale_std=False, eps=1e-6):
     """rewards (G, S) -> (advantages (G, S), signal (G,) bool). A = r - mean of the group's valid episodes; with
-    scale_std, / (std + eps), std being the population std (ddof 0) of those valid rewards; negative A times
-    neg_weight. Invalid episodes (infrastructure failures) get 0 and stay out of the statistics; a group whose
-    valid rewards are all equal, or with fewer than two valid episodes, has no signal: all its advantages are 0."""
+    scale_std, / (std + eps), std being the population std (ddof 0) of those valid rewards. Invalid episodes
+    (infrastructure failures) get 0 and stay out of the statistics; a group whose valid rewards are all equal, or
+    with fewer than two valid episodes, has no signal: all its advantages are 0."""
     valid = torch.ones_like(rewards, dtype=torch.bool) if valid is None else valid
     n = valid.sum(1, keepdim=True).clamp(min=1)  # (G, 1)
     mean = (rewards * valid).sum(1, keepdim=True) / n
@@ -155,7 +137,6 @@ def group_advantages(rewards, valid=None, scale_std=False, neg_weight=1.0, eps=1
     std = (dev.pow(2).sum(1, keepdim=True) / n).sqrt()
     has_signal = (std.squeeze(1) > 0) & (valid.sum(1) >= 2)  # (G,)
     adv = dev / (std + eps) if scale_std else dev
-    adv = torch.where(adv < 0, adv * neg_weight, adv)
     return adv * has_signal[:, None], has_signal
 
 
@@ -245,8 +226,6 @@ def pg_loss(model, batch, args, coefs, n_tok, n_seq, n_echo):
     def at_rows(key):  # a (B, T) per-token field at the selected positions, (N,)
         return batch[key][:, 1:][sel]
     adv, behav = at_rows("adv"), at_rows("behav")
-    if args.prob_weight:  # a low-probability token's log-prob gradient is the largest: let it push less
-        adv = adv * (args.prob_weight * behav.exp() + 1 - args.prob_weight)
     old = at_rows("old") if "old" in batch else None  # None: the trainer before this step's first update is this one
     ref = at_rows("ref") if "ref" in batch else None
     w = torch.zeros(len(targets), device=h.device)  # (N,): n_i on action rows, ECHO's weight on observation rows
@@ -425,63 +404,33 @@ def unparsed_replies(episode):
             for i in range(len(m)) if m[i]["role"] == "assistant"]
 
 
-def acted_tokens(tok, ids, replies):
-    """One bool per token of `ids`: whether it holds part of a value the environment acts on in its reply
-    (terminus.acted_spans; a token that straddles a value's edge counts); False outside the replies."""
-    out = [False] * len(ids)
-    for start, end in replies:
-        pieces = tok.batch_decode([[i] for i in ids[start:end]])  # the reply's text, one piece per token
-        spans = terminus.acted_spans("".join(pieces))
-        pos = 0
-        for t, piece in enumerate(pieces):
-            out[start + t] = any(a < pos + len(piece) and pos < b for a, b in spans)
-            pos += len(piece)
-    return out
-
-
-def token_advantages(episode, adv, replies, credit_unparsed=True, acted=None):
+def token_advantages(episode, adv, replies):
     """The advantage of each of an episode's tokens (a list, one per token; the loss reads it at the action
-    tokens) from its group-relative advantage `adv` and its turn boundaries `replies` (engine.reply_spans: the
-    [start, end) of each reply in turn order). GRPO's outcome reward gives every token the same; a per-turn or
-    per-token advantage (turn rewards, a value model) is a change to this function alone. Without
-    credit_unparsed a reply the protocol could not parse gets 0 where the episode's advantage is positive: a
-    solved episode does not reinforce the malformed replies it recovered from. With acted (acted_tokens), only
-    those tokens get the advantage."""
-    out = [adv] * len(episode.token_ids) if acted is None else [adv if a else 0.0 for a in acted]
-    if adv > 0 and not credit_unparsed:
-        for (start, end), bad in zip(replies, unparsed_replies(episode)):
-            if bad:
-                out[start:end] = [0.0] * (end - start)
-    return out
+    tokens) from its group-relative advantage `adv` (a float) and its turn boundaries `replies` (engine.reply_spans:
+    the [start, end) of each reply in turn order). GRPO's outcome reward gives every token the same; a per-turn or
+    per-token advantage (turn rewards, a value model) is a change to this function alone."""
+    return [adv] * len(episode.token_ids)
 
 
-def group_examples(episodes, group_size, args, tok=None):
+def group_examples(episodes, group_size, args):
     """Episodes of consecutive groups (group_size each) -> (training examples per group, has_signal (G,) bool,
     valid (G, S) bool). An example holds an episode's per-token lists (ids, roles, behav: the vLLM log-probs,
-    wrapper, adv: token_advantages; tok: the tokenizer, which --credit acted reads the replies with).
-    Infrastructure failures are not valid: out of their group's statistics and of the loss. An episode cut at
-    --max-len keeps the verifier's reward (--overlong keep), stays in its group's statistics without a loss
-    (mask), or has --overlong-penalty taken off its reward (penalty). --format-penalty C takes C x the share of
-    its replies that could not be parsed off every episode's reward."""
+    wrapper, adv: token_advantages). Infrastructure failures are not valid: out of their group's statistics and of
+    the loss. An episode cut at --max-len keeps the verifier's reward (--overlong keep), stays in its group's
+    statistics without a loss (mask), or has --overlong-penalty taken off its reward (penalty)."""
     cut = torch.tensor([e.truncated for e in episodes]).view(-1, group_size)  # (G, S)
     rewards = torch.tensor([e.reward for e in episodes], dtype=torch.float32).view(-1, group_size)
     if args.overlong == "penalty":
         rewards = rewards - args.overlong_penalty * cut
-    if args.format_penalty:
-        bad = torch.tensor([np.mean(unparsed_replies(e) or [False]) for e in episodes], dtype=torch.float32)
-        rewards = rewards - args.format_penalty * bad.view(-1, group_size)
     valid = torch.tensor([e.failure not in envs.INFRA_FAILURES for e in episodes]).view(-1, group_size)
-    adv, has_signal = group_advantages(rewards, valid, args.scale_std, args.neg_weight)
+    adv, has_signal = group_advantages(rewards, valid, args.scale_std)
     trains = valid & ~cut if args.overlong == "mask" else valid
     groups = [[] for _ in range(len(rewards))]
     for i, e in enumerate(episodes):
         g, j = divmod(i, group_size)
         if trains[g, j] and ACTION in e.roles:
-            replies = engine.reply_spans(e.roles)
-            acted = acted_tokens(tok, e.token_ids, replies) if args.credit == "acted" else None
             groups[g].append({"ids": e.token_ids, "roles": e.roles, "behav": e.logprobs, "wrapper": e.obs_wrapper,
-                              "adv": token_advantages(e, float(adv[g, j]), replies, not args.no_credit_unparsed,
-                                                      acted)})
+                              "adv": token_advantages(e, float(adv[g, j]), engine.reply_spans(e.roles))})
             if e.masks:  # decoded under a grammar: its masks, and its forced tokens out of the loss
                 groups[g][-1].update(masks=e.masks, mask_ids=e.mask_ids,
                                      forced=engine.forced_tokens(e.masks, e.mask_ids))
@@ -499,13 +448,12 @@ def keep_signal_groups(has_signal, room, rank, device):
     return has_signal.nonzero().flatten().tolist()[:take], min(int(sum(counts)), room)
 
 
-def sample_step(draw, n_tasks, args, step, rank, device, tok=None):
+def sample_step(draw, n_tasks, args, step, rank, device):
     """One step's episodes and training examples. draw(draw index, task indices) -> the episodes of those tasks'
     groups (group_size each, in order) on this rank (draw_episodes). One draw of --tasks-per-step groups, split
     over the ranks; with --dynamic-sampling, groups without signal are dropped and further draws (new tasks,
-    seeded by the draw) fill the step until --tasks-per-step groups have signal or the cap is drawn. tok: as
-    group_examples. -> (episodes of every draw, valid (G, S), has_signal (G,) over every drawn group, this
-    rank's examples)."""
+    seeded by the draw) fill the step until --tasks-per-step groups have signal or the cap is drawn. -> (episodes
+    of every draw, valid (G, S), has_signal (G,) over every drawn group, this rank's examples)."""
     world = dist.get_world_size() if dist.is_initialized() else 1
     per_rank = args.tasks_per_step // world
     episodes, valid, has_signal, examples, kept = [], [], [], [], 0
@@ -513,7 +461,7 @@ def sample_step(draw, n_tasks, args, step, rank, device, tok=None):
         groups = step_groups(n_tasks, args.tasks_per_step, task_step(step, args.steps, args.redraw), args.seed,
                              d)[rank * per_rank: (rank + 1) * per_rank]
         eps = draw(d, groups)
-        ex_groups, sig, ok = group_examples(eps, args.group_size, args, tok)
+        ex_groups, sig, ok = group_examples(eps, args.group_size, args)
         episodes, valid, has_signal = episodes + eps, valid + [ok], has_signal + [sig]
         if not args.dynamic_sampling:
             examples = [ex for g in ex_groups for ex in g]
@@ -608,10 +556,8 @@ RESUME_KEYS = common.resume_keys(get_parser())  # the flags that fix what the ru
 def main(argv=None):
     args = get_parser().parse_args(argv)
 
-    if (args.keep < 1 or args.ppo_epochs < 1 or args.temperature <= 0 or args.neg_weight < 0
-            or not 0 <= args.prob_weight <= 1 or args.format_penalty < 0):
-        raise ValueError("--keep and --ppo-epochs must be >= 1, --temperature > 0, --neg-weight and --format-penalty "
-                         ">= 0, --prob-weight in [0, 1]")
+    if args.keep < 1 or args.ppo_epochs < 1 or args.temperature <= 0:
+        raise ValueError("--keep and --ppo-epochs must be >= 1, --temperature > 0")
     if not 0 <= 2 * args.redraw <= args.steps:
         raise ValueError(f"--redraw {args.redraw}: the last steps redraw the first steps' tasks, at most half of "
                          f"--steps {args.steps}")
@@ -649,7 +595,7 @@ def main(argv=None):
         # draw tasks, roll out their groups, score, advantages (no engine reference outlives it: see `del llm`)
         episodes, valid, has_signal, examples = sample_step(
             functools.partial(draw_episodes, llm, tok, tasks, template, args, step, rank, gen), len(tasks), args, step,
-            rank, device, tok)
+            rank, device)
         if device.type == "cuda":  # the engine's weights go to host memory and its KV cache is freed while training
             llm.sleep(level=1)
         t_roll = time.time()

@@ -21,7 +21,6 @@ import pytest
 import torch
 
 import common
-import engine
 import envs
 import grpo
 import labels
@@ -48,9 +47,6 @@ def test_group_advantages():
     std = torch.tensor([0.5, 0.0, 0.75 ** 0.5 * 0.5])  # population std: sqrt(p (1 - p))
     assert torch.allclose(adv[0], torch.tensor([1.0, -1.0, -1.0, 1.0]), atol=1e-5)
     assert torch.allclose(adv[2], (r[2] - 0.25) / (std[2] + 1e-6))
-    # --neg-weight scales the failed episodes' (negative) advantages only
-    adv, _ = grpo.group_advantages(r, neg_weight=0.25)
-    assert torch.allclose(adv, torch.tensor([[0.5, -0.125, -0.125, 0.5], [0.0] * 4, [-0.0625, 0.75, -0.0625, -0.0625]]))
     # an infrastructure failure leaves its group's mean; a group with one valid episode has no signal
     valid = torch.tensor([[True, True, False, True], [True] * 4, [False, True, False, False]])
     adv, signal = grpo.group_advantages(r, valid)
@@ -73,8 +69,7 @@ def naive_logprobs(model, ids, T, allowed=None):
 def reference_loss(model, examples, args, n_tok, n_seq, n_echo):
     """The objective of grpo's docstring written out with full logits, one sequence at a time: PPO's clipped
     surrogate at [1 - eps_low, 1 + eps_high], TIS against the old log-probs (the current ones, detached, when
-    the example has none), k3 KL to ex['ref'], ECHO (payload only or not), --prob-weight's per-token advantage and
-    the three normalisers."""
+    the example has none), k3 KL to ex['ref'], ECHO (payload only or not) and the three normalisers."""
     low = args.clip if args.clip_low is None else args.clip_low
     high = args.clip if args.clip_high is None else args.clip_high
     total = 0.0
@@ -89,8 +84,6 @@ def reference_loss(model, examples, args, n_tok, n_seq, n_echo):
         a = torch.as_tensor(ex["adv"], dtype=torch.float32)
         a = a[1:] if a.ndim else a  # per token or per sequence
         behav = torch.tensor(ex["behav"][1:])
-        if args.prob_weight:
-            a = a * (args.prob_weight * behav.exp() + 1 - args.prob_weight)
         if args.tis_cap > 0:
             old = torch.tensor(ex["old"][1:]) if "old" in ex else lp_t.detach()
             ratio, w = (lp_t - old).exp(), (old - behav).exp().clamp(max=args.tis_cap)
@@ -148,7 +141,6 @@ LOSS_CASES = {
     "kl": (["--kl-coef", "0.3"], [0.05, -0.05, 0], "ref"),
     "tis": (["--tis-cap", "1.2"], [-0.5, 0.5, 0.1], None),  # w = e^-shift: capped, 0.61, 0.90
     "tis-old": (["--tis-cap", "1.2", "--ppo-epochs", "2"], [-0.3, 0.3, 0.1], "old"),
-    "prob-weight": (["--prob-weight", "0.6"], [0.1, -0.2, 0.0], None),
 }
 
 
@@ -266,7 +258,7 @@ def test_forced_tokens_carry_no_loss(model, tokenizer, synthetic):
 # what each case's flags or extra log-probs are set against: the same examples without the mode
 WITHOUT = {"clipped": (["--clip", "10"], None), "clip-higher": ([], None), "echo": ([], None),
            "echo-payload": (["--echo-coef", "0.5"], None), "kl": ([], None), "tis": ([], None),
-           "tis-old": (["--tis-cap", "1.2"], None), "prob-weight": ([], None)}
+           "tis-old": (["--tis-cap", "1.2"], None)}
 
 
 def test_reference_tells_the_modes_apart(model, tokenizer, synthetic):
@@ -402,81 +394,22 @@ def test_overlong_episodes_kept_masked_or_penalised():
     assert signal.tolist() == [True, True, True]
 
 
-def test_a_solved_episode_gives_its_unparsed_replies_no_credit():
-    """--no-credit-unparsed: the reply the protocol answered with a parse error gets 0 where its episode's
-    advantage is positive, and keeps a negative one; the episode's other replies and the default are unchanged."""
-    msgs = [{"role": "user", "content": "task"}, {"role": "assistant", "content": "{not json"},
-            {"role": "user", "content": terminus.parse_error_message("Invalid JSON", [])},
-            {"role": "assistant", "content": "{}"}, {"role": "user", "content": "out"},
-            {"role": "assistant", "content": DONE}]
-    roles = [PROMPT, ACTION, ACTION, OBS, ACTION, ACTION, OBS, ACTION]
-    ep = envs.Episode("t", msgs, reward=1.0, token_ids=list(range(8)), roles=roles, logprobs=[0.0] * 8,
-                      obs_wrapper=[False] * 8)
-    replies = engine.reply_spans(roles)
-    assert grpo.unparsed_replies(ep) == [True, False, False]
-    assert grpo.token_advantages(ep, 0.5, replies) == [0.5] * 8
-    assert grpo.token_advantages(ep, 0.5, replies, credit_unparsed=False) == [0.5, 0.0, 0.0] + [0.5] * 5
-    assert grpo.token_advantages(ep, -0.5, replies, credit_unparsed=False) == [-0.5] * 8
-    failed = dataclasses.replace(ep, reward=0.0)
-    groups, _, _ = grpo.group_examples([ep, failed], 2, args_for("--no-credit-unparsed"))
-    assert [ex["adv"] for ex in groups[0]] == [[0.5, 0.0, 0.0] + [0.5] * 5, [-0.5] * 8]
-
-
 DONE = '{"analysis": "", "plan": "", "commands": [], "task_complete": true}'
 
 
-def test_format_penalty_counts_every_unparsed_reply():
-    """--format-penalty C: C x the share of an episode's unparseable replies comes off its reward, the last reply
-    included (an episode its third parse error ended has no answer to it): two solved episodes of a group differ
-    by their format alone, and a failed one ended by parse errors goes below the failed well-formed one."""
-    def ep(replies, reward):
+def test_unparsed_replies_count_every_reply_the_protocol_could_not_parse():
+    """The step log's parse-error rate: a reply is unparsed when the protocol answered it with a parse error; the
+    last reply, which nothing answered (an episode its third parse error ended), is parsed here."""
+    def ep(replies):
         msgs = [{"role": "user", "content": "task"}]
         for k, r in enumerate(replies):
             msgs.append({"role": "assistant", "content": r})
             if k + 1 < len(replies):
                 bad = terminus.parse_reply(r)[1]
                 msgs.append({"role": "user", "content": terminus.parse_error_message(bad, []) if bad else "out"})
-        n = 2 * len(replies) + 1
-        return envs.Episode("t", msgs, reward=reward, token_ids=list(range(n)), logprobs=[0.0] * n,
-                            roles=[PROMPT] + [ACTION, OBS] * (len(replies) - 1) + [ACTION, ACTION],
-                            obs_wrapper=[False] * n)
-    eps = [ep(["{x", DONE], 1.0), ep(["{}", DONE, DONE, DONE], 1.0), ep(["{x", "{y", "{z"], 0.0), ep([DONE], 0.0)]
+        return envs.Episode("t", msgs)
+    eps = [ep(["{x", DONE]), ep(["{}", DONE, DONE, DONE]), ep(["{x", "{y", "{z"]), ep([DONE])]
     assert [grpo.unparsed_replies(e) for e in eps] == [[True, False], [True, False, False, False], [True] * 3, [False]]
-    groups, signal, _ = grpo.group_examples(eps, 2, args_for("--format-penalty", "0.4"))
-    # rewards 1 - 0.4 / 2, 1 - 0.4 / 4 and 0 - 0.4, 0; the advantages r - the group's mean
-    assert [[round(ex["adv"][0], 6) for ex in g] for g in groups] == [[-0.05, 0.05], [-0.2, 0.2]]
-    assert signal.tolist() == [True, True]
-    groups, signal, _ = grpo.group_examples(eps, 2, args_for())
-    assert signal.tolist() == [False, False]  # without it, the format makes no difference
-
-
-def test_acted_credit_goes_to_the_values_the_environment_acts_on(tokenizer):
-    """--credit acted: in each reply (a well-formed one, and one cut off inside its second command) only the tokens
-    of the keystrokes strings, durations and task_complete carry the advantage; what they decode to is those values
-    (a token may straddle a value's edge: the text between the values holds none of them)."""
-    good = '{"analysis": "Two files.", "plan": "Count.", "commands": [{"keystrokes": "wc -l a.txt\\n", ' \
-           '"duration": 0.5}], "task_complete": true}'
-    cut = '{"analysis": "x", "plan": "y", "commands": [{"keystrokes": "ls\\n", "duration": 1}, {"keystrokes": "cat b'
-    ids, roles = [], []
-    for text, role in (("prompt", PROMPT), (good, ACTION), ("output", OBS), (cut, ACTION)):
-        new = tokenizer.encode(text, add_special_tokens=False)
-        ids, roles = ids + new, roles + [role] * len(new)
-    acted = grpo.acted_tokens(tokenizer, ids, engine.reply_spans(roles))
-    assert not any(a for a, r in zip(acted, roles) if r != ACTION)
-    runs, cur = [], []  # the acted tokens' text, one string per run of consecutive acted tokens
-    for i, a in enumerate(acted + [False]):
-        if a:
-            cur.append(ids[i])
-        elif cur:
-            runs, cur = runs + [tokenizer.decode(cur)], []
-    want = ['"wc -l a.txt\\n"', "0.5", "true", '"ls\\n"', "1", '"cat b']
-    assert len(runs) == len(want) and all(w in r for w, r in zip(want, runs)), runs
-    free = [tokenizer.decode([t]) for t, a, r in zip(ids, acted, roles) if r == ACTION and not a]
-    assert not any(w in "".join(free) for w in ("wc", "0.5", "true", "cat")), free
-    ep = envs.Episode("t", [], reward=1.0, token_ids=ids, roles=roles, logprobs=[0.0] * len(ids),
-                      obs_wrapper=[False] * len(ids))
-    adv = grpo.token_advantages(ep, 0.5, engine.reply_spans(roles), acted=acted)
-    assert adv == [0.5 if a else 0.0 for a in acted] and 0 < sum(acted) < roles.count(ACTION)
 
 
 def test_a_per_turn_advantage_is_a_change_to_one_function(model, tokenizer, synthetic, monkeypatch):
@@ -503,7 +436,7 @@ def test_a_per_turn_advantage_is_a_change_to_one_function(model, tokenizer, synt
         train(m, model, torch.optim.SGD(m.parameters(), lr=0.1), examples, args, tokenizer.pad_token_id)
         return m
 
-    def per_turn(episode, adv, replies, credit_unparsed=True, acted=None):  # from reply k's start on, (k + 1) A
+    def per_turn(episode, adv, replies):  # from reply k's start on, (k + 1) A
         starts = [start for start, _ in replies]
         return [adv * max(bisect.bisect_right(starts, i), 1) for i in range(len(episode.token_ids))]
 
@@ -612,13 +545,6 @@ def test_examples_under_a_grammar_carry_its_masks_and_forced_tokens():
     plain = grpo.group_examples([episode(1.0), episode(0.0)], 2, args_for())[0][0][0]
     assert "masks" not in plain and "forced" not in plain and grpo.loss_tokens(plain) == 2
     assert "grammar" in grpo.RESUME_KEYS and args_for("--grammar").grammar == "reply"
-
-
-@pytest.mark.parametrize("flags", [["--neg-weight", "-0.5"], ["--prob-weight", "1.5"], ["--prob-weight", "-0.1"],
-                                   ["--format-penalty", "-1"]])
-def test_advantage_weights_out_of_range_are_refused(flags):
-    with pytest.raises(ValueError, match="--neg-weight and --format-penalty >= 0, --prob-weight in \\[0, 1\\]"):
-        grpo.main(["--init", "-", "--tasks", "-", "--out", "-", *flags])
 
 
 # ---------------------------------------------------------------------------------------------- end to end
