@@ -40,7 +40,6 @@ import functools
 import gc
 import time
 from collections import Counter
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -145,9 +144,7 @@ def collate(examples, pad_id):
     forced, with the masks and mask_ids) -> right-padded (B, T) tensors (PROMPT on padding, so padding never
     carries loss), and under a grammar mask_table and mask_row (engine.mask_batch)."""
     out = common.collate([(e["ids"], e["roles"]) for e in examples], pad_id)  # input_ids, roles, attention_mask
-    masks = engine.mask_batch(examples, out["input_ids"].shape)
-    if masks is not None:
-        out["mask_table"], out["mask_row"] = masks
+    out.update(engine.mask_batch(examples, out["input_ids"].shape))
     for key, dtype in (("wrapper", torch.bool), ("forced", torch.bool), ("adv", torch.float32),
                        ("behav", torch.float32), ("old", torch.float32), ("ref", torch.float32)):
         if key in examples[0]:
@@ -180,12 +177,6 @@ def selected_rows(model, batch, temperature, echo):
     scale = torch.where(act, 1.0 / temperature, 1.0).to(h.dtype)
     row = torch.arange(len(ids), device=ids.device)[:, None].expand_as(sel)[sel]
     return h * scale[:, None], ids[:, 1:][sel], act, row, sel
-
-
-def allowed_rows(batch, sel):
-    """common.token_logprobs' `allowed` at the selected positions sel (B, T-1): each row's mask from the grammar
-    its target was sampled under, or None without one."""
-    return (batch["mask_table"], batch["mask_row"][:, 1:][sel]) if "mask_table" in batch else None
 
 
 def loss_tokens(example):
@@ -259,7 +250,7 @@ def pg_loss(model, batch, args, coefs, n_tok, n_seq, n_echo):
         return t
     W = model.get_output_embeddings().weight
     loss, logp_all, ent = common.token_loss(h, W, targets, terms, entropy=True,  # (), (N,) at T or 1, (N,)
-                                            allowed=allowed_rows(batch, sel))
+                                            allowed=engine.allowed_rows(batch, sel))
     p, obs_logp = act_parts(logp_all[act], act.nonzero().squeeze(1)), logp_all[~act]  # the stats, detached
     pg, echo_term = p["pg"].sum(), -(w[~act] * obs_logp).sum()
     stats = {"loss": loss.item(), "pg_loss": pg.item(), "echo_loss": echo_term.item(), "act_tokens": int(act.sum()),
@@ -275,7 +266,8 @@ def action_logprobs(model, batch, args):
     """-> (B, T-1) the log-prob (at T) of each next token that is an action under `model`, 0 elsewhere."""
     no_echo = torch.zeros_like(batch["wrapper"][:, 1:])  # (B, T-1)
     h, targets, act, row, sel = selected_rows(model, batch, args.temperature, no_echo)
-    logp, _ = common.token_logprobs(h, model.get_output_embeddings().weight, targets, allowed=allowed_rows(batch, sel))
+    logp, _ = common.token_logprobs(h, model.get_output_embeddings().weight, targets,
+                                    allowed=engine.allowed_rows(batch, sel))
     full = torch.zeros(sel.shape, dtype=torch.float32, device=logp.device)
     full[sel] = logp
     return full
@@ -341,22 +333,6 @@ def train_batch(model, ref, opt, examples, args, pad_id, device, ctx, step, log)
 # ----------------------------------------------------------------------------------------------------------
 # Episodes to examples: the step's draw and its advantages
 
-def load_tasks(path, kinds=None):
-    """Every Harbor task folder (with a task.toml) under `path`, images built (cached), sorted by folder name;
-    with kinds, only the tasks whose [metadata] kind is one of them."""
-    dirs = sorted(p.parent for p in Path(path).glob("*/task.toml"))
-    if not dirs:
-        raise ValueError(f"{path}: no task folders (*/task.toml); write the toy world's with "
-                         "`python envs.py corpus --out DIR` (DIR/rl)")
-    if kinds:
-        found = {d: envs.load_task(d, build=False).kind for d in dirs}
-        dirs = [d for d in dirs if found[d] in kinds]
-        if not dirs:
-            raise ValueError(f"{path}: no task of the kinds {', '.join(kinds)} (--kinds); its kinds are "
-                             f"{', '.join(sorted({str(k) for k in found.values()}))}")
-    return [envs.load_task(d) for d in dirs]
-
-
 def step_groups(n_tasks, tasks_per_step, step, seed, draw=0):
     """Task indices of one draw of a step: without replacement within a draw, seeded by (seed, step) for the
     first draw and (seed, step, draw) for dynamic sampling's further ones, so a resumed run draws the same."""
@@ -392,16 +368,6 @@ def draw_episodes(llm, tok, tasks, template, args, step, rank, gen, draw, groups
     bar.close()
     gen.update(stats)
     return eps
-
-
-def unparsed_replies(episode):
-    """One bool per reply in turn order: whether the protocol could not parse it, read from the parse error it
-    answered with; the episode's last reply has no answer (an episode ended by its third parse error among them)
-    and is parsed here."""
-    m = episode.messages
-    return [terminus.is_parse_error(m[i + 1]["content"]) if i + 1 < len(m) else
-            terminus.parse_reply(m[i]["content"])[1] is not None
-            for i in range(len(m)) if m[i]["role"] == "assistant"]
 
 
 def token_advantages(episode, adv, replies):
@@ -487,7 +453,7 @@ def step_record(step, episodes, valid, has_signal, tot, gnorm, gen, times, args,
                "signal": int(has_signal.sum()), "groups": len(has_signal), "turns": sum(e.turns for e in episodes),
                "tokens": sum(len(e.token_ids) for e in episodes), "truncated": sum(e.truncated for e in episodes),
                "gen_tokens": sum(e.roles.count(ACTION) for e in episodes),
-               "parse_errors": sum(sum(unparsed_replies(e)) for e in episodes),
+               "parse_errors": sum(sum(terminus.unparsed_replies(e.messages)) for e in episodes),
                "gen_busy_s": gen["policy_s"], "gen_idle_s": gen["idle_s"], "rollout_s": gen["wall_s"]}
     # per rank: the failures by kind (whichever kinds envs reports), its own mean |mismatch| and weights' checksum
     mine = tot.get("act_tokens", 0)
@@ -573,7 +539,7 @@ def main(argv=None):
 
     tok = load_tokenizer(ckpt or args.init, "native" if ckpt else args.chat_template)
     template = terminus.load_template(args.prompt_template)
-    tasks = load_tasks(args.tasks, args.kinds)
+    tasks = envs.load_tasks(args.tasks, args.kinds)
     ctx, dtype, why = common.autocast(args.dtype, device)
     raw = common.load_model(ckpt or args.init, device)
     # the initial policy, for the KL from init: a full copy per rank, in the autocast dtype

@@ -310,6 +310,15 @@ def is_parse_error(observation):
     return _PARSE.fullmatch(observation) is not None
 
 
+def unparsed_replies(messages):
+    """One bool per assistant reply of a conversation, in turn order: whether the protocol could not parse it, read
+    from the parse error it was answered with; the last reply has no answer (an episode ended by its third parse
+    error among them) and is parsed here."""
+    m = messages
+    return [is_parse_error(m[i + 1]["content"]) if i + 1 < len(m) else parse_reply(m[i]["content"])[1] is not None
+            for i in range(len(m)) if m[i]["role"] == "assistant"]
+
+
 def is_completion_check(observation):
     return _CHECK.fullmatch(observation) is not None or (
         (m := _WARNED.fullmatch(observation)) is not None and _CHECK.fullmatch(m["rest"]) is not None)

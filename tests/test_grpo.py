@@ -26,7 +26,6 @@ import grpo
 import labels
 import sandbox
 import taskgen
-import terminus
 from labels import ACTION, OBS, PROMPT
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -394,24 +393,6 @@ def test_overlong_episodes_kept_masked_or_penalised():
     assert signal.tolist() == [True, True, True]
 
 
-DONE = '{"analysis": "", "plan": "", "commands": [], "task_complete": true}'
-
-
-def test_unparsed_replies_count_every_reply_the_protocol_could_not_parse():
-    """The step log's parse-error rate: a reply is unparsed when the protocol answered it with a parse error; the
-    last reply, which nothing answered (an episode its third parse error ended), is parsed here."""
-    def ep(replies):
-        msgs = [{"role": "user", "content": "task"}]
-        for k, r in enumerate(replies):
-            msgs.append({"role": "assistant", "content": r})
-            if k + 1 < len(replies):
-                bad = terminus.parse_reply(r)[1]
-                msgs.append({"role": "user", "content": terminus.parse_error_message(bad, []) if bad else "out"})
-        return envs.Episode("t", msgs)
-    eps = [ep(["{x", DONE]), ep(["{}", DONE, DONE, DONE]), ep(["{x", "{y", "{z"]), ep([DONE])]
-    assert [grpo.unparsed_replies(e) for e in eps] == [[True, False], [True, False, False, False], [True] * 3, [False]]
-
-
 def test_a_per_turn_advantage_is_a_change_to_one_function(model, tokenizer, synthetic, monkeypatch):
     """Replace grpo.token_advantages by a per-turn advantage (turn k's tokens get (k + 1) A, from the turn
     boundaries it is given) and nothing else: episodes -> examples -> train_batch give the reference's update with
@@ -770,16 +751,3 @@ def test_a_task_only_one_rank_draws_that_cannot_build(tmp_path, toy_tasks, vllm_
     assert "2 of the step's episodes lost to the infrastructure, e.g. " in text
     assert re.search(r"lost to the infrastructure, e\.g\. \S+: image_build_error: \S*zz-broken/environment/Dockerfile: "
                      r"build failed", text)
-
-
-def test_load_tasks_keeps_the_kinds_asked_for(tmp_path, base_image):
-    # --kinds: the RL split's tasks of those kinds only (read from task.toml's [metadata]); a kind the folder does
-    # not have is an error that names the kinds it does have.
-    for spec in taskgen.make_splits(0, 0, 6, seed=3)["eval"]:
-        taskgen.write_harbor(spec, tmp_path / spec.name, base_image)
-    kinds = {t.name: t.kind for t in grpo.load_tasks(tmp_path)}
-    assert len(kinds) == 6 and len(set(kinds.values())) == 6
-    want = sorted(set(kinds.values()))[:2]
-    assert sorted(t.kind for t in grpo.load_tasks(tmp_path, want)) == want
-    with pytest.raises(ValueError, match="no task of the kinds nosuch .*" + want[0]):
-        grpo.load_tasks(tmp_path, ["nosuch"])
