@@ -21,6 +21,7 @@ import pytest
 import torch
 
 import common
+import engine
 import envs
 import grpo
 import labels
@@ -376,18 +377,27 @@ def episode(reward, truncated=False, failure=None):
                         logprobs=[0.0, -1.0, -1.0], obs_wrapper=[False] * 3, truncated=truncated)
 
 
+def examples_of(episodes, args):
+    """What grpo.main makes of one draw's episodes: rewards -> advantages -> training examples per group.
+    -> (examples per group, has_signal (G,), valid (G, S))."""
+    rewards, valid, trains = grpo.group_rewards(episodes, args)
+    adv, signal = grpo.group_advantages(rewards, valid, args.scale_std)
+    return grpo.group_examples(episodes, adv, trains), signal, valid
+
+
 def test_overlong_episodes_kept_masked_or_penalised():
     # group 0: rewards 1 0 1, the last cut by the context; group 1: 0 0 0, the last cut; group 2: an infra failure
     eps = [episode(1.0), episode(0.0), episode(1.0, truncated=True), episode(0.0), episode(0.0), episode(0.0, truncated=True),
            episode(1.0), episode(0.0), episode(0.0, failure="sandbox_error")]
     adv = lambda groups: [[round(ex["adv"][0], 6) for ex in g] for g in groups]  # noqa: E731
     r = lambda rows: [[round(x, 6) for x in g] for g in rows]  # noqa: E731
-    groups, signal, valid = grpo.group_examples(eps, 3, args_for())
+    groups, signal, valid = examples_of(eps, args_for("--group-size", "3"))
     assert adv(groups) == r([[1 / 3, -2 / 3, 1 / 3], [0, 0, 0], [0.5, -0.5]])
     assert signal.tolist() == [True, False, True] and valid.tolist() == [[True] * 3, [True] * 3, [True, True, False]]
-    groups, signal, _ = grpo.group_examples(eps, 3, args_for("--overlong", "mask"))
+    groups, signal, _ = examples_of(eps, args_for("--group-size", "3", "--overlong", "mask"))
     assert adv(groups) == r([[1 / 3, -2 / 3], [0, 0], [0.5, -0.5]]) and signal.tolist() == [True, False, True]
-    groups, signal, _ = grpo.group_examples(eps, 3, args_for("--overlong", "penalty", "--overlong-penalty", "0.5"))
+    groups, signal, _ = examples_of(eps, args_for("--group-size", "3", "--overlong", "penalty", "--overlong-penalty",
+                                                  "0.5"))
     # rewards 1 0 0.5 and 0 0 -0.5: the cut episodes lose 0.5, and group 1 gains a signal
     assert adv(groups) == r([[0.5, -0.5, 0.0], [1 / 6, 1 / 6, -1 / 3], [0.5, -0.5]])
     assert signal.tolist() == [True, True, True]
@@ -397,7 +407,7 @@ def test_a_per_turn_advantage_is_a_change_to_one_function(model, tokenizer, synt
     """Replace grpo.token_advantages by a per-turn advantage (turn k's tokens get (k + 1) A, from the turn
     boundaries it is given) and nothing else: episodes -> examples -> train_batch give the reference's update with
     those per-token advantages (turns counted here from the roles), which differs from the outcome advantage's."""
-    args = args_for("--temperature", "0.7", "--grad-clip", "0")
+    args = args_for("--temperature", "0.7", "--grad-clip", "0", "--group-size", "3")
     eps = []
     for conv, reward in zip(synthetic[:3], [1.0, 0.0, 0.0]):
         ids, roles = labels.render(tokenizer, conv, max_len=200)
@@ -421,9 +431,9 @@ def test_a_per_turn_advantage_is_a_change_to_one_function(model, tokenizer, synt
         starts = [start for start, _ in replies]
         return [adv * max(bisect.bisect_right(starts, i), 1) for i in range(len(episode.token_ids))]
 
-    outcome = update(grpo.group_examples(eps, 3, args)[0][0])
+    outcome = update(examples_of(eps, args)[0][0])
     monkeypatch.setattr(grpo, "token_advantages", per_turn)
-    examples = grpo.group_examples(eps, 3, args)[0][0]
+    examples = examples_of(eps, args)[0][0]
     per_turn = update(examples)
     group_adv = [2 / 3, -1 / 3, -1 / 3]
     want = [dict(ex, adv=[a * (k + 1) for k in turn_of_each_token(ep.roles)])
@@ -466,46 +476,64 @@ def test_a_new_loss_term_reaches_groups_without_signal(model, tokenizer, synthet
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
 
 
-def test_dynamic_sampling_fills_the_step_with_signal_groups():
+def fake_run(out, init, monkeypatch, *flags, signal_tasks):
+    """grpo.main on a tiny model with its rollouts faked (no Docker, no vLLM): 10 tasks, groups of 2; in a group of
+    a task in signal_tasks the first episode is solved, the second not. -> (the draws (step, draw, task indices),
+    the examples each step trained on, the log rows)."""
+    draws, trained = [], []
+
+    def draw_episodes(llm, tok, tasks, template, args, step, rank, gen, draw, groups):
+        draws.append((step, draw, groups))
+        return [episode(float(g in signal_tasks and i == 0)) for g in groups for i in range(args.group_size)]
+
+    def train_batch(model, ref, opt, examples, *rest):
+        trained.append(list(examples))
+        return real_train_batch(model, ref, opt, examples, *rest)
+    real_train_batch = grpo.train_batch
+    monkeypatch.setattr(envs, "load_tasks", lambda path, kinds=None: list(range(10)))
+    monkeypatch.setattr(engine, "make_engine", lambda *a, **k: None)
+    monkeypatch.setattr(engine, "sync_weights", lambda llm, model: 0.0)
+    monkeypatch.setattr(grpo, "draw_episodes", draw_episodes)
+    monkeypatch.setattr(grpo, "train_batch", train_batch)
+    grpo.main(["--init", str(init), "--chat-template", "prefix", "--tasks", "-", "--out", str(out), "--dtype", "fp32",
+               "--tasks-per-step", "3", "--group-size", "2", "--steps", "1", "--save-every", "0", "--lr", "1e-3",
+               *flags])
+    return draws, trained, [json.loads(r) for r in (out / "log.jsonl").read_text().splitlines()]
+
+
+def test_dynamic_sampling_fills_the_step_with_signal_groups(tmp_path, tiny_dir, monkeypatch):
     """Groups without signal are dropped and further draws (new tasks, seeded by the draw) fill the step to
     --tasks-per-step groups with signal, trimmed to exactly that many, or stop at the cap; the same step draws
-    the same tasks again (a resumed run). Off, one draw trains every group."""
-    def run(*flags, signal_tasks):
-        args = args_for("--tasks-per-step", "3", "--group-size", "2", "--seed", "4", *flags)
-        draws = []
+    the same tasks again (a resumed run). Off, one draw trains every group. The log counts every drawn group."""
+    def run(name, *flags, signal_tasks=frozenset(range(5))):
+        draws, trained, rows = fake_run(tmp_path / name, tiny_dir, monkeypatch, "--seed", "0", *flags,
+                                        signal_tasks=signal_tasks)
+        assert [g for _, _, g in draws] == [grpo.step_groups(10, 3, 0, 0, d) for _, d, _ in draws]
+        drawn = [g for _, _, gs in draws for g in gs]
+        assert rows[0]["rollout/groups_drawn"] == len(drawn)
+        assert rows[0]["rollout/groups_with_signal"] == sum(g in signal_tasks for g in drawn)
+        return draws, [g in signal_tasks for g in drawn], trained[0]
 
-        def draw_episodes(draw, groups):
-            draws.append((draw, groups))
-            return [episode(float(g in signal_tasks and i == 0)) for g in groups for i in range(2)]
-        eps, valid, has_signal, examples = grpo.sample_step(draw_episodes, 10, args, 5, 0, torch.device("cpu"))
-        assert [g for _, g in draws] == [grpo.step_groups(10, 3, 5, 4, d) for d, _ in draws]
-        assert len(eps) == 2 * len(has_signal) == valid.numel()
-        return draws, has_signal, examples
-
-    draws, signal, examples = run(signal_tasks={0, 1, 2, 3, 4})
-    assert len(draws) == 1 and len(examples) == 6 and len(signal) == 3
-    draws, signal, examples = run("--dynamic-sampling", "30", signal_tasks={0, 1, 2, 3, 4})
-    drawn = [g for _, gs in draws for g in gs]
-    assert signal.tolist() == [g in {0, 1, 2, 3, 4} for g in drawn] and signal[:-1].sum() < 3 <= signal.sum()
+    draws, signal, examples = run("off")
+    assert len(draws) == 1 and len(examples) == 6
+    draws, signal, examples = run("on", "--dynamic-sampling", "30")
+    assert sum(signal[:-3]) < 3 < sum(signal)  # the last draw had more than the step lacked: trimmed
     assert len(examples) == 6 and sorted(ex["adv"][0] for ex in examples) == [-0.5] * 3 + [0.5] * 3
-    assert run("--dynamic-sampling", "30", signal_tasks={0, 1, 2, 3, 4})[0] == draws  # the same tasks again
-    draws, signal, examples = run("--dynamic-sampling", "6", signal_tasks={9})
-    assert len(draws) == 2 and len(signal) == 6 and len(examples) == 2 * int(signal.sum())
-    first = torch.from_numpy(__import__("numpy").random.default_rng([4, 5]).choice(10, 3, replace=False))
-    assert grpo.step_groups(10, 3, 5, 4) == first.tolist()  # the first draw is the draw of a run without it
+    assert run("again", "--dynamic-sampling", "30")[0] == draws  # the same tasks again
+    draws, signal, examples = run("cap", "--dynamic-sampling", "6", signal_tasks={9})
+    assert len(draws) == 2 and len(signal) == 6 and len(examples) == 2 * sum(signal)
+    first = np.random.default_rng([0, 0]).choice(10, 3, replace=False)
+    assert grpo.step_groups(10, 3, 0, 0) == first.tolist()  # the first draw is the draw of a run without it
 
 
-def test_redraw_gives_the_last_steps_the_first_steps_tasks():
+def test_redraw_gives_the_last_steps_the_first_steps_tasks(tmp_path, tiny_dir, monkeypatch):
     """--redraw K: the last K steps draw the tasks the first K drew, in order, and log whose draw they used; the
     steps between keep their own draws; more than half the steps is refused before anything loads."""
-    args = args_for("--steps", "8", "--redraw", "2", "--tasks-per-step", "3", "--group-size", "2", "--seed", "4")
-    drawn = {}
-    for step in range(8):
-        def draw_episodes(draw, groups, step=step):
-            drawn[step] = groups
-            return [episode(float(i == 0)) for g in groups for i in range(2)]
-        grpo.sample_step(draw_episodes, 10, args, step, 0, torch.device("cpu"))
+    draws, _, rows = fake_run(tmp_path / "run", tiny_dir, monkeypatch, "--seed", "4", "--steps", "8", "--redraw", "2",
+                              signal_tasks=set(range(10)))
+    drawn = {step: groups for step, _, groups in draws}
     assert [grpo.task_step(s, 8, 2) for s in range(8)] == [0, 1, 2, 3, 4, 5, 0, 1]
+    assert [r["rollout/task_draw"] for r in rows] == [1, 2, 3, 4, 5, 6, 1, 2]
     assert drawn[6] == drawn[0] and drawn[7] == drawn[1]
     assert [drawn[s] for s in range(6)] == [grpo.step_groups(10, 3, s, 4) for s in range(6)]
     assert [grpo.task_step(s, 8, 0) for s in range(8)] == list(range(8))  # off: every step its own draw
@@ -519,11 +547,11 @@ def test_examples_under_a_grammar_carry_its_masks_and_forced_tokens():
     carry loss; without a grammar an example has none. --grammar is a setting a resumed run keeps."""
     one, two = (np.packbits(np.isin(np.arange(32), ok), bitorder="little") for ok in ([6], [6, 7]))
     eps = [dataclasses.replace(episode(r), masks=[one, two], mask_ids=[-1, 0, 1]) for r in (1.0, 0.0)]
-    groups, _, _ = grpo.group_examples(eps, 2, args_for())
+    groups, _, _ = examples_of(eps, args_for("--group-size", "2"))
     ex = groups[0][0]
     assert ex["forced"] == [False, True, False] and ex["mask_ids"] == [-1, 0, 1] and len(ex["masks"]) == 2
     assert grpo.loss_tokens(ex) == 1
-    plain = grpo.group_examples([episode(1.0), episode(0.0)], 2, args_for())[0][0][0]
+    plain = examples_of([episode(1.0), episode(0.0)], args_for("--group-size", "2"))[0][0][0]
     assert "masks" not in plain and "forced" not in plain and grpo.loss_tokens(plain) == 2
     assert "grammar" in grpo.RESUME_KEYS and args_for("--grammar").grammar == "reply"
 
