@@ -32,8 +32,8 @@ trainer/vLLM mismatch; else w_i = 1. Infrastructure failures (envs.INFRA_FAILURE
 of the loss; the normalisers count every other episode, groups without signal included (an episode the loss adds
 nothing on, may_skip, is not forwarded; a step with none left makes no optimizer step). An episode cut at --max-len
 keeps its verifier's reward, is masked out of the loss, or is penalised (--overlong). After every optimizer step the
-weights go into the engine in place (engine.py). The step's log row: steplog.py. The GPU memory plan of a real
-run: docs/training.md.
+weights go into the engine in place (engine.py). The step's log row and transcripts: steplog.py. The GPU memory
+plan of a real run: docs/training.md.
 """
 import argparse
 import gc
@@ -442,7 +442,7 @@ def main(argv=None):
     per_rank = args.tasks_per_step // world  # this rank's groups of a draw
     for step in range(start, args.steps):
         t0, gen = time.time(), Counter()  # gen: the generator's wall / busy / idle seconds over the step's draws
-        episodes, valid, has_signal, examples, kept = [], [], [], [], 0
+        episodes, advs, valid, has_signal, examples, kept = [], [], [], [], [], 0
         for draw in range(max(args.dynamic_sampling // args.tasks_per_step, 1)):  # one, or --dynamic-sampling's
             groups = step_groups(len(tasks), args.tasks_per_step, task_step(step, args.steps, args.redraw), args.seed,
                                  draw)[rank * per_rank: (rank + 1) * per_rank]
@@ -451,7 +451,7 @@ def main(argv=None):
             rewards, ok, trains = group_rewards(eps, args)  # (G, S) each
             adv, sig = group_advantages(rewards, ok, args.scale_std)  # (G, S), (G,)
             by_group = group_examples(eps, adv, trains)
-            episodes, valid, has_signal = episodes + eps, valid + [ok], has_signal + [sig]
+            episodes, advs, valid, has_signal = episodes + eps, advs + [adv], valid + [ok], has_signal + [sig]
             if not args.dynamic_sampling:
                 examples = [ex for g in by_group for ex in g]
                 break
@@ -479,6 +479,9 @@ def main(argv=None):
                                         torch.cat(has_signal), tot, gnorm, gen, times, args, device, checksum)
         log.write(rec)
         print0(steplog.step_line(rec, args, lost))
+        if rank == 0:  # a solved and a failed episode to read
+            steplog.write_transcripts(out / "transcripts", step + 1, episodes, torch.cat(advs).flatten().tolist(),
+                                      args.group_size)
         done = step + 1
         if (args.save_every and done % args.save_every == 0) or done == args.steps:
             common.save_checkpoint(out / f"step-{done:06d}", model, raw, tok, opt, done, args, rank, rng=False)

@@ -1,10 +1,14 @@
 """
-What a GRPO step leaves for people to read: its row in log.jsonl (step_record: summed over the ranks) and its line
-on the console (step_line).
+What a GRPO step leaves for people to read: its row in log.jsonl (step_record: summed over the ranks), its line on
+the console (step_line), and a solved and a failed episode of it as Markdown, OUT/transcripts/step_0003.md
+(write_transcripts): what the policy did, what it was paid, which way the update pushed it. scripts/report.py links
+one solved and one failed transcript per GRPO run (pick_transcripts).
 
-Importable without torch: common, for the ranks' sums, is imported when a step is recorded.
+Importable without torch: report.py reads the transcripts; grpo.py calls the rest.
 """
+import re
 from collections import Counter
+from pathlib import Path
 
 import envs
 import terminus
@@ -17,7 +21,7 @@ def step_record(step, task_draw, episodes, valid, has_signal, tot, gnorm, gen, t
     gnorm), the generator's seconds (gen) and the step's (times); checksum: engine.sync_weights' of the weights this
     rank's engine got (None: no update, no sync). -> (the row, what an episode lost to the infrastructure, on any
     rank, said, or None)."""
-    import common  # torch: the trainer's alone
+    import common  # torch: the trainer's alone (report.py reads the transcripts without it)
     ok = valid.flatten().tolist()
     ep_sums = {"episodes": len(episodes), "valid": sum(ok),
                "reward_sum": sum(e.reward for e, v in zip(episodes, ok) if v),
@@ -87,3 +91,58 @@ def step_line(rec, args, lost=None):
 # curves.png: the KL from the initial policy is k3's (never below 0; train/kl_init, the k1 estimate, can be)
 CURVES = (("rollout/reward_mean", "mean reward"), ("train/entropy", "action-token entropy"),
           ("train/kl_init_k3", "KL from init (k3)"))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Transcripts
+
+MAX_TEXT = 2000  # bytes of a reply or observation kept in a transcript, head and tail (terminus.truncate_output)
+HEADING = re.compile(r"^## (solved|failed): ", re.M)  # an episode's heading, which pick_transcripts reads
+
+
+def chosen_episodes(episodes, group_size):
+    """-> indices of a solved and a failed episode (reward >= 1; below 1, not for the infrastructure), from the
+    first group that has both (its advantages' two signs side by side), else the first of each; fewer where the
+    step has none of a kind."""
+    solved = [i for i, e in enumerate(episodes) if e.reward >= 1.0]
+    failed = [i for i, e in enumerate(episodes) if e.reward < 1.0 and e.failure not in envs.INFRA_FAILURES]
+    pairs = [(s, f) for s in solved for f in failed if s // group_size == f // group_size]
+    return list(pairs[0]) if pairs else solved[:1] + failed[:1]
+
+
+def transcript(episode, advantage):
+    """One episode as Markdown: its heading (solved / failed, task, reward, advantage, turns, how it ended), the
+    prompt, then each reply and the observation that answered it, each cut to MAX_TEXT."""
+    kind = "solved" if episode.reward >= 1.0 else "failed"
+    end = episode.failure or ("cut at --max-len" if episode.truncated else "ended by the agent")
+    lines = [f"## {kind}: {episode.task}, reward {episode.reward:.2f}, advantage {advantage:+.3f}, "
+             f"{episode.turns} turns, {end}", ""]
+    turn = 0
+    for m in episode.messages:
+        turn += m["role"] == "assistant"
+        title = "prompt" if turn == 0 else f"reply {turn}" if m["role"] == "assistant" else f"observation {turn}"
+        lines += [f"### {title}", "", "````", terminus.truncate_output(m["content"], MAX_TEXT), "````", ""]
+    return "\n".join(lines)
+
+
+def write_transcripts(folder, step, episodes, advantages, group_size):
+    """The step's chosen episodes (chosen_episodes of consecutive groups of group_size; advantages: a float per
+    episode) to folder/step_NNNN.md, step 1-based. -> the file's path."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    chosen = chosen_episodes(episodes, group_size)
+    text = [f"# Step {step}: {len(chosen)} of the {len(episodes)} episodes rank 0 ran", ""]
+    text += [transcript(episodes[i], advantages[i]) for i in chosen] or ["No episode ended solved or failed."]
+    path = folder / f"step_{step:04d}.md"
+    path.write_text("\n".join(text) + "\n")
+    return path
+
+
+def pick_transcripts(folder):
+    """The transcripts a report links: {'solved': path, 'failed': path}, each the last step's file that has one of
+    that kind (later steps show the trained policy); a kind no file has is absent."""
+    out = {}
+    for path in sorted(Path(folder).glob("step_*.md"), reverse=True):
+        for kind in set(HEADING.findall(path.read_text())) - set(out):
+            out[kind] = path
+    return out

@@ -524,6 +524,8 @@ def test_dynamic_sampling_fills_the_step_with_signal_groups(tmp_path, tiny_dir, 
     assert len(draws) == 2 and len(signal) == 6 and len(examples) == 2 * sum(signal)
     first = np.random.default_rng([0, 0]).choice(10, 3, replace=False)
     assert grpo.step_groups(10, 3, 0, 0) == first.tolist()  # the first draw is the draw of a run without it
+    text = (tmp_path / "on" / "transcripts" / "step_0001.md").read_text()  # a solved and a failed episode, one group
+    assert text.count("\n## solved: t, reward 1.00, advantage +0.500") == text.count("\n## failed: t, reward 0.00") == 1
 
 
 def test_redraw_gives_the_last_steps_the_first_steps_tasks(tmp_path, tiny_dir, monkeypatch):
