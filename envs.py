@@ -187,6 +187,22 @@ def load_task(path, build=True):
     return task
 
 
+def load_tasks(path, kinds=None):
+    """Every Harbor task folder (with a task.toml) under `path`, images built (cached), sorted by folder name;
+    with kinds, only the tasks whose [metadata] kind is one of them."""
+    dirs = sorted(p.parent for p in Path(path).glob("*/task.toml"))
+    if not dirs:
+        raise ValueError(f"{path}: no task folders (*/task.toml); write the toy world's with "
+                         "`python envs.py corpus --out DIR` (DIR/rl)")
+    if kinds:
+        found = {d: load_task(d, build=False).kind for d in dirs}
+        dirs = [d for d in dirs if found[d] in kinds]
+        if not dirs:
+            raise ValueError(f"{path}: no task of the kinds {', '.join(kinds)} (--kinds); its kinds are "
+                             f"{', '.join(sorted({str(k) for k in found.values()}))}")
+    return [load_task(d) for d in dirs]
+
+
 class BuildError(RuntimeError):
     pass
 

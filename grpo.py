@@ -13,14 +13,10 @@ CPU toy run (tasks from `python envs.py corpus --out data/corpus`, an SFT checkp
 Resume an interrupted run: the same command plus --resume. Several runs in one process, the imports paid once
 (common.run_cli): `python grpo.py ARGS ::: ARGS ...`.
 
-One step: sample --tasks-per-step tasks, run --group-size episodes of each (all concurrently, up to
---concurrency sandboxes), score them with the task's verifier, and take --ppo-epochs optimizer steps on
+One step (main): roll out --group-size episodes of each of --tasks-per-step tasks (up to --concurrency sandboxes
+at once), reward each by its task's verifier, and take --ppo-epochs optimizer steps on
 
     A_i = r_i - mean(r_group)                          (/ (std(r_group) + 1e-6) with --scale-std; population std)
-          (r_i less --format-penalty x the share of the episode's replies the protocol could not parse)
-          (x --neg-weight where A_i < 0; per token x (ALPHA p_i + 1 - ALPHA) with --prob-weight ALPHA;
-           0 on a reply the protocol could not parse where A_i > 0 with --no-credit-unparsed;
-           0 on every token but the values the environment acts on with --credit acted)
     L   = -sum_{i in ACTION} n_i * w_i * min(rho_i A, clip(rho_i, 1-eps_low, 1+eps_high) A)
           + echo * mean_seq[ sum_{i in OBS(seq)} NLL_i / |OBS(seq)| ]  + kl * sum_{i in ACTION} n_i * k3_i
 
@@ -36,23 +32,21 @@ trainer/vLLM mismatch; else w_i = 1. Infrastructure failures (envs.INFRA_FAILURE
 of the loss; the normalisers count every other episode, groups without signal included (an episode the loss adds
 nothing on, may_skip, is not forwarded; a step with none left makes no optimizer step). An episode cut at --max-len
 keeps its verifier's reward, is masked out of the loss, or is penalised (--overlong). After every optimizer step the
-weights go into the engine in place (engine.py: token-in/out rollouts). The GPU memory plan of a real run:
-docs/training.md.
+weights go into the engine in place (engine.py). The step's log row and transcripts: steplog.py. The GPU memory
+plan of a real run: docs/training.md.
 """
 import argparse
-import functools
 import gc
 import time
 from collections import Counter
-from pathlib import Path
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
 import common
 import engine
 import envs
+import steplog
 import terminus
 from labels import ACTION, OBS, PROMPT, load_tokenizer
 
@@ -86,21 +80,9 @@ def get_parser():
     g.add_argument("--loss-norm", default="token", choices=["token", "sequence", "constant"],
                    help="n_i of the module docstring: token, sequence or constant (Dr. GRPO)")
     g.add_argument("--scale-std", action="store_true", help="divide advantages by the group's std (+1e-6)")
-    g.add_argument("--prob-weight", type=float, default=0.0, metavar="ALPHA", help="a token's advantage times "
-                   "ALPHA * p + 1 - ALPHA, p the probability it was sampled with (0 = off): tokens the policy found "
-                   "unlikely, whose gradients are the largest, push less (advantage reweighting, Yang et al. 2025)")
-    g.add_argument("--credit", default="reply", choices=["reply", "acted"], help="which tokens of a reply carry its "
-                   "advantage: reply (every one) or acted (only the values the environment acts on: keystrokes, "
-                   "duration, task_complete; terminus.acted_spans), so the analysis, plan and the JSON's fixed text "
-                   "move only under the KL term")
-    g.add_argument("--no-credit-unparsed", action="store_true", help="a reply the protocol could not parse gets "
-                   "no positive advantage: a solved episode does not reinforce the malformed replies it recovered from")
-    g.add_argument("--neg-weight", type=float, default=1.0, help="multiply negative advantages by this (1 = GRPO): "
-                   "below 1 the failed episodes push less than the solved ones pull")
     g.add_argument("--redraw", type=int, default=0, metavar="K", help="the last K steps draw the tasks the first K "
-                   "drew (fresh episodes of them): the run's solve rate, first steps against last, then compares the "
-                   "same tasks, not two draws of them (scripts/report.py; bench/draw_noise.py measures the draw's "
-                   "part)")
+                   "drew (fresh episodes of them): the solve rate, first steps against last, then compares the same "
+                   "tasks (scripts/report.py; bench/draw_noise.py measures what the draw adds)")
     g.add_argument("--dynamic-sampling", type=int, default=0, metavar="MAX_GROUPS", help="drop groups without "
                    "signal and draw more, --tasks-per-step at a time, until --tasks-per-step have signal or "
                    "MAX_GROUPS (a multiple of --tasks-per-step) were drawn; 0 = off")
@@ -108,9 +90,6 @@ def get_parser():
                    "--max-len: keep (the verifier's reward), mask (in their group's statistics, out of the loss), "
                    "penalty (reward - --overlong-penalty)")
     g.add_argument("--overlong-penalty", type=float, default=1.0, help="what --overlong penalty subtracts")
-    g.add_argument("--format-penalty", type=float, default=0.0, metavar="C", help="subtract C x the share of an "
-                   "episode's replies the protocol could not parse from its reward (0 = off): a format reward, so "
-                   "replies that drift from the protocol's JSON are pushed back")
     g.add_argument("--tis-cap", type=float, default=0.0, help="truncated importance weight cap (0 = off)")
     g.add_argument("--kl-coef", type=float, default=0.0, help="k3 KL penalty to the initial policy (0 = off)")
     g.add_argument("--echo-coef", type=float, default=0.0, help="ECHO: weight of the observation NLL of the "
@@ -128,9 +107,8 @@ def get_parser():
     g = p.add_argument_group(common.EXECUTION, "how the run computes, not what: free to change on --resume")
     g.add_argument("--concurrency", type=int, default=64, help="sandboxes live at once per rank")
     g.add_argument("--micro-tokens", type=int, default=32768, help="token budget of a micro-batch (rows x length)")
-    g.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32"],
-                   help="autocast and engine dtype; auto = bf16 on CUDA, and on a CPU where bf16 measures faster "
-                   "than fp32 (common.resolve_dtype), else fp32")
+    g.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32"], help="autocast and engine dtype; "
+                   "auto = bf16 on CUDA and on a CPU where it measures faster than fp32 (common.resolve_dtype)")
     g.add_argument("--grad-ckpt", action="store_true")
     g.add_argument("--fsdp", action="store_true", help="shard with FSDP2 instead of DDP under torchrun")
     g.add_argument("--gpu-memory", type=float, default=0.35, help="GPU memory share of the vLLM engine")
@@ -143,30 +121,12 @@ def get_parser():
 # ----------------------------------------------------------------------------------------------------------
 # The objective
 
-def group_advantages(rewards, valid=None, scale_std=False, neg_weight=1.0, eps=1e-6):
-    """rewards (G, S) -> (advantages (G, S), signal (G,) bool). A = r - mean of the group's valid episodes; with
-    scale_std, / (std + eps), std being the population std (ddof 0) of those valid rewards; negative A times
-    neg_weight. Invalid episodes (infrastructure failures) get 0 and stay out of the statistics; a group whose
-    valid rewards are all equal, or with fewer than two valid episodes, has no signal: all its advantages are 0."""
-    valid = torch.ones_like(rewards, dtype=torch.bool) if valid is None else valid
-    n = valid.sum(1, keepdim=True).clamp(min=1)  # (G, 1)
-    mean = (rewards * valid).sum(1, keepdim=True) / n
-    dev = (rewards - mean) * valid  # (G, S)
-    std = (dev.pow(2).sum(1, keepdim=True) / n).sqrt()
-    has_signal = (std.squeeze(1) > 0) & (valid.sum(1) >= 2)  # (G,)
-    adv = dev / (std + eps) if scale_std else dev
-    adv = torch.where(adv < 0, adv * neg_weight, adv)
-    return adv * has_signal[:, None], has_signal
-
-
 def collate(examples, pad_id):
     """Episodes (dicts of per-token lists: ids, roles, wrapper, adv, behav, [old, ref], and under a grammar
     forced, with the masks and mask_ids) -> right-padded (B, T) tensors (PROMPT on padding, so padding never
     carries loss), and under a grammar mask_table and mask_row (engine.mask_batch)."""
     out = common.collate([(e["ids"], e["roles"]) for e in examples], pad_id)  # input_ids, roles, attention_mask
-    masks = engine.mask_batch(examples, out["input_ids"].shape)
-    if masks is not None:
-        out["mask_table"], out["mask_row"] = masks
+    out.update(engine.mask_batch(examples, out["input_ids"].shape))
     for key, dtype in (("wrapper", torch.bool), ("forced", torch.bool), ("adv", torch.float32),
                        ("behav", torch.float32), ("old", torch.float32), ("ref", torch.float32)):
         if key in examples[0]:
@@ -184,10 +144,9 @@ def echo_mask(roles, wrapper, payload_only):
 
 
 def selected_rows(model, batch, temperature, echo):
-    """Hidden states of the positions that carry loss: those predicting ACTION tokens (scaled by 1/T, so the head
-    gives logits / T) but the forced ones (a grammar allowed them alone) and, when echo, OBS tokens (at T = 1: the
-    model's own prediction of the environment). -> (rows (N, H), targets (N,), is_act (N,), row (N,) sequence
-    index, sel (B, T-1))."""
+    """Hidden states of the positions that carry loss: those predicting ACTION tokens (scaled by 1/T: the head gives
+    logits / T) but the forced ones (a grammar allowed them alone) and, where echo, OBS tokens (at T = 1: the model's
+    own prediction of the environment). -> (rows (N, H), targets (N,), is_act (N,), row (N,) sequence, sel (B, T-1))."""
     ids, roles = batch["input_ids"], batch["roles"]  # (B, T)
     hidden = model.base_model(input_ids=ids, attention_mask=batch["attention_mask"],
                               use_cache=False).last_hidden_state  # (B, T, H)
@@ -199,12 +158,6 @@ def selected_rows(model, batch, temperature, echo):
     scale = torch.where(act, 1.0 / temperature, 1.0).to(h.dtype)
     row = torch.arange(len(ids), device=ids.device)[:, None].expand_as(sel)[sel]
     return h * scale[:, None], ids[:, 1:][sel], act, row, sel
-
-
-def allowed_rows(batch, sel):
-    """common.token_logprobs' `allowed` at the selected positions sel (B, T-1): each row's mask from the grammar
-    its target was sampled under, or None without one."""
-    return (batch["mask_table"], batch["mask_row"][:, 1:][sel]) if "mask_table" in batch else None
 
 
 def loss_tokens(example):
@@ -234,10 +187,9 @@ def may_skip(example, coefs):
 
 def pg_loss(model, batch, args, coefs, n_tok, n_seq, n_echo):
     """-> (this micro-batch's part of the step's loss, stats of sums): the objective of the module docstring, a sum
-    of per-token terms, each a function of its own token's log-prob, so common.token_loss forms the head's
-    gradients in the forward pass (the chunked head: the (N, V) logits never exist). coefs: loss_coefs, each term's
-    weight. n_tok, n_seq, n_echo: the step's action tokens, sequences with action tokens and sequences with ECHO
-    tokens, over all micro-batches and ranks (the normalisers)."""
+    of per-token terms, each a function of its own token's log-prob, so common.token_loss forms the head's gradients
+    in the forward pass (the chunked head: the (N, V) logits never exist). coefs: loss_coefs, each term's weight.
+    n_tok, n_seq, n_echo: the normalisers, the step's action tokens, sequences and sequences with ECHO tokens."""
     echo = echo_mask(batch["roles"], batch["wrapper"], args.echo_payload_only) & (coefs["echo"] != 0)  # (B, T-1)
     h, targets, act, row, sel = selected_rows(model, batch, args.temperature, echo)
     a_row, o_row = row[act], row[~act]
@@ -245,8 +197,6 @@ def pg_loss(model, batch, args, coefs, n_tok, n_seq, n_echo):
     def at_rows(key):  # a (B, T) per-token field at the selected positions, (N,)
         return batch[key][:, 1:][sel]
     adv, behav = at_rows("adv"), at_rows("behav")
-    if args.prob_weight:  # a low-probability token's log-prob gradient is the largest: let it push less
-        adv = adv * (args.prob_weight * behav.exp() + 1 - args.prob_weight)
     old = at_rows("old") if "old" in batch else None  # None: the trainer before this step's first update is this one
     ref = at_rows("ref") if "ref" in batch else None
     w = torch.zeros(len(targets), device=h.device)  # (N,): n_i on action rows, ECHO's weight on observation rows
@@ -280,7 +230,7 @@ def pg_loss(model, batch, args, coefs, n_tok, n_seq, n_echo):
         return t
     W = model.get_output_embeddings().weight
     loss, logp_all, ent = common.token_loss(h, W, targets, terms, entropy=True,  # (), (N,) at T or 1, (N,)
-                                            allowed=allowed_rows(batch, sel))
+                                            allowed=engine.allowed_rows(batch, sel))
     p, obs_logp = act_parts(logp_all[act], act.nonzero().squeeze(1)), logp_all[~act]  # the stats, detached
     pg, echo_term = p["pg"].sum(), -(w[~act] * obs_logp).sum()
     stats = {"loss": loss.item(), "pg_loss": pg.item(), "echo_loss": echo_term.item(), "act_tokens": int(act.sum()),
@@ -296,7 +246,8 @@ def action_logprobs(model, batch, args):
     """-> (B, T-1) the log-prob (at T) of each next token that is an action under `model`, 0 elsewhere."""
     no_echo = torch.zeros_like(batch["wrapper"][:, 1:])  # (B, T-1)
     h, targets, act, row, sel = selected_rows(model, batch, args.temperature, no_echo)
-    logp, _ = common.token_logprobs(h, model.get_output_embeddings().weight, targets, allowed=allowed_rows(batch, sel))
+    logp, _ = common.token_logprobs(h, model.get_output_embeddings().weight, targets,
+                                    allowed=engine.allowed_rows(batch, sel))
     full = torch.zeros(sel.shape, dtype=torch.float32, device=logp.device)
     full[sel] = logp
     return full
@@ -310,10 +261,10 @@ def empty_example(pad_id):
 
 @torch.no_grad()
 def policy_logprobs(model, examples, args, pad_id, device, ctx, trainer=False):
-    """Per-token log-probs (at T) of each example's tokens under `model` (a list per example, 0 where a token
-    is not an action), e.g. the initial policy for the KL, or with trainer=True the trainer before a multi-epoch
-    step: `model` is then the wrapped common.LossModule, whose forward gathers FSDP2's shards (the bare model
-    holds only this rank's), and every rank runs as many forwards, one on an empty example where it has none."""
+    """Per-token log-probs (at T) of each example's tokens under `model` (a list per example, 0 where a token is not
+    an action), e.g. the initial policy's for the KL, or with trainer=True the trainer's before a multi-epoch step:
+    `model` is then the wrapped common.LossModule, whose forward gathers FSDP2's shards, and every rank runs as
+    many forwards, one on an empty example where it has none."""
     lengths = [len(e["ids"]) for e in examples]
     out = []
     for g in (common.rank_micro_batches(lengths, args.micro_tokens, device) if trainer else
@@ -330,12 +281,9 @@ def policy_logprobs(model, examples, args, pad_id, device, ctx, trainer=False):
 def train_batch(model, ref, opt, examples, args, pad_id, device, ctx, step, log):
     """--ppo-epochs optimizer steps of `model` (common.LossModule of pg_loss around the policy) on this rank's
     examples; ref: the initial policy. -> (stats summed over the first epoch's micro-batches, grad norm of the
-    last update or None).
-
-    The normalisers count every example of every rank; the examples pg_loss adds nothing on (may_skip) are not
-    forwarded. When no rank has an example left there is nothing to learn from and nothing runs: no optimizer
-    step either, as Adam's moments would move the weights on the memory of earlier gradients (and weight decay
-    would shrink them) with a gradient of 0."""
+    last update or None). The normalisers count every example of every rank; those pg_loss adds nothing on
+    (may_skip) are not forwarded. With none left on any rank nothing runs, no optimizer step either: Adam's moments
+    would move the weights on the memory of earlier gradients (and weight decay shrink them) with a gradient of 0."""
     coefs = loss_coefs(args)
     n_echo = sum(bool(echo_mask(torch.tensor(ex["roles"]), torch.tensor(ex["wrapper"]), args.echo_payload_only).any())
                  for ex in examples) if coefs["echo"] != 0 else 0
@@ -360,23 +308,7 @@ def train_batch(model, ref, opt, examples, args, pad_id, device, ctx, step, log)
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Episodes to examples: the step's draw and its advantages
-
-def load_tasks(path, kinds=None):
-    """Every Harbor task folder (with a task.toml) under `path`, images built (cached), sorted by folder name;
-    with kinds, only the tasks whose [metadata] kind is one of them."""
-    dirs = sorted(p.parent for p in Path(path).glob("*/task.toml"))
-    if not dirs:
-        raise ValueError(f"{path}: no task folders (*/task.toml); write the toy world's with "
-                         "`python envs.py corpus --out DIR` (DIR/rl)")
-    if kinds:
-        found = {d: envs.load_task(d, build=False).kind for d in dirs}
-        dirs = [d for d in dirs if found[d] in kinds]
-        if not dirs:
-            raise ValueError(f"{path}: no task of the kinds {', '.join(kinds)} (--kinds); its kinds are "
-                             f"{', '.join(sorted({str(k) for k in found.values()}))}")
-    return [envs.load_task(d) for d in dirs]
-
+# Episodes to examples: the step's draws, rewards and advantages
 
 def step_groups(n_tasks, tasks_per_step, step, seed, draw=0):
     """Task indices of one draw of a step: without replacement within a draw, seeded by (seed, step) for the
@@ -392,211 +324,76 @@ def task_step(step, steps, redraw):
 
 
 def step_seed(seed, step, rank, draw=0):
-    """The sampling seed of one rank's rollouts in one draw of a step (each turn's seed derives from it): a
-    function of (seed, step, rank, draw) alone, so a resumed run samples as the uninterrupted one would, and no
-    RNG state needs saving. The first draw's is that of a run without dynamic sampling."""
+    """The sampling seed of one rank's rollouts in one draw of a step (each turn's derives from it): of (seed, step,
+    rank, draw) alone, so a resumed run samples as the uninterrupted one would with no RNG state saved; the first
+    draw's is that of a run without dynamic sampling."""
     return (seed * 100_003 + step) * 64 + rank + (draw << 40)
 
 
 def draw_episodes(llm, tok, tasks, template, args, step, rank, gen, draw, groups):
     """The episodes of one draw's groups on this rank (--group-size of each task, in order), scored by their
-    verifiers; the generator's wall / busy / idle seconds are added to the Counter gen."""
+    verifiers; the generator's wall / busy / idle seconds are added to the Counter gen (a Counter's update adds)."""
     from tqdm import tqdm
     desc = f"step {step + 1} rollouts" + (f" (draw {draw + 1})" if draw else "")
     bar = tqdm(total=len(groups) * args.group_size, desc=desc, leave=False, disable=rank != 0, dynamic_ncols=True)
-    stats = {}
     eps = engine.rollout(llm, tok, [tasks[g] for g in groups for _ in range(args.group_size)],
                          temperature=args.temperature, max_turns=args.max_turns, max_new_tokens=args.max_new_tokens,
                          max_len=args.max_len, concurrency=args.concurrency, template=template,
                          seed=step_seed(args.seed, step, rank, draw), on_episode=lambda i, e: bar.update(),
-                         stats=stats, network=args.network, grammar=args.grammar)
+                         stats=gen, network=args.network, grammar=args.grammar)
     bar.close()
-    gen.update(stats)
     return eps
 
 
-def unparsed_replies(episode):
-    """One bool per reply in turn order: whether the protocol could not parse it, read from the parse error it
-    answered with; the episode's last reply has no answer (an episode ended by its third parse error among them)
-    and is parsed here."""
-    m = episode.messages
-    return [terminus.is_parse_error(m[i + 1]["content"]) if i + 1 < len(m) else
-            terminus.parse_reply(m[i]["content"])[1] is not None
-            for i in range(len(m)) if m[i]["role"] == "assistant"]
-
-
-def acted_tokens(tok, ids, replies):
-    """One bool per token of `ids`: whether it holds part of a value the environment acts on in its reply
-    (terminus.acted_spans; a token that straddles a value's edge counts); False outside the replies."""
-    out = [False] * len(ids)
-    for start, end in replies:
-        pieces = tok.batch_decode([[i] for i in ids[start:end]])  # the reply's text, one piece per token
-        spans = terminus.acted_spans("".join(pieces))
-        pos = 0
-        for t, piece in enumerate(pieces):
-            out[start + t] = any(a < pos + len(piece) and pos < b for a, b in spans)
-            pos += len(piece)
-    return out
-
-
-def token_advantages(episode, adv, replies, credit_unparsed=True, acted=None):
-    """The advantage of each of an episode's tokens (a list, one per token; the loss reads it at the action
-    tokens) from its group-relative advantage `adv` and its turn boundaries `replies` (engine.reply_spans: the
-    [start, end) of each reply in turn order). GRPO's outcome reward gives every token the same; a per-turn or
-    per-token advantage (turn rewards, a value model) is a change to this function alone. Without
-    credit_unparsed a reply the protocol could not parse gets 0 where the episode's advantage is positive: a
-    solved episode does not reinforce the malformed replies it recovered from. With acted (acted_tokens), only
-    those tokens get the advantage."""
-    out = [adv] * len(episode.token_ids) if acted is None else [adv if a else 0.0 for a in acted]
-    if adv > 0 and not credit_unparsed:
-        for (start, end), bad in zip(replies, unparsed_replies(episode)):
-            if bad:
-                out[start:end] = [0.0] * (end - start)
-    return out
-
-
-def group_examples(episodes, group_size, args, tok=None):
-    """Episodes of consecutive groups (group_size each) -> (training examples per group, has_signal (G,) bool,
-    valid (G, S) bool). An example holds an episode's per-token lists (ids, roles, behav: the vLLM log-probs,
-    wrapper, adv: token_advantages; tok: the tokenizer, which --credit acted reads the replies with).
-    Infrastructure failures are not valid: out of their group's statistics and of the loss. An episode cut at
-    --max-len keeps the verifier's reward (--overlong keep), stays in its group's statistics without a loss
-    (mask), or has --overlong-penalty taken off its reward (penalty). --format-penalty C takes C x the share of
-    its replies that could not be parsed off every episode's reward."""
-    cut = torch.tensor([e.truncated for e in episodes]).view(-1, group_size)  # (G, S)
-    rewards = torch.tensor([e.reward for e in episodes], dtype=torch.float32).view(-1, group_size)
+def group_rewards(episodes, args):
+    """Episodes of consecutive groups (--group-size each) -> (rewards, valid, trains), (G, S) each: the verifier's
+    rewards, less --overlong-penalty for an episode cut at --max-len under --overlong penalty; valid: not an
+    infrastructure failure (those are out of the group's statistics); trains: the valid episodes the loss sees."""
+    cut = torch.tensor([e.truncated for e in episodes]).view(-1, args.group_size)  # (G, S)
+    rewards = torch.tensor([e.reward for e in episodes], dtype=torch.float32).view(-1, args.group_size)
     if args.overlong == "penalty":
         rewards = rewards - args.overlong_penalty * cut
-    if args.format_penalty:
-        bad = torch.tensor([np.mean(unparsed_replies(e) or [False]) for e in episodes], dtype=torch.float32)
-        rewards = rewards - args.format_penalty * bad.view(-1, group_size)
-    valid = torch.tensor([e.failure not in envs.INFRA_FAILURES for e in episodes]).view(-1, group_size)
-    adv, has_signal = group_advantages(rewards, valid, args.scale_std, args.neg_weight)
-    trains = valid & ~cut if args.overlong == "mask" else valid
-    groups = [[] for _ in range(len(rewards))]
+    valid = torch.tensor([e.failure not in envs.INFRA_FAILURES for e in episodes]).view(-1, args.group_size)
+    return rewards, valid, valid & ~cut if args.overlong == "mask" else valid
+
+
+def group_advantages(rewards, valid=None, scale_std=False, eps=1e-6):
+    """rewards (G, S) -> (advantages (G, S), signal (G,) bool). A = r - mean of the group's valid episodes; with
+    scale_std, / (std + eps), std being the population std (ddof 0) of those valid rewards. Invalid episodes
+    (infrastructure failures) get 0 and stay out of the statistics; a group whose valid rewards are all equal, or
+    with fewer than two valid episodes, has no signal: all its advantages are 0."""
+    valid = torch.ones_like(rewards, dtype=torch.bool) if valid is None else valid
+    n = valid.sum(1, keepdim=True).clamp(min=1)  # (G, 1)
+    mean = (rewards * valid).sum(1, keepdim=True) / n
+    dev = (rewards - mean) * valid  # (G, S)
+    std = (dev.pow(2).sum(1, keepdim=True) / n).sqrt()
+    has_signal = (std.squeeze(1) > 0) & (valid.sum(1) >= 2)  # (G,)
+    adv = dev / (std + eps) if scale_std else dev
+    return adv * has_signal[:, None], has_signal
+
+
+def token_advantages(episode, adv, replies):
+    """The advantage of each of an episode's tokens (a list, one per token; the loss reads it at the action
+    tokens) from its group-relative advantage `adv` (a float) and its turn boundaries `replies` (engine.reply_spans:
+    the [start, end) of each reply in turn order). GRPO's outcome reward gives every token the same; a per-turn or
+    per-token advantage (turn rewards, a value model) is a change to this function alone."""
+    return [adv] * len(episode.token_ids)
+
+
+def group_examples(episodes, adv, trains):
+    """Episodes of consecutive groups, their advantages (G, S) and whether each trains (G, S) -> each group's
+    training examples: an episode's per-token lists (ids, roles, behav: the vLLM log-probs, wrapper, adv:
+    token_advantages; under a grammar its masks, mask_ids and forced tokens, which carry no loss)."""
+    groups = [[] for _ in range(len(adv))]
     for i, e in enumerate(episodes):
-        g, j = divmod(i, group_size)
+        g, j = divmod(i, adv.shape[1])
         if trains[g, j] and ACTION in e.roles:
-            replies = engine.reply_spans(e.roles)
-            acted = acted_tokens(tok, e.token_ids, replies) if args.credit == "acted" else None
-            groups[g].append({"ids": e.token_ids, "roles": e.roles, "behav": e.logprobs, "wrapper": e.obs_wrapper,
-                              "adv": token_advantages(e, float(adv[g, j]), replies, not args.no_credit_unparsed,
-                                                      acted)})
-            if e.masks:  # decoded under a grammar: its masks, and its forced tokens out of the loss
-                groups[g][-1].update(masks=e.masks, mask_ids=e.mask_ids,
-                                     forced=engine.forced_tokens(e.masks, e.mask_ids))
-    return groups, has_signal, valid
-
-
-def keep_signal_groups(has_signal, room, rank, device):
-    """Dynamic sampling's choice in one draw: -> (indices of this rank's groups kept, groups kept over all
-    ranks). Groups with signal are kept in rank order until `room` are, so the step gets exactly as many as it
-    lacks, whichever ranks hold them."""
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    mine = int(has_signal.sum())
-    counts = common.all_reduce([mine if r == rank else 0 for r in range(world)], device)  # (world,)
-    take = max(0, min(mine, room - int(sum(counts[:rank]))))
-    return has_signal.nonzero().flatten().tolist()[:take], min(int(sum(counts)), room)
-
-
-def sample_step(draw, n_tasks, args, step, rank, device, tok=None):
-    """One step's episodes and training examples. draw(draw index, task indices) -> the episodes of those tasks'
-    groups (group_size each, in order) on this rank (draw_episodes). One draw of --tasks-per-step groups, split
-    over the ranks; with --dynamic-sampling, groups without signal are dropped and further draws (new tasks,
-    seeded by the draw) fill the step until --tasks-per-step groups have signal or the cap is drawn. tok: as
-    group_examples. -> (episodes of every draw, valid (G, S), has_signal (G,) over every drawn group, this
-    rank's examples)."""
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    per_rank = args.tasks_per_step // world
-    episodes, valid, has_signal, examples, kept = [], [], [], [], 0
-    for d in range(max(args.dynamic_sampling // args.tasks_per_step, 1)):
-        groups = step_groups(n_tasks, args.tasks_per_step, task_step(step, args.steps, args.redraw), args.seed,
-                             d)[rank * per_rank: (rank + 1) * per_rank]
-        eps = draw(d, groups)
-        ex_groups, sig, ok = group_examples(eps, args.group_size, args, tok)
-        episodes, valid, has_signal = episodes + eps, valid + [ok], has_signal + [sig]
-        if not args.dynamic_sampling:
-            examples = [ex for g in ex_groups for ex in g]
-            break
-        keep, n_kept = keep_signal_groups(sig, args.tasks_per_step - kept, rank, device)
-        examples += [ex for g in keep for ex in ex_groups[g]]
-        kept += n_kept
-        if kept >= args.tasks_per_step:
-            break
-    return episodes, torch.cat(valid), torch.cat(has_signal), examples
-
-
-# ----------------------------------------------------------------------------------------------------------
-# The log
-
-def step_record(step, episodes, valid, has_signal, tot, gnorm, gen, times, args, device, checksum=None):
-    """The step's log row: its episodes (every draw, all ranks), what the update saw, times (seconds); checksum:
-    engine.sync_weights' of the weights this rank's engine got (None: no update, no sync)."""
-    ok = valid.flatten().tolist()
-    ep_sums = {"episodes": len(episodes), "valid": sum(ok),
-               "reward_sum": sum(e.reward for e, v in zip(episodes, ok) if v),
-               "solved": sum(e.reward >= 1.0 for e, v in zip(episodes, ok) if v),
-               "signal": int(has_signal.sum()), "groups": len(has_signal), "turns": sum(e.turns for e in episodes),
-               "tokens": sum(len(e.token_ids) for e in episodes), "truncated": sum(e.truncated for e in episodes),
-               "gen_tokens": sum(e.roles.count(ACTION) for e in episodes),
-               "parse_errors": sum(sum(unparsed_replies(e)) for e in episodes),
-               "gen_busy_s": gen["policy_s"], "gen_idle_s": gen["idle_s"], "rollout_s": gen["wall_s"]}
-    # per rank: the failures by kind (whichever kinds envs reports), its own mean |mismatch| and weights' checksum
-    mine = tot.get("act_tokens", 0)
-    ranks = common.all_gather({"failures": Counter(e.failure for e in episodes if e.failure), "weights": checksum,
-                               "mismatch": tot["mismatch_abs_sum"] / mine if mine else None})
-    failures = sum((r["failures"] for r in ranks), Counter())
-    keys = sorted(set(ep_sums) | set(tot))
-    sums = dict(zip(keys, common.all_reduce([ep_sums.get(k, tot.get(k, 0.0)) for k in keys], device)))
-    na, nv, turns = sums.get("act_tokens", 0), max(sums["valid"], 1), max(sums["turns"], 1)
-    rec = {"step": step + 1, "rollout/task_draw": task_step(step, args.steps, args.redraw) + 1,  # whose tasks
-           "rollout/reward_mean": sums["reward_sum"] / nv, "rollout/solve_rate": sums["solved"] / nv,
-           "rollout/episodes_valid": int(sums["valid"]),  # the solve rate's denominator (evaluate.solved_counts)
-           "rollout/groups_drawn": sums["groups"], "rollout/groups_with_signal": sums["signal"],
-           "rollout/groups_zero_variance": sums["groups"] - sums["signal"],
-           "rollout/infra_excluded": sums["episodes"] - sums["valid"],
-           "rollout/turns_mean": sums["turns"] / sums["episodes"],
-           "rollout/episode_tokens_mean": sums["tokens"] / sums["episodes"],
-           "rollout/response_tokens_mean": sums["gen_tokens"] / turns,
-           "rollout/truncated": sums["truncated"], "rollout/parse_error_rate": sums["parse_errors"] / turns,
-           **{f"rollout/failures/{k}": n for k, n in sorted(failures.items())},
-           "rollout/gen_tok_per_s": sums["gen_tokens"] / max(sums["gen_busy_s"], 1e-9),
-           "rollout/generator_idle_frac": sums["gen_idle_s"] / max(sums["rollout_s"], 1e-9),
-           "train/episodes_trained": int(sums["episodes_trained"]), "train/action_tokens": int(na),
-           "train/optimizer_steps": 0 if gnorm is None else args.ppo_epochs, "train/lr": args.lr,
-           "time/rollout_s": times["rollout"], "time/generate_s": gen["policy_s"], "time/env_wait_s": gen["idle_s"],
-           "time/train_s": times["train"], "time/sync_s": times["sync"], "time/step_s": times["step"]}
-    if gnorm is not None:  # what the trained episodes show (a step without an update scored none)
-        rec.update({"train/loss": sums["loss"], "train/pg_loss": sums["pg_loss"], "train/echo_loss": sums["echo_loss"],
-                    "train/grad_norm": gnorm, "train/obs_nll": sums["obs_nll_sum"] / max(sums["obs_tokens"], 1)})
-    if na:
-        rec.update({"train/entropy": sums["entropy_sum"] / na, "train/kl_init": sums["kl_init_sum"] / na,
-                    "train/kl_init_k3": sums["kl_init_k3_sum"] / na, "train/mismatch": sums["mismatch_sum"] / na,
-                    "train/mismatch_abs": sums["mismatch_abs_sum"] / na, "train/clip_frac": sums["clipped_sum"] / na,
-                    "train/tis_weight": sums["tis_w_sum"] / na,
-                    # the worst rank's: one rank's stale engine is not averaged away by the others
-                    "train/mismatch_abs_rank_max": max(r["mismatch"] for r in ranks if r["mismatch"] is not None)})
-    if checksum is not None:  # every rank's engine should hold the same weights: a spread above 0 says they part
-        checks = [r["weights"] for r in ranks]
-        rec.update({"train/weights_checksum": checks[0], "train/weights_checksum_spread": max(checks) - min(checks)})
-    return rec
-
-
-def step_line(rec, args):
-    """The step's one line on the console."""
-    trained = (f"ent {rec['train/entropy']:.3f} | kl {rec['train/kl_init_k3']:.2e} | "
-               f"mism {rec['train/mismatch_abs']:.1e} | gnorm {rec['train/grad_norm']:.3f}"
-               if "train/grad_norm" in rec and "train/entropy" in rec else "nothing to learn from: no update")
-    return (f"step {rec['step']}/{args.steps} | reward {rec['rollout/reward_mean']:.3f} | "
-            f"solved {rec['rollout/solve_rate']:.2f} | signal {rec['rollout/groups_with_signal']:.0f}/"
-            f"{rec['rollout/groups_drawn']:.0f} | {trained} | gen {rec['time/generate_s']:.0f}s "
-            f"idle {rec['rollout/generator_idle_frac']:.0%} | train {rec['time/train_s']:.0f}s | "
-            f"{rec['time/step_s']:.0f}s")
-
-
-# curves.png: the KL from the initial policy is k3's (never below 0; train/kl_init, the k1 estimate, can be)
-CURVES = (("rollout/reward_mean", "mean reward"), ("train/entropy", "action-token entropy"),
-          ("train/kl_init_k3", "KL from init (k3)"))
+            ex = {"ids": e.token_ids, "roles": e.roles, "behav": e.logprobs, "wrapper": e.obs_wrapper,
+                  "adv": token_advantages(e, float(adv[g, j]), engine.reply_spans(e.roles))}
+            if e.masks:  # decoded under a grammar
+                ex.update(masks=e.masks, mask_ids=e.mask_ids, forced=engine.forced_tokens(e.masks, e.mask_ids))
+            groups[g].append(ex)
+    return groups
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -608,10 +405,8 @@ RESUME_KEYS = common.resume_keys(get_parser())  # the flags that fix what the ru
 def main(argv=None):
     args = get_parser().parse_args(argv)
 
-    if (args.keep < 1 or args.ppo_epochs < 1 or args.temperature <= 0 or args.neg_weight < 0
-            or not 0 <= args.prob_weight <= 1 or args.format_penalty < 0):
-        raise ValueError("--keep and --ppo-epochs must be >= 1, --temperature > 0, --neg-weight and --format-penalty "
-                         ">= 0, --prob-weight in [0, 1]")
+    if args.keep < 1 or args.ppo_epochs < 1 or args.temperature <= 0:
+        raise ValueError("--keep and --ppo-epochs must be >= 1, --temperature > 0")
     if not 0 <= 2 * args.redraw <= args.steps:
         raise ValueError(f"--redraw {args.redraw}: the last steps redraw the first steps' tasks, at most half of "
                          f"--steps {args.steps}")
@@ -627,7 +422,7 @@ def main(argv=None):
 
     tok = load_tokenizer(ckpt or args.init, "native" if ckpt else args.chat_template)
     template = terminus.load_template(args.prompt_template)
-    tasks = load_tasks(args.tasks, args.kinds)
+    tasks = envs.load_tasks(args.tasks, args.kinds)
     ctx, dtype, why = common.autocast(args.dtype, device)
     raw = common.load_model(ckpt or args.init, device)
     # the initial policy, for the KL from init: a full copy per rank, in the autocast dtype
@@ -644,12 +439,29 @@ def main(argv=None):
            + (f"resumed at step {start}" if start else "fresh start"))
 
     raw.train()
+    per_rank = args.tasks_per_step // world  # this rank's groups of a draw
     for step in range(start, args.steps):
         t0, gen = time.time(), Counter()  # gen: the generator's wall / busy / idle seconds over the step's draws
-        # draw tasks, roll out their groups, score, advantages (no engine reference outlives it: see `del llm`)
-        episodes, valid, has_signal, examples = sample_step(
-            functools.partial(draw_episodes, llm, tok, tasks, template, args, step, rank, gen), len(tasks), args, step,
-            rank, device, tok)
+        episodes, advs, valid, has_signal, examples, kept = [], [], [], [], [], 0
+        for draw in range(max(args.dynamic_sampling // args.tasks_per_step, 1)):  # one, or --dynamic-sampling's
+            groups = step_groups(len(tasks), args.tasks_per_step, task_step(step, args.steps, args.redraw), args.seed,
+                                 draw)[rank * per_rank: (rank + 1) * per_rank]
+            # rollout -> rewards -> advantages -> examples
+            eps = draw_episodes(llm, tok, tasks, template, args, step, rank, gen, draw, groups)
+            rewards, ok, trains = group_rewards(eps, args)  # (G, S) each
+            adv, sig = group_advantages(rewards, ok, args.scale_std)  # (G, S), (G,)
+            by_group = group_examples(eps, adv, trains)
+            episodes, advs, valid, has_signal = episodes + eps, advs + [adv], valid + [ok], has_signal + [sig]
+            if not args.dynamic_sampling:
+                examples = [ex for g in by_group for ex in g]
+                break
+            # dynamic sampling: groups with signal, in rank order, until the step has --tasks-per-step of them
+            counts = common.all_reduce([int(sig.sum()) if r == rank else 0 for r in range(world)], device)  # (world,)
+            take = max(0, min(int(sig.sum()), args.tasks_per_step - kept - int(sum(counts[:rank]))))
+            examples += [ex for g in sig.nonzero().flatten().tolist()[:take] for ex in by_group[g]]
+            kept = min(kept + int(sum(counts)), args.tasks_per_step)
+            if kept >= args.tasks_per_step:
+                break
         if device.type == "cuda":  # the engine's weights go to host memory and its KV cache is freed while training
             llm.sleep(level=1)
         t_roll = time.time()
@@ -663,22 +475,19 @@ def main(argv=None):
         t_sync = time.time()
         # log: one row a step, summed over ranks; save: a checkpoint every --save-every steps
         times = {"rollout": t_roll - t0, "train": t_train - t_roll, "sync": t_sync - t_train, "step": t_sync - t0}
-        rec = step_record(step, episodes, valid, has_signal, tot, gnorm, gen, times, args, device, checksum)
+        rec, lost = steplog.step_record(step, task_step(step, args.steps, args.redraw), episodes, torch.cat(valid),
+                                        torch.cat(has_signal), tot, gnorm, gen, times, args, device, checksum)
         log.write(rec)
-        print0(step_line(rec, args))
-        # out of the statistics and the loss: say why (whichever rank drew them), or a loaded machine silently
-        # shrinks the steps
-        lost = [m for m in common.all_gather(next((f"{e.task}: {e.failure}: {e.error[:300]}" for e in episodes
-                                                   if e.failure in envs.INFRA_FAILURES), None)) if m]
-        if lost:
-            print0(f"  {rec['rollout/infra_excluded']:.0f} of the step's episodes lost to the infrastructure, e.g. "
-                   f"{lost[0]}")
+        print0(steplog.step_line(rec, args, lost))
+        if rank == 0:  # a solved and a failed episode to read
+            steplog.write_transcripts(out / "transcripts", step + 1, episodes, torch.cat(advs).flatten().tolist(),
+                                      args.group_size)
         done = step + 1
         if (args.save_every and done % args.save_every == 0) or done == args.steps:
             common.save_checkpoint(out / f"step-{done:06d}", model, raw, tok, opt, done, args, rank, rng=False)
             common.prune_checkpoints(out, args.keep, rank)
             if rank == 0:
-                common.plot_log(out / "log.jsonl", out / "curves.png", CURVES)
+                common.plot_log(out / "log.jsonl", out / "curves.png", steplog.CURVES)
     common.save_checkpoint(out / "final", model, raw, tok, None, args.steps, args, rank)  # weights + tokenizer only
     print0(f"final model: {out / 'final'}")
     log.close()

@@ -422,16 +422,13 @@ def is_parse_error(observation):
     return _PARSE.fullmatch(observation) is not None
 
 
-# The values of a reply that the environment acts on: each command's keystrokes (the JSON string, quotes included: the
-# closing quote ends the command) and duration, and task_complete's value. Found by pattern rather than a JSON parse,
-# so a malformed reply's values are found too (a keystrokes string the reply cut off runs to its end).
-_ACTED = re.compile(r'"keystrokes"\s*:\s*("(?:[^"\\]|\\.)*"?)|"duration"\s*:\s*([-+0-9.eE]+)'
-                    r'|"task_complete"\s*:\s*("?(?:true|false)"?)')
-
-
-def acted_spans(reply):
-    """Character spans [(start, end)] of the values in a reply that the environment acts on (_ACTED), in order."""
-    return [m.span(g) for m in _ACTED.finditer(reply) for g in (1, 2, 3) if m.start(g) >= 0]
+def unparsed_replies(messages):
+    """One bool per assistant reply of a conversation, in turn order: whether the protocol could not parse it, read
+    from the parse error it was answered with; the last reply has no answer (an episode ended by its third parse
+    error among them) and is parsed here."""
+    m = messages
+    return [is_parse_error(m[i + 1]["content"]) if i + 1 < len(m) else parse_reply(m[i]["content"])[1] is not None
+            for i in range(len(m)) if m[i]["role"] == "assistant"]
 
 
 def is_completion_check(observation):

@@ -30,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo's modul
 import envs  # noqa: E402
 import evaluate  # noqa: E402
 import labels  # noqa: E402
+import steplog  # noqa: E402
 import taskgen  # noqa: E402
 
 LABELS = {"actionsft": "ActionSFT (λ=0)", "actobs": "ActObs (λ=1)", "obs-then-act": "Obs→Act"}  # else the arm's name
@@ -511,6 +512,17 @@ def rl_table(grpo, names):
     return rl, "\n".join(lines)
 
 
+def transcript_links(run, names, models):
+    """Per GRPO run, links to a solved and a failed episode of its last steps that have one (steplog.pick_transcripts:
+    each step's transcripts/step_NNNN.md)."""
+    lines = ["Episodes to read, from each run's transcripts/ (the last step with a solved one, with a failed one):", ""]
+    for m in models:
+        picked = sorted(steplog.pick_transcripts(run / m / "transcripts").items(), reverse=True)  # solved, failed
+        lines.append(f"- {names[m]}: " + (", ".join(f"[{kind}]({path.relative_to(run)})" for kind, path in picked)
+                                          or "no transcript"))
+    return "\n".join(lines)
+
+
 def expert_lengths(tokenizer, rows):
     """(longest reply, its task, longest episode, its task) in tokens of the expert corpus rows, counted as a rollout
     counts them: a reply is a run of ACTION tokens (what the policy generates, its end-of-turn token included),
@@ -623,7 +635,7 @@ def build(run):
                "Points and paired bootstrap 95% intervals over tasks. The paper: a larger λ "
                "raises the pass@8 advantage and lowers pass@1's.", "", "![λ sweep](lambda_sweep.png)", ""]
     md += ["## GRPO runs: entropy and KL from the SFT checkpoint during RL (each run's curves.png and log.jsonl)", "",
-           rl_txt, "", "![GRPO curves](grpo_curves.png)", "",
+           rl_txt, "", transcript_links(run, names, grpo), "", "![GRPO curves](grpo_curves.png)", "",
            "## Gradient geometry during SFT (geometry.png; each arm's probe_geometry.png)", "",
            "| arm | cos(g_act, g_obs) first → last | r = ‖g_obs‖/‖g_act‖ first → last |", "|---|---|---|"]
     for a, g in geo.items():

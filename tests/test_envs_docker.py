@@ -137,6 +137,19 @@ def test_verifier_errors_are_not_failures(base_image):
     assert "unreadable reward" in eps[2].error and eps[3].reward == 0.5
 
 
+def test_load_tasks_keeps_the_kinds_asked_for(tmp_path, base_image):
+    # --kinds: the RL split's tasks of those kinds only (read from task.toml's [metadata]); a kind the folder does
+    # not have is an error that names the kinds it does have.
+    for spec in taskgen.make_splits(0, 0, 6, seed=3)["eval"]:
+        taskgen.write_harbor(spec, tmp_path / spec.name, base_image)
+    kinds = {t.name: t.kind for t in envs.load_tasks(tmp_path)}
+    assert len(kinds) == 6 and len(set(kinds.values())) == 6
+    want = sorted(set(kinds.values()))[:2]
+    assert sorted(t.kind for t in envs.load_tasks(tmp_path, want)) == want
+    with pytest.raises(ValueError, match="no task of the kinds nosuch .*" + want[0]):
+        envs.load_tasks(tmp_path, ["nosuch"])
+
+
 # ---------------------------------------------------------------------------------------------- episodes
 
 def test_episode_messages_and_completion_needs_confirming(base_image):

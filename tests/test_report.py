@@ -2,12 +2,14 @@
 import json
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 import envs
 import evaluate
 import labels
+import steplog
 import taskgen
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
@@ -290,6 +292,23 @@ def test_build_reports_every_comparison(tmp_path):
     assert "Most entropy kept during GRPO (mean over the trained steps): ActObs (λ=1) + GRPO; closest to its SFT " \
            "checkpoint at the end (k3): ActObs (λ=1) + GRPO" in md
     assert out["rl_time"]["echo-grpo"]["kl_end"] == 0.05 and "![GRPO curves](grpo_curves.png)" in md
+
+
+def test_the_report_links_a_solved_and_a_failed_transcript_per_grpo_run(tmp_path):
+    """Each GRPO run's line links the last step's transcript with a solved episode and the last with a failed one
+    (steplog.pick_transcripts), as paths within the run folder; a run without transcripts says so."""
+    synthetic_run(tmp_path)
+    folder = tmp_path / "actobs-grpo" / "transcripts"
+    episode = lambda reward: SimpleNamespace(task="t0", reward=reward, failure=None, truncated=False, turns=1,  # noqa: E731
+                                             messages=[{"role": "user", "content": "go"},
+                                                       {"role": "assistant", "content": "{}"}])
+    steplog.write_transcripts(folder, 1, [episode(1.0), episode(0.0)], [0.5, -0.5], 2)
+    steplog.write_transcripts(folder, 2, [episode(0.0), episode(0.0)], [0.0, 0.0], 2)
+    assert report.build(tmp_path) == []
+    md = (tmp_path / "REPORT.md").read_text()
+    assert ("- ActObs (λ=1) + GRPO: [solved](actobs-grpo/transcripts/step_0001.md), "
+            "[failed](actobs-grpo/transcripts/step_0002.md)") in md
+    assert "- ActionSFT (λ=0) + GRPO: no transcript" in md
 
 
 def test_build_without_a_sweep(tmp_path):

@@ -55,6 +55,25 @@ def test_parse_reply_invalid_json_names_the_problem():
     assert reply is None and err.startswith("Invalid JSON: ")
 
 
+DONE = '{"analysis": "", "plan": "", "commands": [], "task_complete": true}'
+
+
+def test_unparsed_replies_count_every_reply_the_protocol_could_not_parse():
+    """grpo.py's parse-error rate: a reply is unparsed when the protocol answered it with a parse error; the last
+    reply, which nothing answered (an episode its third parse error ended), is parsed here."""
+    def conversation(replies):
+        msgs = [{"role": "user", "content": "task"}]
+        for k, r in enumerate(replies):
+            msgs.append({"role": "assistant", "content": r})
+            if k + 1 < len(replies):
+                bad = terminus.parse_reply(r)[1]
+                msgs.append({"role": "user", "content": terminus.parse_error_message(bad, []) if bad else "out"})
+        return msgs
+    convs = [conversation(r) for r in (["{x", DONE], ["{}", DONE, DONE, DONE], ["{x", "{y", "{z"], [DONE])]
+    assert [terminus.unparsed_replies(m) for m in convs] == [[True, False], [True, False, False, False], [True] * 3,
+                                                           [False]]
+
+
 # ---------------------------------------------------------------------------------------------- messages
 
 def test_messages_are_those_of_the_real_rows():

@@ -1,0 +1,148 @@
+"""
+What a GRPO step leaves for people to read: its row in log.jsonl (step_record: summed over the ranks), its line on
+the console (step_line), and a solved and a failed episode of it as Markdown, OUT/transcripts/step_0003.md
+(write_transcripts): what the policy did, what it was paid, which way the update pushed it. scripts/report.py links
+one solved and one failed transcript per GRPO run (pick_transcripts).
+
+Importable without torch: report.py reads the transcripts; grpo.py calls the rest.
+"""
+import re
+from collections import Counter
+from pathlib import Path
+
+import envs
+import terminus
+from labels import ACTION
+
+
+def step_record(step, task_draw, episodes, valid, has_signal, tot, gnorm, gen, times, args, device, checksum=None):
+    """The step's log row: its episodes (every draw, all ranks; valid (G, S), has_signal (G,)), whose tasks they
+    were (task_draw: the step, 0-based, whose draw the step used), what the update saw (tot: train_batch's sums,
+    gnorm), the generator's seconds (gen) and the step's (times); checksum: engine.sync_weights' of the weights this
+    rank's engine got (None: no update, no sync). -> (the row, what an episode lost to the infrastructure, on any
+    rank, said, or None)."""
+    import common  # torch: the trainer's alone (report.py reads the transcripts without it)
+    ok = valid.flatten().tolist()
+    ep_sums = {"episodes": len(episodes), "valid": sum(ok),
+               "reward_sum": sum(e.reward for e, v in zip(episodes, ok) if v),
+               "solved": sum(e.reward >= 1.0 for e, v in zip(episodes, ok) if v),
+               "signal": int(has_signal.sum()), "groups": len(has_signal), "turns": sum(e.turns for e in episodes),
+               "tokens": sum(len(e.token_ids) for e in episodes), "truncated": sum(e.truncated for e in episodes),
+               "gen_tokens": sum(e.roles.count(ACTION) for e in episodes),
+               "parse_errors": sum(sum(terminus.unparsed_replies(e.messages)) for e in episodes),
+               "gen_busy_s": gen["policy_s"], "gen_idle_s": gen["idle_s"], "rollout_s": gen["wall_s"]}
+    # per rank: the failures by kind (whichever kinds envs reports), an infrastructure failure's message, its own
+    # mean |mismatch| and weights' checksum
+    mine = tot.get("act_tokens", 0)
+    lost = next((f"{e.task}: {e.failure}: {e.error[:300]}" for e in episodes if e.failure in envs.INFRA_FAILURES), None)
+    ranks = common.all_gather({"failures": Counter(e.failure for e in episodes if e.failure), "lost": lost,
+                               "weights": checksum, "mismatch": tot["mismatch_abs_sum"] / mine if mine else None})
+    failures = sum((r["failures"] for r in ranks), Counter())
+    keys = sorted(set(ep_sums) | set(tot))
+    sums = dict(zip(keys, common.all_reduce([ep_sums.get(k, tot.get(k, 0.0)) for k in keys], device)))
+    na, nv, turns = sums.get("act_tokens", 0), max(sums["valid"], 1), max(sums["turns"], 1)
+    rec = {"step": step + 1, "rollout/task_draw": task_draw + 1,  # whose tasks
+           "rollout/reward_mean": sums["reward_sum"] / nv, "rollout/solve_rate": sums["solved"] / nv,
+           "rollout/episodes_valid": int(sums["valid"]),  # the solve rate's denominator (evaluate.solved_counts)
+           "rollout/groups_drawn": sums["groups"], "rollout/groups_with_signal": sums["signal"],
+           "rollout/groups_zero_variance": sums["groups"] - sums["signal"],
+           "rollout/infra_excluded": sums["episodes"] - sums["valid"],
+           "rollout/turns_mean": sums["turns"] / sums["episodes"],
+           "rollout/episode_tokens_mean": sums["tokens"] / sums["episodes"],
+           "rollout/response_tokens_mean": sums["gen_tokens"] / turns,
+           "rollout/truncated": sums["truncated"], "rollout/parse_error_rate": sums["parse_errors"] / turns,
+           **{f"rollout/failures/{k}": n for k, n in sorted(failures.items())},
+           "rollout/gen_tok_per_s": sums["gen_tokens"] / max(sums["gen_busy_s"], 1e-9),
+           "rollout/generator_idle_frac": sums["gen_idle_s"] / max(sums["rollout_s"], 1e-9),
+           "train/episodes_trained": int(sums["episodes_trained"]), "train/action_tokens": int(na),
+           "train/optimizer_steps": 0 if gnorm is None else args.ppo_epochs, "train/lr": args.lr,
+           "time/rollout_s": times["rollout"], "time/generate_s": gen["policy_s"], "time/env_wait_s": gen["idle_s"],
+           "time/train_s": times["train"], "time/sync_s": times["sync"], "time/step_s": times["step"]}
+    if gnorm is not None:  # what the trained episodes show (a step without an update scored none)
+        rec.update({"train/loss": sums["loss"], "train/pg_loss": sums["pg_loss"], "train/echo_loss": sums["echo_loss"],
+                    "train/grad_norm": gnorm, "train/obs_nll": sums["obs_nll_sum"] / max(sums["obs_tokens"], 1)})
+    if na:
+        rec.update({"train/entropy": sums["entropy_sum"] / na, "train/kl_init": sums["kl_init_sum"] / na,
+                    "train/kl_init_k3": sums["kl_init_k3_sum"] / na, "train/mismatch": sums["mismatch_sum"] / na,
+                    "train/mismatch_abs": sums["mismatch_abs_sum"] / na, "train/clip_frac": sums["clipped_sum"] / na,
+                    "train/tis_weight": sums["tis_w_sum"] / na,
+                    # the worst rank's: one rank's stale engine is not averaged away by the others
+                    "train/mismatch_abs_rank_max": max(r["mismatch"] for r in ranks if r["mismatch"] is not None)})
+    if checksum is not None:  # every rank's engine should hold the same weights: a spread above 0 says they part
+        checks = [r["weights"] for r in ranks]
+        rec.update({"train/weights_checksum": checks[0], "train/weights_checksum_spread": max(checks) - min(checks)})
+    return rec, next((r["lost"] for r in ranks if r["lost"]), None)
+
+
+def step_line(rec, args, lost=None):
+    """The step's one line on the console; a second with step_record's `lost`: why episodes left the statistics and
+    the loss, or a loaded machine silently shrinks the steps."""
+    trained = (f"ent {rec['train/entropy']:.3f} | kl {rec['train/kl_init_k3']:.2e} | "
+               f"mism {rec['train/mismatch_abs']:.1e} | gnorm {rec['train/grad_norm']:.3f}"
+               if "train/grad_norm" in rec and "train/entropy" in rec else "nothing to learn from: no update")
+    return (f"step {rec['step']}/{args.steps} | reward {rec['rollout/reward_mean']:.3f} | "
+            f"solved {rec['rollout/solve_rate']:.2f} | signal {rec['rollout/groups_with_signal']:.0f}/"
+            f"{rec['rollout/groups_drawn']:.0f} | {trained} | gen {rec['time/generate_s']:.0f}s "
+            f"idle {rec['rollout/generator_idle_frac']:.0%} | train {rec['time/train_s']:.0f}s | "
+            f"{rec['time/step_s']:.0f}s" + (f"\n  {rec['rollout/infra_excluded']:.0f} of the step's episodes lost "
+                                             f"to the infrastructure, e.g. {lost}" if lost else ""))
+
+
+# curves.png: the KL from the initial policy is k3's (never below 0; train/kl_init, the k1 estimate, can be)
+CURVES = (("rollout/reward_mean", "mean reward"), ("train/entropy", "action-token entropy"),
+          ("train/kl_init_k3", "KL from init (k3)"))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Transcripts
+
+MAX_TEXT = 2000  # bytes of a reply or observation kept in a transcript, head and tail (terminus.truncate_output)
+HEADING = re.compile(r"^## (solved|failed): ", re.M)  # an episode's heading, which pick_transcripts reads
+
+
+def chosen_episodes(episodes, group_size):
+    """-> indices of a solved and a failed episode (reward >= 1; below 1, not for the infrastructure), from the
+    first group that has both (its advantages' two signs side by side), else the first of each; fewer where the
+    step has none of a kind."""
+    solved = [i for i, e in enumerate(episodes) if e.reward >= 1.0]
+    failed = [i for i, e in enumerate(episodes) if e.reward < 1.0 and e.failure not in envs.INFRA_FAILURES]
+    pairs = [(s, f) for s in solved for f in failed if s // group_size == f // group_size]
+    return list(pairs[0]) if pairs else solved[:1] + failed[:1]
+
+
+def transcript(episode, advantage):
+    """One episode as Markdown: its heading (solved / failed, task, reward, advantage, turns, how it ended), the
+    prompt, then each reply and the observation that answered it, each cut to MAX_TEXT."""
+    kind = "solved" if episode.reward >= 1.0 else "failed"
+    end = episode.failure or ("cut at --max-len" if episode.truncated else "ended by the agent")
+    lines = [f"## {kind}: {episode.task}, reward {episode.reward:.2f}, advantage {advantage:+.3f}, "
+             f"{episode.turns} turns, {end}", ""]
+    turn = 0
+    for m in episode.messages:
+        turn += m["role"] == "assistant"
+        title = "prompt" if turn == 0 else f"reply {turn}" if m["role"] == "assistant" else f"observation {turn}"
+        lines += [f"### {title}", "", "````", terminus.truncate_output(m["content"], MAX_TEXT), "````", ""]
+    return "\n".join(lines)
+
+
+def write_transcripts(folder, step, episodes, advantages, group_size):
+    """The step's chosen episodes (chosen_episodes of consecutive groups of group_size; advantages: a float per
+    episode) to folder/step_NNNN.md, step 1-based. -> the file's path."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    chosen = chosen_episodes(episodes, group_size)
+    text = [f"# Step {step}: {len(chosen)} of the {len(episodes)} episodes rank 0 ran", ""]
+    text += [transcript(episodes[i], advantages[i]) for i in chosen] or ["No episode ended solved or failed."]
+    path = folder / f"step_{step:04d}.md"
+    path.write_text("\n".join(text) + "\n")
+    return path
+
+
+def pick_transcripts(folder):
+    """The transcripts a report links: {'solved': path, 'failed': path}, each the last step's file that has one of
+    that kind (later steps show the trained policy); a kind no file has is absent."""
+    out = {}
+    for path in sorted(Path(folder).glob("step_*.md"), reverse=True):
+        for kind in set(HEADING.findall(path.read_text())) - set(out):
+            out[kind] = path
+    return out
