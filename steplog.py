@@ -28,6 +28,7 @@ def step_record(step, task_draw, episodes, valid, has_signal, tot, gnorm, gen, t
                "solved": sum(e.reward >= 1.0 for e, v in zip(episodes, ok) if v),
                "signal": int(has_signal.sum()), "groups": len(has_signal), "turns": sum(e.turns for e in episodes),
                "tokens": sum(len(e.token_ids) for e in episodes), "truncated": sum(e.truncated for e in episodes),
+               "cut_replies": sum(e.cut_replies for e in episodes),  # at --max-new-tokens (--grammar: closed)
                "gen_tokens": sum(e.roles.count(ACTION) for e in episodes),
                "parse_errors": sum(sum(terminus.unparsed_replies(e.messages)) for e in episodes),
                "gen_busy_s": gen["policy_s"], "gen_idle_s": gen["idle_s"], "rollout_s": gen["wall_s"]}
@@ -51,6 +52,7 @@ def step_record(step, task_draw, episodes, valid, has_signal, tot, gnorm, gen, t
            "rollout/episode_tokens_mean": sums["tokens"] / sums["episodes"],
            "rollout/response_tokens_mean": sums["gen_tokens"] / turns,
            "rollout/truncated": sums["truncated"], "rollout/parse_error_rate": sums["parse_errors"] / turns,
+           "rollout/cut_reply_rate": sums["cut_replies"] / turns,
            **{f"rollout/failures/{k}": n for k, n in sorted(failures.items())},
            "rollout/gen_tok_per_s": sums["gen_tokens"] / max(sums["gen_busy_s"], 1e-9),
            "rollout/generator_idle_frac": sums["gen_idle_s"] / max(sums["rollout_s"], 1e-9),
