@@ -22,10 +22,10 @@ QWEN3_06B = dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
                  rope_theta=1000000, max_position_embeddings=40960, rms_norm_eps=1e-6)
 
 
-def qwen3_06b(hidden=None, layers=None):
-    """Qwen3-0.6B's config as a dict; hidden narrows the residual width (the MLP kept at 3x it, as there) and layers
-    changes the depth. The attention's heads and head size stay, so the KV cache per token is the real one."""
-    cfg = dict(QWEN3_06B)
+def narrow(cfg, hidden=None, layers=None):
+    """A copy of the config dict `cfg` with the residual width `hidden` (the MLP at 3x it, Qwen3-0.6B's ratio) and
+    `layers` layers where given. The attention's heads and head size stay: the KV cache per token is cfg's."""
+    cfg = dict(cfg)
     if hidden:
         cfg.update(hidden_size=hidden, intermediate_size=3 * hidden)
     if layers:
