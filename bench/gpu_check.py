@@ -1,7 +1,7 @@
 """
 The CUDA paths that CPU CI cannot run, checked in one script on one GPU (~5 min on an H100/H200): every line it
 prints ends in PASS or FAIL, and it exits 1 if any check failed. Nothing is downloaded: the tokenizer is trained
-here and the weights are a random init of a real architecture (Qwen3-0.6B's config by default).
+here and the weights are a random init of a real architecture (Qwen3-0.6B's config: bench/realshape.py).
 
 1. SFT (no Docker): sft.py's loop in bf16 with gradient checkpointing on long synthetic trajectories — the loss
    is finite and falls, tokens/s, MFU and peak memory from the run's own log.jsonl.
@@ -26,15 +26,12 @@ from pathlib import Path
 
 import torch
 
-import common
 import engine
 import grpo
 import sft
+from bench import realshape
 from bench.train import long_trajectory
 
-QWEN3_06B = dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
-                 num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=True,
-                 rope_theta=1000000, max_position_embeddings=40960, rms_norm_eps=1e-6)
 FAILED = []
 
 
@@ -42,15 +39,6 @@ def check(name, ok, detail):
     print(f"{name:<44} {detail:<60} {'PASS' if ok else 'FAIL'}", flush=True)
     if not ok:
         FAILED.append(name)
-
-
-def random_model_dir(out, convs, cfg):
-    """A tokenizer trained on `convs` and a random init of `cfg` saved in bf16: a checkpoint vLLM and sft.py load."""
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-    common.build_tiny(out, [m["content"] for c in convs[:20] for m in c], vocab_size=4096, hidden=64, layers=1)
-    torch.manual_seed(0)
-    Qwen3ForCausalLM(Qwen3Config(**cfg)).to(torch.bfloat16).save_pretrained(out)
-    return out
 
 
 def sft_check(root, model_dir, convs, args):
@@ -146,7 +134,7 @@ def main(argv=None):
     root = Path(args.out or tempfile.mkdtemp(prefix="actobs_gpu_check_"))
     rng = random.Random(0)
     convs = [long_trajectory(rng, 4 * args.seq_len) for _ in range(4 * args.sft_steps + 1)]
-    model_dir = random_model_dir(root / "model", convs, QWEN3_06B)
+    model_dir = realshape.checkpoint(root / "model", [m["content"] for c in convs[:20] for m in c], realshape.QWEN3_06B)
     print(f"{torch.cuda.get_device_name()} | torch {torch.__version__} | work dir {root}")
     sft_check(root, model_dir, convs, args)
     engine_check(model_dir)

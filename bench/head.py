@@ -10,6 +10,7 @@ peak-memory ratios against the recompute.
     python -m bench.head                                          # both parts, V = 4,096 and 151,936
     python -m bench.head --part head --vocab 151936 --tokens 883  # the head alone at Qwen3's vocabulary
     python -m bench.head --clock cpu                              # on a machine other jobs share
+    python -m bench.head --part peak --vocab 151936 --tokens 2048 --hidden 1024   # peaks at Qwen3-0.6B's width
 
 Time: wall-clock seconds, or with --clock cpu this process's CPU seconds (all its threads; sft.py's step_s is then
 read on that clock too), which other processes' load disturbs far less. Peak memory, on CPU: the process's
@@ -59,6 +60,8 @@ def get_parser():
     p.add_argument("--sft-rounds", type=int, default=2, help="interleaved rounds of the SFT variants")
     p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="autocast dtype (sft.py's CPU default)")
     p.add_argument("--clock", choices=["wall", "cpu"], default="wall", help="wall-clock or this process's CPU seconds")
+    p.add_argument("--hidden", type=int, default=256, help="width of the rows through the head alone")
+    p.add_argument("--json", help="with --part peak: also write each variant's peak bytes (and the bound) here")
     return p
 
 
@@ -77,11 +80,11 @@ def full_logits_loss(h, W, targets, terms, entropy=False, chunk=None):
 HEADS = {"forward grads": common.token_loss, "recompute": recompute_loss, "full logits": full_logits_loss}
 
 
-def head_inputs(V, N, device):
-    """Rows h (N, 256), a head W (V, 256), targets and SFT's per-token weights (N,), seeded."""
+def head_inputs(V, N, device, H=256):
+    """Rows h (N, H), a head W (V, H), targets and SFT's per-token weights (N,), seeded."""
     torch.manual_seed(0)
-    h = torch.randn(N, 256, device=device, requires_grad=True)
-    W = (torch.randn(V, 256, device=device) * 0.05).requires_grad_()
+    h = torch.randn(N, H, device=device, requires_grad=True)
+    W = (torch.randn(V, H, device=device) * 0.05).requires_grad_()
     return h, W, torch.randint(0, V, (N,), device=device), torch.rand(N, device=device)
 
 
@@ -98,7 +101,7 @@ def head_pass(head, h, W, t, w, ctx, device):
 
 def time_head(V, N, args, device, ctx, clock):
     """The head alone: each variant's median seconds over --rounds interleaved passes (after a warm-up pass)."""
-    h, W, t, w = head_inputs(V, N, device)
+    h, W, t, w = head_inputs(V, N, device, args.hidden)
     times, losses = {k: [] for k in HEADS}, {}
     for r in range(args.rounds + 1):  # round 0: warm-up
         for name, head in HEADS.items():
@@ -113,9 +116,10 @@ def time_head(V, N, args, device, ctx, clock):
               f"{abs(losses[name] - losses['recompute']):.1e}", flush=True)
 
 
-def peak_head(V, N, device, ctx):
-    """The head alone: each variant's peak memory above its start, against the recompute's and the stated bound."""
-    h, W, t, w = head_inputs(V, N, device)
+def peak_head(V, N, device, ctx, H=256):
+    """The head alone: each variant's peak memory above its start, against the recompute's and the stated bound.
+    -> {variant: peak bytes, "bound": the stated bound's bytes}."""
+    h, W, t, w = head_inputs(V, N, device, H)
     peaks = {}
     for name, head in HEADS.items():
         head_pass(head, h, W, t, w, ctx, device)  # the first pass's one-off allocations (thread pools) out of the way
@@ -127,6 +131,7 @@ def peak_head(V, N, device, ctx):
     for name, pk in peaks.items():
         print(f"peak | V {V:>7,} | N {N:>5} | {name:>13} | {pk / 2**30:6.3f} GiB | {pk / peaks['recompute']:5.2f}x the "
               f"recompute | stated bound {bound / 2**30:.3f} GiB", flush=True)
+    return {**peaks, "bound": bound}
 
 
 def rss_follows_tensors():
@@ -209,8 +214,10 @@ def main(argv=None):
     if args.part == "peak":  # a process of its own: a heap that earlier work left behind would serve the blocks
         if device.type == "cpu":
             rss_follows_tensors()
-        for V, N in zip(args.vocab, args.tokens):
-            peak_head(V, N, device, ctx)
+        peaks = [{"vocab": V, "tokens": N, "hidden": args.hidden, **peak_head(V, N, device, ctx, args.hidden)}
+                 for V, N in zip(args.vocab, args.tokens)]
+        if args.json:
+            Path(args.json).write_text(json.dumps(peaks, indent=2))
         return
     tmp = Path(tempfile.mkdtemp(prefix="bench_head_"))
     try:
@@ -223,7 +230,7 @@ def main(argv=None):
         shutil.rmtree(tmp, ignore_errors=True)
     if args.part in ("head", "both"):
         subprocess.run([sys.executable, "-m", "bench.head", "--part", "peak", "--dtype", args.dtype,
-                        "--vocab", *map(str, args.vocab), "--tokens", *map(str, args.tokens),
+                        "--hidden", str(args.hidden), "--vocab", *map(str, args.vocab), "--tokens", *map(str, args.tokens),
                         "--sft-len", *map(str, args.sft_len)], check=True, cwd=Path(__file__).resolve().parents[1])
 
 
