@@ -53,6 +53,7 @@ import torch.distributed as dist
 import common
 import engine
 import envs
+import head
 import terminus
 from labels import ACTION, OBS, PROMPT, load_tokenizer
 
@@ -202,7 +203,7 @@ def selected_rows(model, batch, temperature, echo):
 
 
 def allowed_rows(batch, sel):
-    """common.token_logprobs' `allowed` at the selected positions sel (B, T-1): each row's mask from the grammar
+    """head.token_logprobs' `allowed` at the selected positions sel (B, T-1): each row's mask from the grammar
     its target was sampled under, or None without one."""
     return (batch["mask_table"], batch["mask_row"][:, 1:][sel]) if "mask_table" in batch else None
 
@@ -234,7 +235,7 @@ def may_skip(example, coefs):
 
 def pg_loss(model, batch, args, coefs, n_tok, n_seq, n_echo):
     """-> (this micro-batch's part of the step's loss, stats of sums): the objective of the module docstring, a sum
-    of per-token terms, each a function of its own token's log-prob, so common.token_loss forms the head's
+    of per-token terms, each a function of its own token's log-prob, so head.token_loss forms the head's
     gradients in the forward pass (the chunked head: the (N, V) logits never exist). coefs: loss_coefs, each term's
     weight. n_tok, n_seq, n_echo: the step's action tokens, sequences with action tokens and sequences with ECHO
     tokens, over all micro-batches and ranks (the normalisers)."""
@@ -279,7 +280,7 @@ def pg_loss(model, batch, args, coefs, n_tok, n_seq, n_echo):
         t[~a] = -w[rows][~a] * lp[~a]
         return t
     W = model.get_output_embeddings().weight
-    loss, logp_all, ent = common.token_loss(h, W, targets, terms, entropy=True,  # (), (N,) at T or 1, (N,)
+    loss, logp_all, ent = head.token_loss(h, W, targets, terms, entropy=True,  # (), (N,) at T or 1, (N,)
                                             allowed=allowed_rows(batch, sel))
     p, obs_logp = act_parts(logp_all[act], act.nonzero().squeeze(1)), logp_all[~act]  # the stats, detached
     pg, echo_term = p["pg"].sum(), -(w[~act] * obs_logp).sum()
@@ -296,7 +297,7 @@ def action_logprobs(model, batch, args):
     """-> (B, T-1) the log-prob (at T) of each next token that is an action under `model`, 0 elsewhere."""
     no_echo = torch.zeros_like(batch["wrapper"][:, 1:])  # (B, T-1)
     h, targets, act, row, sel = selected_rows(model, batch, args.temperature, no_echo)
-    logp, _ = common.token_logprobs(h, model.get_output_embeddings().weight, targets, allowed=allowed_rows(batch, sel))
+    logp, _ = head.token_logprobs(h, model.get_output_embeddings().weight, targets, allowed=allowed_rows(batch, sel))
     full = torch.zeros(sel.shape, dtype=torch.float32, device=logp.device)
     full[sel] = logp
     return full
