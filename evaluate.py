@@ -224,7 +224,7 @@ def table(results):
                      "the network after a command failed for want of it (their tasks allow it: --network)")
     if s["failures"].get("tampered"):
         lines.append(f"tampered: {s['failures']['tampered']} attempts changed what the verifier loads or runs "
-                     "(envs.verify; their reward stands, as under Harbor)")
+                     "(verify.py; their reward stands, as under Harbor)")
     short = [k for k in ks if s["tasks@k"][k] < s["tasks"]]
     if short:
         lines.append(f"pass@{','.join(map(str, short))}: only tasks with at least k valid attempts "

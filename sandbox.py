@@ -269,7 +269,7 @@ def build_uv_image(base):
     """base + pip (no PEP 668 lock, as in python:3.x images) + uv + local wheels of the pytest pins Terminal-Bench
     verifiers install at verification time, with UV_OFFLINE so their `uvx -p 3.13 -w pytest==... pytest` runs
     without a network. apt and pip reach Debian and PyPI only here, at build time, never from a sandbox.
-    STANDIN_TOOLS names where uv and the wheels go (envs.verify restores them when an agent changed them)."""
+    STANDIN_TOOLS names where uv and the wheels go (verify.py restores them when an agent changed them)."""
     bindir, wheels = STANDIN_TOOLS
     dockerfile = (
         f"FROM {base}\n"

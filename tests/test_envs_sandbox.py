@@ -10,6 +10,7 @@ import pytest
 import disk
 import envs
 import sandbox
+import verify
 
 HARBOR = Path(__file__).parent / "fixtures" / "harbor"
 
@@ -63,14 +64,14 @@ def test_processes_left_running_cannot_forge_the_reward(base_image):
             sb.send(keys, 0.2)
         time.sleep(0.3)
         assert any(sb.exec("cat /logs/verifier/reward.txt")[1] == b"1\n" for _ in range(50))  # the forgers are at work
-        reward, error, output = envs.verify(sb, task)
+        reward, error, output = verify.verify(sb, task)
         assert (reward, error) == (0.0, None)
         # Nothing of the agent's is left: only init (bash), init's sleep and this exec.
         code, out = sb.exec("for f in /proc/[0-9]*/cmdline; do tr '\\0' ' ' < $f; echo; done", user="root")
         left = [c for c in out.decode().split("\n") if c.strip()]
         assert all(c.startswith(("bash -c trap", "sleep 86400", "bash -c for f in", "tr ")) for c in left), left
         sb.exec("echo right > /app/answer")
-        assert envs.verify(sb, task)[:2] == (1.0, None)  # the same verifier pays for the right answer
+        assert verify.verify(sb, task)[:2] == (1.0, None)  # the same verifier pays for the right answer
 
 
 def test_verifier_timeout_scores_0_even_after_writing_1(base_image):
