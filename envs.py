@@ -32,6 +32,7 @@ from pathlib import Path
 
 import labels
 import taskgen
+from container_files import put_files
 from sandbox import (BASE_IMAGE, DEFAULT_STORAGE_MB, STANDIN_SUITE, STANDIN_TAGS, DiskLimit, ProcessLimit, Sandbox,
                      ShellExited, build_base_image, docker_client, image_exists, sweep)
 from terminus import (DEFAULT_PROMPT, confirm_message, decode, fill_prompt, load_template, network_evidence,
@@ -526,7 +527,7 @@ def run_oracle(tasks, *, noop=False, concurrency=4, network=None, keep_agent=Fal
             with open_sandbox(task, network) as sb:
                 out = b""
                 if not noop:
-                    sb.put_files([("/solution/" + rel, data, 0o755) for rel, data in task.solution.items()])
+                    put_files(sb.container, [("/solution/" + rel, data, 0o755) for rel, data in task.solution.items()])
                     code, out = sb.exec(["bash", "/solution/solve.sh"], timeout=task.agent_timeout)
                     if code in (124, 137) and not sb.disk_exceeded:
                         ep.failure, ep.error = "timeout", decode(out)[-500:]

@@ -1,7 +1,8 @@
 """
 The verifier of an episode: it runs in the agent's container once the agent is stopped, on inputs that are the
 task's, and its reward is read from what it wrote (verify); what the agent changed of the verifier's inputs and
-programs is the episode's tamper evidence. envs.py scores every episode through it.
+programs is the episode's tamper evidence, read against the image (its commands on PATH, a path as it holds it).
+envs.py scores every episode through it.
 
 The verifier's inputs are the task's: what the agent left where a verifier loads code from is not run.
 
@@ -12,10 +13,13 @@ point, a changed uv / wheel kit of the stand-in. The agent's processes are gone 
 is written here as root stays as written. Not contained: the programs themselves (bash, python, uv) and the
 .pth files of the image's own interpreter, which a verifier running that interpreter loads (it is recorded).
 """
+import functools
 import json
 import os
+import threading
 
-from sandbox import STANDIN_TOOLS, image_commands
+from container_files import changes, get_file, get_files, put_files
+from sandbox import LABEL, STANDIN_TOOLS, SandboxError, docker_client, owner_label
 from terminus import decode, pytest_never_ran
 
 VERIFIER_TAIL = 2000  # characters of the verifier's output kept on each episode
@@ -47,12 +51,12 @@ REWARD_FILES = ("reward.txt", "reward.json")  # in /logs/verifier, the first fou
 
 
 def verifier_loaded(sb, changed):
-    """The paths in `changed` (Sandbox.changes) that a verifier loads code or settings from without being asked:
+    """The paths in `changed` (container_files.changes) that a verifier loads code or settings from without being asked:
     anything in /tests; a conftest.py or pytest ini file in / (above /tests); a Python start-up hook
     (sitecustomize, usercustomize, a .pth file with an `import` line: site.py runs those); an entry_points.txt
     registering a pytest plugin; the stand-in's tool kit (STANDIN_TOOLS, where the image has it)."""
     def reads(path, needle):
-        return needle in (sb.get_file(path) or b"")
+        return needle in (get_file(sb.container, path) or b"")
     tools = [t for t in STANDIN_TOOLS if changed.get(t) == "C"]  # "A": not the image's kit, the agent's own
     found = []
     for path in changed:
@@ -75,6 +79,32 @@ def verifier_env(task):
             "UV_CACHE_DIR": f"{VERIFIER_DIR}/uv-cache", "UV_NO_CONFIG": "1", "PIP_CONFIG_FILE": os.devnull}
 
 
+# docker exec's PATH in an image that sets none
+DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+
+_commands_lock = threading.Lock()
+
+
+def image_commands(image):
+    """(the image's PATH folders and the stand-in's uv folder, the names of the commands in them), as a fresh
+    container of the image lists them: what a verifier's command resolves to before any agent ran. Once per image:
+    the sandboxes verifying at once wait for the first one's listing."""
+    with _commands_lock:
+        return _image_commands(image)
+
+
+@functools.lru_cache(maxsize=64)
+def _image_commands(image):
+    env = dict(e.split("=", 1) for e in docker_client().images.get(image).attrs["Config"].get("Env") or ())
+    dirs = tuple(dict.fromkeys(d for d in env.get("PATH", DEFAULT_PATH).split(":") + [STANDIN_TOOLS[0]]
+                               if d.startswith("/")))
+    out = docker_client().containers.run(image, list(dirs), entrypoint=["bash", "-c", 'ls -1A "$@" 2>/dev/null; :',
+                                                                        "ls"],
+                                         labels={LABEL: owner_label()}, network_mode="none", remove=True)
+    names = decode(out).splitlines()
+    return dirs, frozenset(n for n in names if n and not n.endswith(":"))  # "folder:" heads each listing
+
+
 # The verifier's programs: the shell and coreutils, the dynamic loader and libraries, the interpreters with their
 # standard libraries and site-packages, uv and pytest; they come from these folders (and the image's PATH).
 PROGRAM_DIRS = ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/usr/bin", "/usr/sbin", "/usr/lib",
@@ -83,9 +113,9 @@ PROGRAM_DIRS = ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/usr/bi
 
 
 def program_changes(sb, changed):
-    """The paths in `changed` (Sandbox.changes) that change the programs the verifier runs, as the image has them:
-    a file of PROGRAM_DIRS or of the image's PATH that the image has and the agent modified or replaced (bash,
-    python, uv, a library, a module, a compiled .pyc), a loader setting the agent added, and an added command
+    """The paths in `changed` (container_files.changes) that change the programs the verifier runs, as the image
+    has them: a file of PROGRAM_DIRS or of the image's PATH that the image has and the agent modified or replaced
+    (bash, python, uv, a library, a module, a compiled .pyc), a loader setting the agent added, and an added command
     that shadows one the image has on PATH (a `tr` in /usr/local/bin). New packages and commands are not
     changes of the verifier's programs: an honest `pip install` or `apt-get install` adds, it does not replace."""
     path_dirs, commands = image_commands(sb.image)
@@ -105,6 +135,30 @@ def program_changes(sb, changed):
     return sorted(found)
 
 
+@functools.lru_cache(maxsize=8)
+def image_archive(image, path):
+    """A tar of `path` as `image` holds it, read from a container that is created and never started."""
+    import docker
+    c = docker_client().containers.create(image, entrypoint=["true"], labels={LABEL: owner_label()},
+                                          network_mode="none")
+    try:
+        stream, _ = c.get_archive(path)
+        return b"".join(stream)
+    except docker.errors.NotFound:
+        raise SandboxError(f"{image} has no {path}") from None
+    finally:
+        c.remove(force=True)
+
+
+def restore(sb, path):
+    """Put `path` back as the image has it (the tree is removed first), from a copy taken once per image."""
+    code, out = sb.exec(["rm", "-rf", path], user="root")
+    if code != 0:
+        raise SandboxError(f"could not remove {path}: {decode(out)[-300:]}")
+    if not sb.container.put_archive(os.path.dirname(path), image_archive(sb.image, path)):
+        raise SandboxError(f"could not restore {path}")
+
+
 def prepare_verifier(sb, task, strict=False):
     """After stop_agent: put back what the agent changed of the verifier's start-up hooks (sitecustomize,
     usercustomize), pytest plugin registrations and tool kit (as the image has them, or removed), write /tests
@@ -113,24 +167,24 @@ def prepare_verifier(sb, task, strict=False):
     files stay (removing them would break packages the agent installed): the verifier's own environment does
     not read the image's (uvx), or its interpreter is the image's. strict: also remove the .pyc files the agent
     added under PROGRAM_DIRS (a crafted one runs in place of a module's source; Python writes them again)."""
-    changed = sb.changes()
+    changed = changes(sb.container)
     tampered = verifier_loaded(sb, changed)
     programs = program_changes(sb, changed)
     hooks = [p for p in tampered if os.path.basename(p) in STARTUP_HOOKS + ("entry_points.txt",)]
     for path in hooks:
         if changed[path] == "C":  # the image has one: its own comes back
-            sb.restore(path)
+            restore(sb, path)
     added = [p for p in hooks if changed[p] == "A"]
     if strict:
         added += [p for p, kind in changed.items() if kind == "A" and p.endswith(".pyc")
                   and any(_under(p, d) for d in PROGRAM_DIRS)]
     for tool in STANDIN_TOOLS:
         if changed.get(tool) == "C" and any(_under(p, tool) for p in tampered):
-            sb.restore(tool)
+            restore(sb, tool)
     code, out = sb.exec(["bash", "-c", FRESH_INPUTS, VERIFIER_DIR] + added, user="root")
     if code != 0:
         raise RuntimeError(f"could not prepare the verifier: {decode(out)[-300:]}")
-    sb.put_files([("/tests/" + rel, data, 0o755) for rel, data in task.tests.items()])
+    put_files(sb.container, [("/tests/" + rel, data, 0o755) for rel, data in task.tests.items()])
     return sorted(set(tampered) | set(programs))
 
 
@@ -164,7 +218,7 @@ def verify(sb, task, keep_agent=False, tampered=None, strict=False):
     if code in (124, 137):
         sb.exec(["rm", "-rf", "/tests"], user="root")
         return 0.0, f"verifier timed out after {task.verifier_timeout:.0f}s", tail
-    txt, js = sb.get_files("/logs/verifier", REWARD_FILES)  # one archive of the folder, read by the daemon
+    txt, js = get_files(sb.container, "/logs/verifier", REWARD_FILES)  # one archive of the folder, read by the daemon
     try:
         if txt is not None:
             reward = float(txt.decode().strip())

@@ -29,6 +29,7 @@ from concurrent.futures import ThreadPoolExecutor
 import disk
 import envs
 import sandbox
+import verify
 
 
 def parse_args(argv=None):
@@ -95,11 +96,12 @@ ONE_COMMAND = json.dumps({"analysis": "", "plan": "", "commands": [{"keystrokes"
 
 
 def use_daemon(host):
-    """Point sandbox.py at another daemon: its client and what it cached of the last one are dropped."""
+    """Point sandbox.py at another daemon: its client and what it and verify.py cached of the last one are
+    dropped."""
     os.environ["DOCKER_HOST"] = host
     sandbox._client, sandbox._cpus, disk._quota = None, None, None
-    sandbox.image_archive.cache_clear()
-    sandbox._image_commands.cache_clear()
+    verify.image_archive.cache_clear()
+    verify._image_commands.cache_clear()
 
 
 def disk_rise(image, writers):

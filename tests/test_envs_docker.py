@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+import container_files
 import envs
 import sandbox
 import taskgen
@@ -77,24 +78,24 @@ def test_reply_commands_are_read_once(sb):
 
 
 def test_files_round_trip(sb):
-    sb.put_files([("/app/data/x.bin", b"\x00\x01abc", 0o640)])
-    assert sb.get_file("/app/data/x.bin") == b"\x00\x01abc"
-    assert sb.get_file("/app/nope") is None
+    container_files.put_files(sb.container, [("/app/data/x.bin", b"\x00\x01abc", 0o640)])
+    assert container_files.get_file(sb.container, "/app/data/x.bin") == b"\x00\x01abc"
+    assert container_files.get_file(sb.container, "/app/nope") is None
     assert sb.exec("stat -c %a /app/data/x.bin") == (0, b"640\n")
 
 
 def test_changes_read_on_the_host_are_the_daemons_diff(sb):
-    """Sandbox.changes walks overlay2's upper dir against the image's layers; the daemon's own diff (which
+    """container_files.changes walks overlay2's upper dir against the image's layers; the daemon's own diff (which
     compares the whole tree) must agree on every kind of change: added, modified, metadata only, a lower file
     removed, a lower directory moved, emptied and refilled, a symlink, a file in a tmpfs (not a change)."""
-    assert sb._overlay() is not None  # the walk runs here, not the fallback
+    assert container_files.overlay_dirs(sb.container) is not None  # the walk runs here, not the fallback
     code, _ = sb.exec("echo x > /newfile && echo z > /etc/debian_version && chmod 600 /etc/profile && touch /etc/motd"
                       " && rm /etc/issue && mv /usr/share/doc/jq /usr/share/jqdoc && rm -rf /usr/share/doc/tmux"
                       " && mkdir /usr/share/doc/tmux && echo 1 > /usr/share/doc/tmux/README && ln -s /etc /app/link"
                       " && mkdir -p /tests/a && echo t > /tests/a/conftest.py && echo y > /dev/shm/f")
     assert code == 0
     daemon = {c["Path"]: "CA"[c["Kind"]] for c in sb.container.diff() if c["Kind"] in (0, 1)}
-    found = sb.changes()
+    found = container_files.changes(sb.container)
     assert found == daemon
     assert {"/newfile": "A", "/etc/debian_version": "C", "/etc/profile": "C", "/usr/share/jqdoc": "A",
             "/usr/share/doc/tmux/README": "C", "/tests/a/conftest.py": "A"}.items() <= found.items()  # the image has a README
