@@ -38,6 +38,7 @@ import envs
 import labels
 import taskgen
 import terminus
+from tasks import KIND_FIELDS, load_task
 
 # Settings that change what an attempt means; a resumed run must have the same ones.
 RESUME_KEYS = ("model", "tasks", "attempts", "temperature", "max_turns", "max_new_tokens", "max_len", "prompt",
@@ -73,7 +74,7 @@ def parse_args(argv=None):
     p.add_argument("--second-try", action="store_true", help="aider's harness: after a completion the verifier "
                    "scores below 1, the agent sees the test output once and continues; pass@k is reported for the "
                    "first try and for the second apart")
-    p.add_argument("--kind-by", choices=envs.KIND_FIELDS, help="the task.toml [metadata] field the per-kind rows "
+    p.add_argument("--kind-by", choices=KIND_FIELDS, help="the task.toml [metadata] field the per-kind rows "
                    "group by (language for aider-polyglot); default: the first of kind, category, language, "
                    "difficulty a task has")
     p.add_argument("--retry-infra", action="store_true", help="on resume, run again the attempts that ended in an "
@@ -503,7 +504,7 @@ def evaluate(args, rollout=None):
     paths = task_dirs(args.tasks)
     jobs, missing, names = [], {}, {}
     for p in paths:
-        task = envs.load_task(p, build=False)  # a malformed folder is an error before anything runs
+        task = load_task(p, build=False)  # a malformed folder is an error before anything runs
         prev = results["tasks"].get(task.name)
         if prev is not None and prev["path"] != str(p.resolve()):
             raise ValueError(f"{p}: task name {task.name!r} also names {prev['path']}")
@@ -519,7 +520,7 @@ def evaluate(args, rollout=None):
     # Images build in parallel; one that does not build leaves task.build_error, and the rollout records its
     # attempts as image_build_error (infrastructure) while the other tasks run.
     with ThreadPoolExecutor(max(1, min(8, args.concurrency))) as pool:
-        for p, task in zip(missing, pool.map(envs.load_task, missing)):
+        for p, task in zip(missing, pool.map(load_task, missing)):
             if task.build_error:
                 print(f"{p}: the image does not build; its attempts are recorded as image_build_error")
             jobs += [(names[p], i, task) for i in missing[p]]

@@ -56,6 +56,7 @@ import envs
 import head
 import terminus
 from labels import ACTION, OBS, PROMPT, load_tokenizer
+from tasks import load_task
 
 
 def get_parser():
@@ -371,12 +372,12 @@ def load_tasks(path, kinds=None):
         raise ValueError(f"{path}: no task folders (*/task.toml); write the toy world's with "
                          "`python envs.py corpus --out DIR` (DIR/rl)")
     if kinds:
-        found = {d: envs.load_task(d, build=False).kind for d in dirs}
+        found = {d: load_task(d, build=False).kind for d in dirs}
         dirs = [d for d in dirs if found[d] in kinds]
         if not dirs:
             raise ValueError(f"{path}: no task of the kinds {', '.join(kinds)} (--kinds); its kinds are "
                              f"{', '.join(sorted({str(k) for k in found.values()}))}")
-    return [envs.load_task(d) for d in dirs]
+    return [load_task(d) for d in dirs]
 
 
 def step_groups(n_tasks, tasks_per_step, step, seed, draw=0):

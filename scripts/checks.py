@@ -9,8 +9,8 @@ import math
 import shlex
 from pathlib import Path
 
-import envs
 import taskgen
+from tasks import load_task
 
 # ----------------------------------------------------------------------------------------------------------
 # The run folder's names, and a stage's flags
@@ -68,8 +68,8 @@ def task_names(split_dir, problems):
     """{name: kind} of the Harbor task folders of a split."""
     out = {}
     for toml in sorted(split_dir.glob("*/task.toml")):
-        try:  # envs reads a task folder as evaluate.py does: the same name and kind
-            task = envs.load_task(toml.parent, build=False)
+        try:  # tasks.py reads a task folder as evaluate.py does: the same name and kind
+            task = load_task(toml.parent, build=False)
         except ValueError as e:
             problems.append(str(e))
             continue

@@ -12,6 +12,7 @@ import re
 
 import envs
 from taskgen import WORDS
+from tasks import Task
 
 # ----------------------------------------------------------------------------------------------------------
 # Literal values: the instruction names a few, the files hold some, and the user's commands quote them
@@ -299,7 +300,7 @@ def user_policy(n_commands):
 
 def session_tasks(n, seed):
     """Generated tasks of the runner: a random tree each, nothing to verify (the verifier always passes)."""
-    return [envs.Task(f"session-{seed}-{i}", session_instruction(seed, i), agent_timeout=600.0, memory_mb=512,
+    return [Task(f"session-{seed}-{i}", session_instruction(seed, i), agent_timeout=600.0, memory_mb=512,
                       files=tuple((p, t.encode(), m) for p, t, m in session_tree(seed, i)),
                       tests={"test.sh": b"#!/bin/bash\necho 1 > /logs/verifier/reward.txt\n"})
             for i in range(n)]
