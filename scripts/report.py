@@ -25,6 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo's modules, when run as a script
 
+import compare  # noqa: E402
 import evaluate  # noqa: E402
 import labels  # noqa: E402
 import taskgen  # noqa: E402
@@ -142,19 +143,19 @@ def overview(results, names):
     return "\n".join(lines)
 
 
-def compare(runs):
-    """evaluate.compare as every table of the report makes it: the evaluation split is drawn as a fixed count of
+def compare_within_kinds(runs):
+    """compare.compare as every table of the report makes it: the evaluation split is drawn as a fixed count of
     tasks per kind (taskgen.make_splits), so its bootstrap resamples tasks within each kind."""
-    return evaluate.compare(runs, by_kind=True)
+    return compare.compare(runs, by_kind=True)
 
 
 def comparison(results, models, names):
     """evaluate.py compare on these models (the first is the baseline), on all tasks and then by kind."""
     runs = [(names[m], results[m]) for m in models]
-    cmp = compare(runs)
-    text = [evaluate.compare_table(cmp)]
-    text += [f"\n== {label}\n" + evaluate.compare_table(sub)
-             for label, sub in evaluate.compare_by_kind(runs, by_kind=True)]
+    cmp = compare_within_kinds(runs)
+    text = [compare.compare_table(cmp)]
+    text += [f"\n== {label}\n" + compare.compare_table(sub)
+             for label, sub in compare.compare_by_kind(runs, by_kind=True)]
     return cmp, "\n".join(text)
 
 
@@ -192,23 +193,23 @@ def probe_table(probes, run, names):
 
 
 def halfwidth(cmp, i=1, k=1):
-    """(lo, hi, half-width) of the paired bootstrap 95% interval of run [i] - [0] in pass@k, from a compare()."""
+    """(lo, hi, half-width) of the paired bootstrap 95% interval of run [i] - [0] in pass@k, from compare.compare."""
     row = next(r for r in cmp["rows"] if r["k"] == k)
     lo, hi = row["ci"][i]
     return lo, hi, (hi - lo) / 2
 
 
 def tstar_section(results, probes, names):
-    """ActionSFT + GRPO at the evaluation temperature and at T*, next to ActObs + GRPO: (compare(), markdown)."""
+    """ActionSFT + GRPO at the evaluation temperature and at T*, next to ActObs + GRPO: (comparison, markdown)."""
     e, t = probes["entropy_actobs-grpo"], probes["tstar_actionsft-grpo"]
-    cmp = compare([(names[m], results[m]) for m in ("actionsft-grpo", TSTAR, "actobs-grpo")])
+    cmp = compare_within_kinds([(names[m], results[m]) for m in ("actionsft-grpo", TSTAR, "actobs-grpo")])
     moved = max(abs(r["diff"][1]) for r in cmp["rows"])
     text = (f"Self-entropy of {names['actobs-grpo']} at the evaluation temperature T = {e['temperature']:g}: "
             f"{e['entropy']:.3f} nats/token; {names['actionsft-grpo']} matches it at T* = {t['t_star']:.3f} "
             f"(probes/tstar_actionsft-grpo.json, .png). At T* its pass@k moves by at most {100 * moved:.1f} points "
             f"and it solves {cmp['solved'][1] - cmp['solved'][0]:+d} distinct tasks (the paper: T* = 0.64, at most "
             "0.7 points, no extra task: ActObs's gain is not the randomness of a higher temperature).")
-    return cmp, "\n".join([text, "", "```", evaluate.compare_table(cmp), "```"])
+    return cmp, "\n".join([text, "", "```", compare.compare_table(cmp), "```"])
 
 
 def sweep_points(st):
@@ -222,7 +223,7 @@ def sweep_points(st):
 
 
 def sweep_table(cmp, lams):
-    """pass@1 and pass@n of each λ's GRPO'd arm minus the baseline's, with the 95% intervals of compare()."""
+    """pass@1 and pass@n of each λ's GRPO'd arm minus the baseline's, with the 95% intervals of compare.compare()."""
     ks = [cmp["ks"][0], cmp["ks"][-1]]
     rows = {r["k"]: r for r in cmp["rows"]}
     lines = ["| λ | run | " + " | ".join(f"pass@{k} | vs [0] (95% CI)" for k in ks) + " |",
@@ -368,14 +369,14 @@ def build(run):
     after, after_txt = comparison(results, grpod, names)
     before, before_txt = comparison(results, arms, names)  # the base solves ~nothing: its own row in the overview
     # what GRPO did to each SFT checkpoint: all tasks only (the per-kind blocks are in the tables above)
-    effect = {m: compare([(names[r], results[r]) for r in (init, m)]) for m, init in grpo_runs(st).items()
-              if init in results}
+    effect = {m: compare_within_kinds([(names[r], results[r]) for r in (init, m)])
+              for m, init in grpo_runs(st).items() if init in results}
     tstar, tstar_txt = tstar_section(results, probes, names)
     lo, hi, half = halfwidth(after)
-    pooled = halfwidth(evaluate.compare([(names[m], results[m]) for m in grpod[:2]]))[2]  # tasks resampled across kinds
+    pooled = halfwidth(compare.compare([(names[m], results[m]) for m in grpod[:2]]))[2]  # tasks resampled across kinds
     points = sweep_points(st) if sweep_arms else []
-    swept = compare([(names[m], results[m]) for _, m in points]) if points else None
-    evaluate.plot_compare(evaluate.compare([(names[m], r) for m, r in results.items()]), run / "pass_at_k.png")
+    swept = compare_within_kinds([(names[m], results[m]) for _, m in points]) if points else None
+    compare.plot_compare(compare.compare([(names[m], r) for m, r in results.items()]), run / "pass_at_k.png")
     plot_runs(run / "grpo_curves.png", [("rollout/reward_mean", "mean reward"), ("train/entropy", "action-token entropy"),
                                         ("train/kl_init", "KL from the SFT checkpoint")],
               {names[m]: g for m, g in grpo.items()})
@@ -410,7 +411,7 @@ def build(run):
           "a task)", "", "```",
           before_txt, "```", ""]
     for m, cmp in effect.items():
-        md += [f"## What GRPO did: {names[grpo_runs(st)[m]]} → {names[m]}", "", "```", evaluate.compare_table(cmp),
+        md += [f"## What GRPO did: {names[grpo_runs(st)[m]]} → {names[m]}", "", "```", compare.compare_table(cmp),
                "```", ""]
     md += ["A difference whose 95% interval contains 0 is no evidence of a difference: report it as a null result.", ""]
     if swept:

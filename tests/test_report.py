@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+import compare
 import envs
 import evaluate
 import labels
@@ -261,8 +262,8 @@ def test_build_reports_every_comparison(tmp_path):
     # the header's half-width: the paired bootstrap of ActObs + GRPO - ActionSFT + GRPO in pass@1, computed here,
     # tasks resampled within their kinds (the split's design), and across kinds for comparison
     a, b = pass1("actionsft-grpo", tasks), pass1("actobs-grpo", tasks)
-    lo, hi = evaluate.bootstrap_diff(a, b, strata=list(tasks.values()))
-    plo, phi = evaluate.bootstrap_diff(a, b)
+    lo, hi = compare.bootstrap_diff(a, b, strata=list(tasks.values()))
+    plo, phi = compare.bootstrap_diff(a, b)
     assert len(set(tasks.values())) > 1 and (lo, hi) != (plo, phi)
     assert out["pass1_halfwidth"] == pytest.approx((hi - lo) / 2)
     assert out["pass1_halfwidth_pooled"] == pytest.approx((phi - plo) / 2)
@@ -282,7 +283,7 @@ def test_build_reports_every_comparison(tmp_path):
     sw = out["lambda_sweep"]
     assert sw["lambdas"] == [0.0, 0.5, 1.0] and sw["runs"][1] == "λ=0.5 + GRPO"
     assert sw["rows"][0]["diff"][1:] == pytest.approx([1 / 6, 1 / 3]) and sw["ks"] == [1, 2]
-    lo, hi = evaluate.bootstrap_diff(pass1("actionsft-grpo", tasks), pass1("lam0.5-grpo", tasks),
+    lo, hi = compare.bootstrap_diff(pass1("actionsft-grpo", tasks), pass1("lam0.5-grpo", tasks),
                                      strata=list(tasks.values()))
     assert f"| 0.5 | λ=0.5 + GRPO | 33.3 | +16.7 [{100 * lo:+.1f}, {100 * hi:+.1f}] |" in md
     assert (tmp_path / "lambda_sweep.png").stat().st_size > 0 and "![λ sweep](lambda_sweep.png)" in md
