@@ -13,7 +13,7 @@ With a grammar (terminus.reply_grammar: --grammar), vLLM's structured outputs (x
 to the tokens the grammar allows, and the log-probs it returns are the masked, renormalised distribution's. So the
 trainer can optimise that same policy, the rollout replays the grammar over each reply's sampled ids once
 (allowed_masks) and stores, per token, which tokens were allowed (Episode.masks, mask_ids): the trainer masks its
-log-softmax with them (common.token_logprobs' allowed) and gives a token with one allowed choice no loss. A reply
+log-softmax with them (head.token_logprobs' allowed) and gives a token with one allowed choice no loss. A reply
 that reaches max_new_tokens under the grammar is closed with the shortest text that completes it
 (terminus.close_reply) and the template's end of turn: forced tokens, each under a mask that allows it alone, so
 every reply a constrained policy writes parses (a random policy's strings seldom close: 5 of ~1,800 allowed tokens
@@ -188,7 +188,7 @@ def mask_batch(examples, shape):
     """The grammar masks of a batch's examples (dicts with masks and mask_ids as an Episode's, right-padded to
     shape (B, T)) -> the batch's mask_table ((1 + M, ceil(V / 32) * 4) uint8, its row 0 allowing every token) and
     mask_row ((B, T) long: each token's mask in mask_table, 0 where nothing was masked), or {} when no example has a
-    mask. Read at the rows that carry loss (allowed_rows), they are common.token_logprobs' `allowed`."""
+    mask. Read at the rows that carry loss (allowed_rows), they are head.token_logprobs' `allowed`."""
     masks = [m for e in examples for m in e.get("masks", [])]
     if not masks:
         return {}
@@ -202,7 +202,7 @@ def mask_batch(examples, shape):
 
 
 def allowed_rows(batch, sel):
-    """common.token_logprobs' `allowed` at the selected positions sel (B, T-1) of a batch with mask_batch's
+    """head.token_logprobs' `allowed` at the selected positions sel (B, T-1) of a batch with mask_batch's
     entries: each row's mask from the grammar its target was sampled under, or None without one."""
     return (batch["mask_table"], batch["mask_row"][:, 1:][sel]) if "mask_table" in batch else None
 

@@ -1,7 +1,8 @@
 """
-Tasks and episodes for ActObs on the Docker sandboxes of sandbox.py: Harbor / Terminal-Bench 2.0 task
-folders (image builds, verifiers), an embedded procedural task world (taskgen.py), and the one concurrent
-episode runner (the Terminus-2 protocol) used by SFT data generation, GRPO rollouts and evaluation.
+Episodes for ActObs on the Docker sandboxes of sandbox.py: Harbor / Terminal-Bench 2.0 task folders (tasks.py
+reads them and builds their images, verify.py runs their verifiers), an embedded procedural task world (taskgen.py),
+and the one concurrent episode runner (the Terminus-2 protocol) used by SFT data generation, GRPO rollouts and
+evaluation.
 
 Needs a Docker daemon (DOCKER_HOST); `. .ci/dockerd.sh start` starts a private one.
 
@@ -14,32 +15,23 @@ Needs a Docker daemon (DOCKER_HOST); `. .ci/dockerd.sh start` starts a private o
     python envs.py oracle --network host tests/fixtures/harbor/pip-install   # a task that downloads at solve time
     python envs.py corpus --out data/corpus --n-sft 200 --n-rl 64 --n-eval 64 --seed 0
     python envs.py sweep                                   # remove sandboxes left by dead processes
-
-Task images are cached by a hash of environment/ and of the local FROM image (see sandbox.py for the
-offline base and stand-in images).
 """
 import argparse
 import dataclasses
 import functools
-import hashlib
-import json
-import os
-import re
-import subprocess
 import time
-import tomllib
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from pathlib import Path
 
 import labels
 import taskgen
-from sandbox import (BASE_IMAGE, DEFAULT_STORAGE_MB, STANDIN_SUITE, STANDIN_TAGS, STANDIN_TOOLS, DiskLimit,
-                     ProcessLimit, Sandbox, ShellExited, build_base_image, docker_client, image_commands, image_exists,
-                     sweep)
+from container_files import put_files
+from sandbox import (BASE_IMAGE, STANDIN_SUITE, STANDIN_TAGS, DiskLimit, ProcessLimit, Sandbox, ShellExited,
+                     build_base_image, sweep)
+from tasks import load_task, task_from_spec
 from terminus import (DEFAULT_PROMPT, confirm_message, decode, fill_prompt, load_template, network_evidence,
-                      parse_error_message, parse_reply, pytest_never_ran, second_try_message, with_warnings)
-
-VERIFIER_TAIL = 2000  # characters of the verifier's output kept on each episode
+                      parse_error_message, parse_reply, second_try_message, with_warnings)
+from verify import VERIFIER_DIR, Tampered, verify
 
 # ----------------------------------------------------------------------------------------------------------
 # Arguments
@@ -82,168 +74,8 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-
 # ----------------------------------------------------------------------------------------------------------
-# Tasks: Harbor folders (task.toml, instruction.md, environment/Dockerfile, tests/test.sh, solution/solve.sh)
-
-@dataclasses.dataclass
-class Task:
-    name: str
-    instruction: str
-    image: str = BASE_IMAGE
-    workdir: str = "/app"
-    user: str = "root"
-    agent_timeout: float = 600.0
-    verifier_timeout: float = 120.0
-    cpus: float = 1.0
-    memory_mb: int = 2048
-    storage_mb: int = DEFAULT_STORAGE_MB
-    allow_internet: bool = True  # Harbor's default; the sandbox gets a network only when the run gives one
-    files: tuple = ()  # (path, bytes, mode) written into the container before the episode (generated tasks)
-    tests: dict = dataclasses.field(default_factory=dict)  # relative path -> bytes, copied to /tests
-    solution: dict = dataclasses.field(default_factory=dict)  # relative path -> bytes, copied to /solution
-    build_error: str = ""  # why the image could not be built; its episodes end as image_build_error
-    kind: str | None = None  # task.toml [metadata]: the first of KIND_FIELDS it has
-    meta: dict = dataclasses.field(default_factory=dict)  # [metadata] field -> value, for KIND_FIELDS it has
-    schema_version: str = ""  # task.toml `schema_version` (or `version`), e.g. "1.0"
-
-
-# [metadata] fields that name a task's kind, for per-kind tables: taskgen.write_harbor's `kind`, Terminal-Bench's and
-# Endless Terminals' `category`, aider-polyglot's `language`, and `difficulty`. The first one present is Task.kind.
-KIND_FIELDS = ("kind", "category", "language", "difficulty")
-
-
-def _read_dir(path):
-    return {str(p.relative_to(path)): p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()}
-
-
-def size_mb(value):
-    """Harbor's sizes: an int is MB; a string is a number with a K/M/G/T unit ("4G", "512M", "1.5Gi")."""
-    if isinstance(value, int | float) and not isinstance(value, bool):
-        return int(value)
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)i?B?\s*", str(value), re.I)
-    if not m:
-        raise ValueError(f"not a size: {value!r} (expected e.g. 4096, \"4G\", \"512M\")")
-    return int(float(m[1]) * 1024 ** "KMGT".index(m[2].upper() or "M") / 1024)
-
-
-def load_task(path, build=True):
-    """Read a Harbor task folder; with build=True build its environment image (cached by content hash). An
-    image that does not build is recorded in task.build_error (its episodes end as image_build_error), so one
-    broken task never stops the others; a malformed folder raises ValueError."""
-    path = Path(path)
-    toml_path = path / "task.toml"
-    try:
-        cfg = tomllib.loads(toml_path.read_text())
-    except FileNotFoundError:
-        raise ValueError(f"{toml_path}: missing") from None
-    except tomllib.TOMLDecodeError as e:
-        raise ValueError(f"{toml_path}: invalid TOML: {e}") from None
-    for name in ("instruction.md", "environment/Dockerfile", "tests/test.sh"):
-        if not (path / name).is_file():
-            raise ValueError(f"{path / name}: missing")
-    for section in ("task", "environment", "agent", "verifier", "metadata"):
-        if not isinstance(cfg.get(section, {}), dict):
-            raise ValueError(f"{toml_path}: [{section}] must be a table, got {cfg[section]!r}")
-    env, agent, verifier = cfg.get("environment", {}), cfg.get("agent", {}), cfg.get("verifier", {})
-    meta = {k: str(cfg["metadata"][k]) for k in KIND_FIELDS if cfg.get("metadata", {}).get(k) not in (None, "")}
-    version = str(cfg.get("schema_version", cfg.get("version", "")))
-    if version and not re.fullmatch(r"[01](\.\d+)*", version):  # Harbor's 1.x; Endless Terminals writes "0.1"
-        raise ValueError(f"{toml_path}: schema_version {version!r} is not one this reads (0.x or 1.x)")
-    field = ""
-    try:
-        field = "[environment] memory"
-        memory = size_mb(env["memory_mb"] if "memory_mb" in env else env.get("memory", 2048))
-        field = "[environment] storage"
-        storage = size_mb(env["storage_mb"] if "storage_mb" in env else env.get("storage", DEFAULT_STORAGE_MB))
-        field = ""
-        task = Task(name=str(cfg.get("task", {}).get("name") or path.name),
-                    instruction=(path / "instruction.md").read_text(),
-                    agent_timeout=float(agent.get("timeout_sec", 600.0)),
-                    verifier_timeout=float(verifier.get("timeout_sec", 120.0)),
-                    cpus=float(env.get("cpus", 1)), memory_mb=memory, storage_mb=storage,
-                    allow_internet=bool(env.get("allow_internet", True)),
-                    workdir=str(env.get("workdir", "")), user=str(agent.get("user", "")),
-                    tests=_read_dir(path / "tests"),
-                    solution=_read_dir(path / "solution") if (path / "solution").is_dir() else {},
-                    kind=next(iter(meta.values()), None), meta=meta, schema_version=version)
-    except (TypeError, ValueError) as e:
-        raise ValueError(f"{toml_path}: bad value{' of ' + field if field else ''}: {e}") from None
-    config = {}
-    if build:
-        prebuilt = env.get("docker_image")
-        try:
-            if prebuilt and image_exists(prebuilt):  # a registry image already here: used as Harbor would
-                task.image = prebuilt
-            else:
-                task.image = build_task_image(task.name, path / "environment",
-                                              timeout=float(env.get("build_timeout_sec", 600.0)))
-            config = docker_client().images.get(task.image).attrs["Config"]
-        except BuildError as e:
-            task.image, task.build_error = None, str(e)
-    # task.toml wins; then the image's WORKDIR / USER, as `docker run` would use them.
-    task.workdir = task.workdir or config.get("WorkingDir") or "/"
-    task.user = task.user or config.get("User") or "root"
-    return task
-
-
-def load_tasks(path, kinds=None):
-    """Every Harbor task folder (with a task.toml) under `path`, images built (cached), sorted by folder name;
-    with kinds, only the tasks whose [metadata] kind is one of them."""
-    dirs = sorted(p.parent for p in Path(path).glob("*/task.toml"))
-    if not dirs:
-        raise ValueError(f"{path}: no task folders (*/task.toml); write the toy world's with "
-                         "`python envs.py corpus --out DIR` (DIR/rl)")
-    if kinds:
-        found = {d: load_task(d, build=False).kind for d in dirs}
-        dirs = [d for d in dirs if found[d] in kinds]
-        if not dirs:
-            raise ValueError(f"{path}: no task of the kinds {', '.join(kinds)} (--kinds); its kinds are "
-                             f"{', '.join(sorted({str(k) for k in found.values()}))}")
-    return [load_task(d) for d in dirs]
-
-
-class BuildError(RuntimeError):
-    pass
-
-
-def build_task_image(name, context, timeout=600.0):
-    """Build environment/ once: the tag carries a hash of its files, so an unchanged task reuses its image.
-    Raises BuildError with the build log's tail (and how to give an offline FROM, when that is the cause)."""
-    digest = hashlib.sha256()
-    for rel, data in _read_dir(context).items():
-        digest.update(rel.encode() + b"\0" + hashlib.sha256(data).digest())
-    for ref in re.findall(r"^\s*FROM\s+(?:--\S+\s+)*(\S+)", (context / "Dockerfile").read_text(), re.M | re.I):
-        if image_exists(ref):  # a re-tagged local FROM image (base-image --tag) must rebuild the task
-            digest.update(docker_client().images.get(ref).id.encode())
-    tag = f"actobs-task/{re.sub(r'[^a-z0-9._-]+', '-', name.lower()).strip('-.')}:{digest.hexdigest()[:12]}"
-    if image_exists(tag):
-        return tag
-    # The CLI, not the SDK: killing it on timeout cancels the build in the daemon.
-    cmd = ["docker", "build", "--network", "host", "--force-rm", "-t", tag, str(context)]
-    env = dict(os.environ, DOCKER_BUILDKIT="0")
-    try:
-        res = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=timeout)
-    except subprocess.TimeoutExpired as e:
-        log = decode(e.output or b"")[-2000:]
-        raise BuildError(f"{context}/Dockerfile: build timed out after {timeout:.0f}s (build_timeout_sec)\n{log}")
-    if res.returncode != 0:
-        log = decode(res.stdout)
-        steps = re.findall(r"^Step \d+/\d+ : (.*)$", log, re.M)
-        hint = ""
-        if steps and re.match(r"FROM\s", steps[-1], re.I):  # it failed on the FROM line itself
-            hint = "\nIts FROM image is not here and cannot be pulled; give it a local one: " \
-                   "python envs.py base-image --tag <image:tag>"
-        raise BuildError(f"{context}/Dockerfile: build failed (exit {res.returncode})\n{log[-2000:]}{hint}")
-    return tag
-
-
-def task_from_spec(spec):
-    """A generated task (taskgen.Spec) as a Task on the base image; its files are uploaded at start."""
-    return Task(spec.name, spec.instruction, **taskgen.LIMITS, allow_internet=False,
-                files=tuple((p, text.encode(), mode) for p, text, mode in spec.files),
-                tests={"test.sh": spec.test.encode()}, solution={"solve.sh": spec.solve.encode()})
-
+# Episodes
 
 def open_sandbox(task, network=None):
     """network: a Docker network mode ("bridge", "host", a network's name) for a task that allows the internet;
@@ -252,182 +84,6 @@ def open_sandbox(task, network=None):
                    storage_mb=task.storage_mb, network=network if task.allow_internet else None, files=task.files,
                    tmpfs=(VERIFIER_DIR,))
 
-
-# ----------------------------------------------------------------------------------------------------------
-# The verifier's inputs are the task's: what the agent left where a verifier loads code from is not run
-#
-# The verifier runs in the agent's container (Harbor's shared mode), so whatever the agent wrote is on its
-# disk. What it must not do is run inside the verifier's own process: a conftest.py or a pytest ini file on
-# pytest's way up from /tests, a start-up hook of the verifier's Python, a pytest plugin registered by entry
-# point, a changed uv / wheel kit of the stand-in. The agent's processes are gone by then (stop_agent), so what
-# is written here as root stays as written. Not contained: the programs themselves (bash, python, uv) and the
-# .pth files of the image's own interpreter, which a verifier running that interpreter loads (it is recorded).
-
-# Emptied and written afresh before every verifier run: our pytest ini, uv's cache. A tmpfs of its own (/dev/shm
-# is noexec), so the environment uv builds there does not count against the agent's disk budget.
-VERIFIER_DIR = "/run/actobs-verifier"
-PYTEST_INIS = ("pytest.ini", ".pytest.ini", "pyproject.toml", "tox.ini", "setup.cfg")  # pytest's lookup order
-STARTUP_HOOKS = ("sitecustomize.py", "usercustomize.py")  # imported by every Python start (site.py)
-
-
-def _under(path, folder):
-    return path == folder or path.startswith(folder + "/")
-
-
-# Run as root by prepare_verifier: $0 is VERIFIER_DIR, the rest are agent-written hooks to remove. VERIFIER_DIR is
-# emptied, not removed (a tmpfs mount point), after any symlink in its place is gone; it is written from inside,
-# as the daemon's archive upload does not reach into a tmpfs. /logs/verifier starts empty, writable by all.
-FRESH_INPUTS = """
-rm -rf /tests "$@" && mkdir -m 755 /tests || exit 1
-if [ -L "$0" ]; then rm -f "$0"; fi
-mkdir -p -m 700 "$0" && find "$0" -mindepth 1 -delete && echo "[pytest]" > "$0/pytest.ini" || exit 1
-rm -rf /logs/verifier && mkdir -p /logs/verifier && chmod 777 /logs/verifier
-"""
-# The verifier, then /tests removed in the same exec (an agent's second try neither reads the tests nor shows as
-# tampering); $1: the test script. A verifier that times out leaves /tests to verify's own removal.
-RUN_TESTS = 'bash "$1"; code=$?; rm -rf /tests; exit $code'
-REWARD_FILES = ("reward.txt", "reward.json")  # in /logs/verifier, the first found is the reward
-
-
-def verifier_loaded(sb, changed):
-    """The paths in `changed` (Sandbox.changes) that a verifier loads code or settings from without being asked:
-    anything in /tests; a conftest.py or pytest ini file in / (above /tests); a Python start-up hook
-    (sitecustomize, usercustomize, a .pth file with an `import` line: site.py runs those); an entry_points.txt
-    registering a pytest plugin; the stand-in's tool kit (STANDIN_TOOLS, where the image has it)."""
-    def reads(path, needle):
-        return needle in (sb.get_file(path) or b"")
-    tools = [t for t in STANDIN_TOOLS if changed.get(t) == "C"]  # "A": not the image's kit, the agent's own
-    found = []
-    for path in changed:
-        parent, name = os.path.split(path)
-        if (_under(path, "/tests") or (parent == "/" and name in ("conftest.py",) + PYTEST_INIS)
-                or name in STARTUP_HOOKS or any(_under(path, t) for t in tools)
-                or (name.endswith(".pth") and reads(path, b"import"))
-                or (name == "entry_points.txt" and reads(path, b"[pytest11]"))):
-            found.append(path)
-    return sorted(found)
-
-
-def verifier_env(task):
-    """The verifier's environment: pytest reads only the task's ini (or an empty one of ours) with /tests as its
-    root and no conftest.py above it; no user site-packages; uv and pip read no config file and uv starts from
-    an empty cache (the agent could have changed the image's), so the verifier's packages come from the
-    stand-in's checked wheels."""
-    ini = next((f"/tests/{n}" for n in PYTEST_INIS if n in task.tests), f"{VERIFIER_DIR}/pytest.ini")
-    return {"PYTEST_ADDOPTS": f"-c {ini} --rootdir=/tests --confcutdir=/tests", "PYTHONNOUSERSITE": "1",
-            "UV_CACHE_DIR": f"{VERIFIER_DIR}/uv-cache", "UV_NO_CONFIG": "1", "PIP_CONFIG_FILE": os.devnull}
-
-
-# The verifier's programs: the shell and coreutils, the dynamic loader and libraries, the interpreters with their
-# standard libraries and site-packages, uv and pytest; they come from these folders (and the image's PATH).
-PROGRAM_DIRS = ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/usr/bin", "/usr/sbin", "/usr/lib",
-                "/usr/lib32", "/usr/lib64", "/usr/libexec", "/usr/local/bin", "/usr/local/sbin", "/usr/local/lib",
-                "/etc/ld.so.preload", "/etc/ld.so.conf", "/etc/ld.so.conf.d", "/etc/alternatives") + STANDIN_TOOLS
-
-
-def program_changes(sb, changed):
-    """The paths in `changed` (Sandbox.changes) that change the programs the verifier runs, as the image has them:
-    a file of PROGRAM_DIRS or of the image's PATH that the image has and the agent modified or replaced (bash,
-    python, uv, a library, a module, a compiled .pyc), a loader setting the agent added, and an added command
-    that shadows one the image has on PATH (a `tr` in /usr/local/bin). New packages and commands are not
-    changes of the verifier's programs: an honest `pip install` or `apt-get install` adds, it does not replace."""
-    path_dirs, commands = image_commands(sb.image)
-    dirs = PROGRAM_DIRS + path_dirs
-    above = set()  # every folder above a changed path: a "C" there is the folder's listing, not a program
-    for p in changed:
-        while p not in ("/", ""):
-            p = os.path.dirname(p)
-            above.add(p)
-    found = []
-    for path, kind in changed.items():
-        if not any(_under(path, d) for d in dirs) or path in above:
-            continue
-        if (kind == "C" or _under(path, "/etc/ld.so.conf.d") or path == "/etc/ld.so.preload"
-                or (os.path.dirname(path) in path_dirs and os.path.basename(path) in commands)):
-            found.append(path)
-    return sorted(found)
-
-
-def prepare_verifier(sb, task, strict=False):
-    """After stop_agent: put back what the agent changed of the verifier's start-up hooks (sitecustomize,
-    usercustomize), pytest plugin registrations and tool kit (as the image has them, or removed), write /tests
-    and VERIFIER_DIR afresh, root-owned. Returns the verifier-loaded paths the agent wrote (verifier_loaded)
-    and its changes of the verifier's programs (program_changes), sorted: the episode's tamper evidence. .pth
-    files stay (removing them would break packages the agent installed): the verifier's own environment does
-    not read the image's (uvx), or its interpreter is the image's. strict: also remove the .pyc files the agent
-    added under PROGRAM_DIRS (a crafted one runs in place of a module's source; Python writes them again)."""
-    changed = sb.changes()
-    tampered = verifier_loaded(sb, changed)
-    programs = program_changes(sb, changed)
-    hooks = [p for p in tampered if os.path.basename(p) in STARTUP_HOOKS + ("entry_points.txt",)]
-    for path in hooks:
-        if changed[path] == "C":  # the image has one: its own comes back
-            sb.restore(path)
-    added = [p for p in hooks if changed[p] == "A"]
-    if strict:
-        added += [p for p, kind in changed.items() if kind == "A" and p.endswith(".pyc")
-                  and any(_under(p, d) for d in PROGRAM_DIRS)]
-    for tool in STANDIN_TOOLS:
-        if changed.get(tool) == "C" and any(_under(p, tool) for p in tampered):
-            sb.restore(tool)
-    code, out = sb.exec(["bash", "-c", FRESH_INPUTS, VERIFIER_DIR] + added, user="root")
-    if code != 0:
-        raise RuntimeError(f"could not prepare the verifier: {decode(out)[-300:]}")
-    sb.put_files([("/tests/" + rel, data, 0o755) for rel, data in task.tests.items()])
-    return sorted(set(tampered) | set(programs))
-
-
-class Tampered(Exception):
-    """strict verification: the agent changed what the verifier loads or runs; the episode scores 0 unverified."""
-
-
-def verify(sb, task, keep_agent=False, tampered=None, strict=False):
-    """Stop every agent process, then run tests/test.sh as root in a fresh /logs/verifier, with the task's
-    inputs (prepare_verifier, verifier_env); returns (reward, error, output tail), and adds the tamper evidence
-    (the verifier-loaded paths and the verifier's programs the agent changed) to the list `tampered`, if given.
-    strict (RL: a policy must never be paid for it): any tamper evidence raises Tampered before the verifier
-    runs; otherwise (evaluation, Harbor's semantics: a task may legitimately change those files) the verifier
-    runs on what the agent left, with the planted inputs undone, and the evidence is only recorded. The reward
-    is read only from what the verifier wrote: no agent process is left to write it. An error (timeout, no or
-    bad reward file, a test runner that never started) is not a 0 reward. keep_agent: leave the agent's
-    processes running (tests that probe a service the agent started, as Harbor does); then anything the agent
-    left behind can write the reward file or change the tests or the verifier's inputs: a forged reward."""
-    if not keep_agent:
-        sb.stop_agent()
-    found = prepare_verifier(sb, task, strict)
-    if tampered is not None:
-        tampered.extend(found)
-    if strict and found:
-        sb.exec(["rm", "-rf", "/tests"], user="root")
-        raise Tampered(f"the agent changed what the verifier loads or runs: {', '.join(found[:5])}"
-                       + (f" and {len(found) - 5} more" if len(found) > 5 else ""))
-    code, out = sb.exec(["bash", "-c", RUN_TESTS, "verify", "/tests/test.sh"], user="root",
-                        timeout=task.verifier_timeout, env=verifier_env(task))
-    tail = decode(out)[-VERIFIER_TAIL:]
-    if code in (124, 137):
-        sb.exec(["rm", "-rf", "/tests"], user="root")
-        return 0.0, f"verifier timed out after {task.verifier_timeout:.0f}s", tail
-    txt, js = sb.get_files("/logs/verifier", REWARD_FILES)  # one archive of the folder, read by the daemon
-    try:
-        if txt is not None:
-            reward = float(txt.decode().strip())
-        elif js is not None:
-            value = json.loads(js)
-            if isinstance(value, dict):  # {"reward": x}, or a single named reward
-                value = value["reward"] if "reward" in value or len(value) != 1 else next(iter(value.values()))
-            reward = float(value)
-        else:
-            return 0.0, f"verifier wrote no /logs/verifier/reward.txt or reward.json (exit {code})", tail
-    except (ValueError, TypeError, KeyError) as e:
-        return 0.0, f"unreadable reward file: {e!r}", tail
-    never = pytest_never_ran(out) if reward == 0 and b"pytest" in task.tests.get("test.sh", b"") else None
-    if never:
-        return 0.0, f"the verifier's test runner never started ({never})", tail
-    return reward, None, tail
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Episodes
 
 # Failure kinds. The agent's doing (scored; the reward goes with it): timeout, parse_errors, max_turns,
 # shell_exited (the verifier still scores what was done), disk_limit and pids_limit (reward 0), verifier_error
@@ -469,9 +125,9 @@ class Episode:
     mask_ids: list = dataclasses.field(default_factory=list)
     # Replies that reached the policy's max_new_tokens (under a grammar the engine closed each: close_reply)
     cut_replies: int = 0
-    # Tamper evidence: the verifier-loaded files the agent wrote (envs.prepare_verifier: anything in /tests, a
+    # Tamper evidence: the verifier-loaded files the agent wrote (verify.prepare_verifier: anything in /tests, a
     # conftest.py or pytest ini in /, Python start-up hooks, pytest plugin registrations, the stand-in's uv and
-    # wheels) and the verifier's programs it changed (program_changes). Under strict verification the episode
+    # wheels) and the verifier's programs it changed (verify.program_changes). Under strict verification the episode
     # then ends as `tampered`, reward 0; otherwise the verifier ran without the planted inputs where it could, and
     # the reward is what it then paid (evaluate.py counts these attempts).
     tampered: list = dataclasses.field(default_factory=list)
@@ -718,7 +374,7 @@ def run_oracle(tasks, *, noop=False, concurrency=4, network=None, keep_agent=Fal
             with open_sandbox(task, network) as sb:
                 out = b""
                 if not noop:
-                    sb.put_files([("/solution/" + rel, data, 0o755) for rel, data in task.solution.items()])
+                    put_files(sb.container, [("/solution/" + rel, data, 0o755) for rel, data in task.solution.items()])
                     code, out = sb.exec(["bash", "/solution/solve.sh"], timeout=task.agent_timeout)
                     if code in (124, 137) and not sb.disk_exceeded:
                         ep.failure, ep.error = "timeout", decode(out)[-500:]

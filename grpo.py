@@ -10,8 +10,7 @@ CPU toy run (tasks from `python envs.py corpus --out data/corpus`, an SFT checkp
 8 GPUs (each rank: its own engine, 4 of the 32 groups; FSDP2 shards a 4B model, docs/training.md's memory plan):
     torchrun --standalone --nproc_per_node 8 grpo.py --init runs/q4b-actobs/final --tasks tasks/rl \
         --fsdp --grad-ckpt --micro-tokens 16384 --out ...
-Resume an interrupted run: the same command plus --resume. Several runs in one process, the imports paid once
-(common.run_cli): `python grpo.py ARGS ::: ARGS ...`.
+Resume: the same command plus --resume. Several runs, one process: `python grpo.py ARGS ::: ARGS ...` (run_cli).
 
 One step (main): roll out --group-size episodes of each of --tasks-per-step tasks (up to --concurrency sandboxes
 at once), reward each by its task's verifier, and take --ppo-epochs optimizer steps on
@@ -32,8 +31,7 @@ trainer/vLLM mismatch; else w_i = 1. Infrastructure failures (envs.INFRA_FAILURE
 of the loss; the normalisers count every other episode, groups without signal included (an episode the loss adds
 nothing on, may_skip, is not forwarded; a step with none left makes no optimizer step). An episode cut at --max-len
 keeps its verifier's reward, is masked out of the loss, or is penalised (--overlong). After every optimizer step the
-weights go into the engine in place (engine.py). The step's log row and transcripts: steplog.py. The GPU memory
-plan of a real run: docs/training.md.
+weights go into the engine in place (engine.py). Log rows, transcripts: steplog.py; GPU memory: docs/training.md.
 """
 import argparse
 import gc
@@ -46,9 +44,11 @@ import torch
 import common
 import engine
 import envs
+import head
 import steplog
 import terminus
 from labels import ACTION, OBS, PROMPT, load_tokenizer
+from tasks import load_tasks
 
 
 def get_parser():
@@ -187,7 +187,7 @@ def may_skip(example, coefs):
 
 def pg_loss(model, batch, args, coefs, n_tok, n_seq, n_echo):
     """-> (this micro-batch's part of the step's loss, stats of sums): the objective of the module docstring, a sum
-    of per-token terms, each a function of its own token's log-prob, so common.token_loss forms the head's gradients
+    of per-token terms, each a function of its own token's log-prob, so head.token_loss forms the head's gradients
     in the forward pass (the chunked head: the (N, V) logits never exist). coefs: loss_coefs, each term's weight.
     n_tok, n_seq, n_echo: the normalisers, the step's action tokens, sequences and sequences with ECHO tokens."""
     echo = echo_mask(batch["roles"], batch["wrapper"], args.echo_payload_only) & (coefs["echo"] != 0)  # (B, T-1)
@@ -229,7 +229,7 @@ def pg_loss(model, batch, args, coefs, n_tok, n_seq, n_echo):
         t[~a] = -w[rows][~a] * lp[~a]
         return t
     W = model.get_output_embeddings().weight
-    loss, logp_all, ent = common.token_loss(h, W, targets, terms, entropy=True,  # (), (N,) at T or 1, (N,)
+    loss, logp_all, ent = head.token_loss(h, W, targets, terms, entropy=True,  # (), (N,) at T or 1, (N,)
                                             allowed=engine.allowed_rows(batch, sel))
     p, obs_logp = act_parts(logp_all[act], act.nonzero().squeeze(1)), logp_all[~act]  # the stats, detached
     pg, echo_term = p["pg"].sum(), -(w[~act] * obs_logp).sum()
@@ -246,7 +246,7 @@ def action_logprobs(model, batch, args):
     """-> (B, T-1) the log-prob (at T) of each next token that is an action under `model`, 0 elsewhere."""
     no_echo = torch.zeros_like(batch["wrapper"][:, 1:])  # (B, T-1)
     h, targets, act, row, sel = selected_rows(model, batch, args.temperature, no_echo)
-    logp, _ = common.token_logprobs(h, model.get_output_embeddings().weight, targets,
+    logp, _ = head.token_logprobs(h, model.get_output_embeddings().weight, targets,
                                     allowed=engine.allowed_rows(batch, sel))
     full = torch.zeros(sel.shape, dtype=torch.float32, device=logp.device)
     full[sel] = logp
@@ -422,7 +422,7 @@ def main(argv=None):
 
     tok = load_tokenizer(ckpt or args.init, "native" if ckpt else args.chat_template)
     template = terminus.load_template(args.prompt_template)
-    tasks = envs.load_tasks(args.tasks, args.kinds)
+    tasks = load_tasks(args.tasks, args.kinds)
     ctx, dtype, why = common.autocast(args.dtype, device)
     raw = common.load_model(ckpt or args.init, device)
     # the initial policy, for the KL from init: a full copy per rank, in the autocast dtype

@@ -30,6 +30,7 @@ import torch
 
 import common
 import labels
+from head import head_chunk, token_logprobs
 
 KEYSTROKES = re.compile(r'"keystrokes"\s*:\s*"((?:[^"\\]|\\.)*)"')  # group 1: a command's JSON string value
 BUCKETS = {"1": (1, 1), "2": (2, 2), "3": (3, 3), "4-7": (4, 7), "8+": (8, 1 << 30)}  # 1-based positions
@@ -73,15 +74,15 @@ def get_parser():
 def token_entropy(h, W, temperature=1.0, chunk=None):
     """Entropy (nats) of softmax(h W^T / T) per row; h (N, H), W (V, H). -> (N,), by the training loss's head."""
     with torch.no_grad():
-        return common.token_logprobs(h / temperature, W, torch.zeros(len(h), dtype=torch.long, device=h.device),
-                                  entropy=True, chunk=chunk)[1]
+        return token_logprobs(h / temperature, W, torch.zeros(len(h), dtype=torch.long, device=h.device),
+                              entropy=True, chunk=chunk)[1]
 
 
 def token_kl(h_p, W_p, h_q, W_q, chunk=None):
     """KL(p || q) per row with p = softmax(h_p W_p^T), q = softmax(h_q W_q^T), rows aligned. -> (N,). Two heads
     at once, which the training head does not do: its own chunks, four (c, V) fp32 blocks within the same
-    common.CHUNK_BYTES (both log-softmaxes, p and the product)."""
-    chunk = chunk or common.head_chunk(len(W_p), 4)
+    CHUNK_BYTES of head.py (both log-softmaxes, p and the product)."""
+    chunk = chunk or head_chunk(len(W_p), 4)
     out = []
     with torch.no_grad(), torch.autocast(h_p.device.type, enabled=False):
         for s in range(0, len(h_p), chunk):
@@ -94,7 +95,7 @@ def token_kl(h_p, W_p, h_q, W_q, chunk=None):
 def token_nll(h, W, targets, chunk=None):
     """-log softmax(h W^T)[target] per row, by the training loss's head. -> (N,)"""
     with torch.no_grad():
-        return -common.token_logprobs(h, W, targets, chunk=chunk)[0]
+        return -token_logprobs(h, W, targets, chunk=chunk)[0]
 
 
 def hidden(model, ids):
@@ -247,7 +248,7 @@ def role_nll(model, batch, role, n_traj):
     sel = roles[:, 1:] == role  # (B, T-1): the positions predicting a `role` token
     traj = torch.arange(len(ids), device=ids.device)[:, None].expand_as(sel)[sel]  # (N,)
     per_traj = torch.bincount(traj, minlength=len(ids)).float()  # (B,)
-    logp, _ = common.token_logprobs(hidden[:, :-1][sel], model.get_output_embeddings().weight, ids[:, 1:][sel])
+    logp, _ = token_logprobs(hidden[:, :-1][sel], model.get_output_embeddings().weight, ids[:, 1:][sel])
     return -(logp / per_traj[traj]).sum() / n_traj
 
 

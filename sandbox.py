@@ -2,7 +2,8 @@
 Docker sandboxes for ActObs: a container with a task's limits (CPUs, memory, processes, disk) and a tmux terminal
 that takes keystrokes and returns observations (Terminus-2 semantics); images are built offline. envs.py builds
 Harbor tasks and runs episodes on it; its CLI builds the images (`python envs.py base-image [--standin]`) and
-removes leftovers (`python envs.py sweep`).
+removes leftovers (`python envs.py sweep`). A sandbox's files go in and out through container_files.py, which also
+reads what changed in it since its image.
 
 Needs a Docker daemon (DOCKER_HOST); `. .ci/dockerd.sh start` starts a private one. Importing this module does not.
 
@@ -13,23 +14,20 @@ pins, and tags it with STANDIN_TAGS; Docker then builds the Harbor Dockerfiles w
 
 The terminal needs bash, tmux and coreutils' `timeout` in the image (the base image has them).
 """
-import functools
 import hashlib
-import io
 import os
 import re
 import shutil
 import socket
-import stat
 import subprocess
 import sys
-import tarfile
 import tempfile
 import threading
 import time
 from pathlib import Path
 
 import disk
+from container_files import overlay_dirs, put_files
 from terminus import MAX_DURATION, OUTPUT_HEADER, SCREEN_HEADER, decode, pane_diff, truncate_output, visible_screen
 
 BASE_IMAGE = "actobs-base:bookworm"
@@ -49,8 +47,6 @@ DEFAULT_STORAGE_MB = 10240  # disk budget when a task names none (Harbor's defau
 # trust the system's CAs, which in the stand-in include the host's (a TLS-inspecting egress proxy).
 STANDIN_ONLINE = {"UV_OFFLINE": "0", "UV_NATIVE_TLS": "1"}
 STANDIN_TOOLS = ("/root/.local/bin", "/opt/actobs-wheels")  # the stand-in's verifier tool kit: uv, uvx, env, wheels
-# docker exec's PATH in an image that sets none
-DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 STEP_READS = 3  # reads of a terminal step's result file when its exec's output came back incomplete
 # How long a terminal step may run past its duration before it is killed (and its episode lost to the
 # infrastructure): its own tmux calls take milliseconds on an idle host, seconds in a CPU-starved container (dozens of
@@ -93,96 +89,6 @@ def host_cpus(cpus):
         _warned.add(cpus)
         print(f"warning: a task asks for {cpus:g} CPUs, the Docker host has {_cpus}; using {_cpus}", file=sys.stderr)
     return min(cpus, _cpus)
-
-
-@functools.lru_cache(maxsize=8)
-def image_archive(image, path):
-    """A tar of `path` as `image` holds it, read from a container that is created and never started."""
-    import docker
-    c = docker_client().containers.create(image, entrypoint=["true"], labels={LABEL: owner_label()},
-                                          network_mode="none")
-    try:
-        stream, _ = c.get_archive(path)
-        return b"".join(stream)
-    except docker.errors.NotFound:
-        raise SandboxError(f"{image} has no {path}") from None
-    finally:
-        c.remove(force=True)
-
-
-_commands_lock = threading.Lock()
-
-
-def image_commands(image):
-    """(the image's PATH folders and the stand-in's uv folder, the names of the commands in them), as a fresh
-    container of the image lists them: what a verifier's command resolves to before any agent ran. Once per image:
-    the sandboxes verifying at once wait for the first one's listing."""
-    with _commands_lock:
-        return _image_commands(image)
-
-
-@functools.lru_cache(maxsize=64)
-def _image_commands(image):
-    env = dict(e.split("=", 1) for e in docker_client().images.get(image).attrs["Config"].get("Env") or ())
-    dirs = tuple(dict.fromkeys(d for d in env.get("PATH", DEFAULT_PATH).split(":") + [STANDIN_TOOLS[0]]
-                               if d.startswith("/")))
-    out = docker_client().containers.run(image, list(dirs), entrypoint=["bash", "-c", 'ls -1A "$@" 2>/dev/null; :',
-                                                                        "ls"],
-                                         labels={LABEL: owner_label()}, network_mode="none", remove=True)
-    names = decode(out).splitlines()
-    return dirs, frozenset(n for n in names if n and not n.endswith(":"))  # "folder:" heads each listing
-
-
-def _whiteout(st):
-    """overlayfs marks a deleted lower file with a character device 0/0 in the layer above."""
-    return stat.S_ISCHR(st.st_mode) and st.st_rdev == 0
-
-
-def _xattr(path, name):
-    try:
-        return os.getxattr(path, name, follow_symlinks=False)
-    except OSError:
-        return None
-
-
-def in_layers(lowers, path):
-    """Whether `path` is in the image whose overlay layers (top first) are `lowers`: the topmost layer holding it,
-    or a whiteout of it, decides; an opaque directory above it in a layer hides the layers below."""
-    parts = path.strip("/").split("/")
-    for lower in lowers:
-        try:
-            return not _whiteout(os.lstat(lower + path))
-        except OSError:
-            pass
-        for i in range(len(parts) - 1, 0, -1):  # an ancestor this layer removed (whiteout) or emptied (opaque)
-            ancestor = lower + "/" + "/".join(parts[:i])
-            try:
-                if _whiteout(os.lstat(ancestor)) or _xattr(ancestor, "trusted.overlay.opaque") == b"y":
-                    return False
-            except OSError:
-                pass
-    return False
-
-
-def upper_changes(upper, lowers):
-    """{path: "C" or "A"} of a container's overlay2 upper dir against its image's layers (Sandbox.changes), or
-    None where the upper dir alone does not say: a directory renamed with overlayfs' redirect_dir keeps its
-    content in the lower layer."""
-    found = {}
-    for root, dirs, files in os.walk(upper):
-        rel = root[len(upper):]
-        for name in dirs + files:
-            full, path = os.path.join(root, name), f"{rel}/{name}"
-            try:
-                st = os.lstat(full)
-            except OSError:
-                continue
-            if _whiteout(st):
-                continue  # deleted: not a change of what is there
-            if stat.S_ISDIR(st.st_mode) and _xattr(full, "trusted.overlay.redirect") is not None:
-                return None
-            found[path] = "C" if in_layers(lowers, path) else "A"
-    return found
 
 
 def owner_label(pid=None):
@@ -269,7 +175,7 @@ def build_uv_image(base):
     """base + pip (no PEP 668 lock, as in python:3.x images) + uv + local wheels of the pytest pins Terminal-Bench
     verifiers install at verification time, with UV_OFFLINE so their `uvx -p 3.13 -w pytest==... pytest` runs
     without a network. apt and pip reach Debian and PyPI only here, at build time, never from a sandbox.
-    STANDIN_TOOLS names where uv and the wheels go (envs.verify restores them when an agent changed them)."""
+    STANDIN_TOOLS names where uv and the wheels go (verify.py restores them when an agent changed them)."""
     bindir, wheels = STANDIN_TOOLS
     dockerfile = (
         f"FROM {base}\n"
@@ -478,14 +384,15 @@ class Sandbox:
         except docker.errors.APIError as e:
             raise SandboxError(f"{self.image}: the container did not start (the image needs bash): "
                                f"{e.explanation}") from None
-        self.disk.watch(self.container, (self._overlay() or (None,))[0])  # None: the daemon is asked (slower)
+        upper = (overlay_dirs(self.container) or (None,))[0]  # None: the daemon is asked (slower)
+        self.disk.watch(self.container, upper)
         # Harbor tasks expect these to exist and be writable by the agent's user.
         code, out = self.exec(f"mkdir -p {self.workdir} /logs/agent /logs/verifier && "
                               "chmod 777 /logs/agent /logs/verifier", user="root")
         if code != 0:
             raise SandboxError(f"{self.image}: could not prepare the container: {decode(out)[-300:]}")
         if self.files:
-            self.put_files(self.files)
+            put_files(self.container, self.files)
         self._start_terminal()
         self.start_s = time.time() - t0
 
@@ -539,74 +446,6 @@ class Sandbox:
         res = self.container.exec_run(cmd, user=user or self.user, workdir=self.workdir,
                                       environment={"LANG": "C.UTF-8", **(env or {})})
         return res.exit_code, res.output
-
-    def _overlay(self):
-        """(upper dir, lower dirs top first) of the container's overlay2 layers, read on this host; None for a
-        remote daemon or another storage driver."""
-        driver = self.container.attrs.get("GraphDriver", {})
-        data = driver.get("Data", {}) if driver.get("Name") == "overlay2" else {}
-        upper, lowers = data.get("UpperDir"), data.get("LowerDir")
-        if not upper or not lowers or not os.access(upper, os.R_OK):
-            return None
-        return upper, lowers.split(":")
-
-    def changes(self):
-        """{path: "C" (modified) or "A" (added)} for what changed in the container since it started from its
-        image, as the storage driver keeps it (no program in the container is asked): overlay2's upper dir
-        walked on this host, or the daemon's diff (its overlay2 diff compares the whole tree with the image's:
-        ~0.35 s of the daemon's CPU per call, most of a verification's cost)."""
-        dirs = self._overlay()
-        found = upper_changes(*dirs) if dirs else None
-        if found is None:  # not walkable here, or a renamed lower directory (its content is not in the upper dir)
-            found = {c["Path"]: "CA"[c["Kind"]] for c in self.container.diff() or () if c["Kind"] in (0, 1)}
-        return found
-
-    def restore(self, path):
-        """Put `path` back as the image has it (the tree is removed first), from a copy taken once per image."""
-        code, out = self.exec(["rm", "-rf", path], user="root")
-        if code != 0:
-            raise SandboxError(f"could not remove {path}: {decode(out)[-300:]}")
-        if not self.container.put_archive(os.path.dirname(path), image_archive(self.image, path)):
-            raise SandboxError(f"could not restore {path}")
-
-    def put_files(self, files):
-        """files: iterable of (absolute path, bytes, mode). Uploaded as one tar archive at /."""
-        buf = io.BytesIO()
-        with tarfile.open(fileobj=buf, mode="w") as tar:
-            for path, data, mode in files:
-                info = tarfile.TarInfo(path.lstrip("/"))
-                info.size, info.mode, info.mtime = len(data), mode, int(time.time())
-                tar.addfile(info, io.BytesIO(data))
-        if not self.container.put_archive("/", buf.getvalue()):
-            raise SandboxError("put_archive failed")
-
-    def get_file(self, path):
-        """Bytes of one file in the container, or None if it does not exist."""
-        import docker
-        try:
-            stream, _ = self.container.get_archive(path)
-        except docker.errors.NotFound:
-            return None
-        with tarfile.open(fileobj=io.BytesIO(b"".join(stream))) as tar:
-            member = tar.next()
-            return tar.extractfile(member).read() if member and member.isfile() else None
-
-    def get_files(self, folder, names):
-        """Bytes of each of `names` in `folder` (None where it is missing or not a regular file), from one
-        archive of the folder: one round trip through the daemon for several small files."""
-        import docker
-        try:
-            stream, _ = self.container.get_archive(folder)
-        except docker.errors.NotFound:
-            return [None] * len(names)
-        top = os.path.basename(folder.rstrip("/"))
-        with tarfile.open(fileobj=io.BytesIO(b"".join(stream))) as tar:
-            members = {m.name: m for m in tar.getmembers()}
-
-            def read(name):
-                m = members.get(f"{top}/{name}")
-                return tar.extractfile(m).read() if m is not None and m.isfile() else None
-            return [read(n) for n in names]
 
     def _shell_gone(self):
         """True only when a probe ran and found no shell (a probe that cannot even start says nothing)."""

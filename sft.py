@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 import common
+import head
 import probes
 from labels import ACTION, OBS, PROMPT, load_tokenizer, read_trajectories, render
 
@@ -94,7 +95,7 @@ def actobs_loss(model, batch, lam, w_act=1.0, n_traj=None, chunk=None):
     """-> (loss, stats). loss = sum over the batch's trajectories of
     -[w_act sum_A log p + lam sum_O log p] / (w_act |A| + lam |O|), divided by n_traj (default: the number of
     trajectories with a non-zero denominator here; pass the whole step's count when accumulating). Log-probs
-    come from the final hidden states through common.token_loss: the (tokens, vocab) logits are never materialised.
+    come from the final hidden states through head.token_loss: the (tokens, vocab) logits are never materialised.
     stats: per-token action and observation NLL (sums, counts, means), whatever lam is."""
     ids, roles = batch["input_ids"], batch["roles"]  # (B, T)
     B = ids.shape[0]
@@ -113,8 +114,8 @@ def actobs_loss(model, batch, lam, w_act=1.0, n_traj=None, chunk=None):
     valid = denom > 0
     n = float(n_traj) if n_traj is not None else max(int(valid.sum()), 1)
     tok_w = torch.where(is_act, w_act, lam) / denom.clamp(min=1e-12)[traj] / n  # (N,); 0 where denom = 0
-    loss, logp, _ = common.token_loss(h, model.get_output_embeddings().weight, targets,
-                                      lambda lp, rows: -tok_w[rows] * lp, chunk=chunk)  # (), (N,)
+    loss, logp, _ = head.token_loss(h, model.get_output_embeddings().weight, targets,
+                                    lambda lp, rows: -tok_w[rows] * lp, chunk=chunk)  # (), (N,)
     nll = -logp
     stats = {"act_nll_sum": nll[is_act].sum().item(), "act_tokens": int(is_act.sum()),
              "obs_nll_sum": nll[is_obs].sum().item(), "obs_tokens": int(is_obs.sum()), "n_traj": int(valid.sum())}

@@ -239,8 +239,8 @@ def parse_reply(text):
 # The reply's parts in order: fixed text, or a free value (a rule of _VALUE_EBNF); a command's the same. The grammar's
 # reply and command rules are written from them, and so is close_reply's completion of a cut reply.
 STRING, NUMBER, BOOL, COMMANDS = "string", "number", "bool", "commands"
-_REPLY_PARTS = ('{"analysis": ', STRING, ', "plan": ', STRING, ', "commands": [', COMMANDS, '], "task_complete": ', BOOL,
-                "}")
+_REPLY_PARTS = ('{"analysis": ', STRING, ', "plan": ', STRING, ', "commands": [', COMMANDS,
+                '], "task_complete": ', BOOL, "}")
 _COMMAND_PARTS = ('{"keystrokes": ', STRING, ', "duration": ', NUMBER, "}")
 _COMMAND_SEP = ", "
 _THINK_OPEN, _THINK_CLOSE = "<think>", "</think>\n\n"

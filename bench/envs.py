@@ -29,6 +29,8 @@ from concurrent.futures import ThreadPoolExecutor
 import disk
 import envs
 import sandbox
+import verify
+from tasks import Task
 
 
 def parse_args(argv=None):
@@ -95,20 +97,21 @@ ONE_COMMAND = json.dumps({"analysis": "", "plan": "", "commands": [{"keystrokes"
 
 
 def use_daemon(host):
-    """Point sandbox.py at another daemon: its client and what it cached of the last one are dropped."""
+    """Point sandbox.py at another daemon: its client and what it and verify.py cached of the last one are
+    dropped."""
     os.environ["DOCKER_HOST"] = host
     sandbox._client, sandbox._cpus, disk._quota = None, None, None
-    sandbox.image_archive.cache_clear()
-    sandbox._image_commands.cache_clear()
+    verify.image_archive.cache_clear()
+    verify._image_commands.cache_clear()
 
 
 def disk_rise(image, writers):
     """writers sandboxes of 256 MB at once, half of them trying one fallocate of 4 GB, half a dd loop of 1 GB;
     returns (the peak rise in MB of the disk under the daemon's data root, sampled every 20 ms, their outcomes)."""
     pay = {"test.sh": b"echo 1 > /logs/verifier/reward.txt\n"}  # pays for anything: only the budget stops it
-    big = envs.Task("fallocate", "x", image=image, storage_mb=256, tests=pay,
+    big = Task("fallocate", "x", image=image, storage_mb=256, tests=pay,
                     solution={"solve.sh": b"fallocate -l 4G /app/big\n"})
-    fill = envs.Task("dd", "x", image=image, storage_mb=256, tests=pay, solution={
+    fill = Task("dd", "x", image=image, storage_mb=256, tests=pay, solution={
         "solve.sh": b"for i in $(seq 64); do dd if=/dev/zero of=/app/f$i bs=1M count=16 status=none || break; done\n"})
     with disk.HostRise(0.02) as rise:
         eps = envs.run_oracle([big, fill] * (writers // 2), concurrency=writers)
@@ -117,7 +120,7 @@ def disk_rise(image, writers):
 
 def episodes_wall(args, what):
     """Wall seconds of one round: args.episodes concurrent one-command episodes (printed with `what`)."""
-    task = envs.Task("one-command", "Write hi to /app/out.", image=args.image, storage_mb=256, memory_mb=256,
+    task = Task("one-command", "Write hi to /app/out.", image=args.image, storage_mb=256, memory_mb=256,
                      tests={"test.sh": b"grep -q hi /app/out && echo 1 > /logs/verifier/reward.txt\n"})
     t0 = time.perf_counter()
     eps = envs.run_episodes([task] * args.episodes, lambda convs: [ONE_COMMAND] * len(convs),

@@ -21,10 +21,10 @@ import torch
 
 import common
 import engine
-import envs
 import taskgen
 import terminus
 from labels import ACTION, load_tokenizer
+from tasks import task_from_spec
 
 
 def main(argv=None):
@@ -95,7 +95,7 @@ def main(argv=None):
 
     # 3. the episode loop: overlapped vs lock-step, same tasks, same engine
     if args.episodes:
-        tasks = [envs.task_from_spec(s) for s in specs[: args.episodes]]
+        tasks = [task_from_spec(s) for s in specs[: args.episodes]]
         res = {}
         for lockstep in (True, False, True, False):  # interleaved: load on the machine drifts
             st = {}

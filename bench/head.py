@@ -1,6 +1,6 @@
 """
-Benchmark: the head's gradients formed in the forward pass (common.token_loss) against the same head with its
-backward recomputing the logits (common.token_logprobs: what every loss used before, and what a loss that is not a
+Benchmark: the head's gradients formed in the forward pass (head.token_loss) against the same head with its
+backward recomputing the logits (head.token_logprobs: what every loss used before, and what a loss that is not a
 sum of per-token terms still uses) and against naive full logits, at a small and at Qwen3's vocabulary; and sft.py's
 tokens/s with either kernel and a bare PyTorch loop on full logits (the model's own cross-entropy from
 model(labels=...), the loss TRL's SFTTrainer takes) on the same trajectories. The model is the base model's
@@ -41,6 +41,7 @@ import torch
 import common
 import labels
 import sft
+from head import CHUNK_BYTES, head_chunk, token_logprobs, token_loss
 from bench.loss import PeakCUDA, PeakRSS
 from bench.train import long_trajectory, random_model_dir
 
@@ -66,8 +67,8 @@ def get_parser():
 
 
 def recompute_loss(h, W, targets, terms, entropy=False, chunk=None):
-    """common.token_loss's contract through common.token_logprobs: the backward recomputes each chunk's logits."""
-    logp, ent = common.token_logprobs(h, W, targets, entropy=entropy, chunk=chunk)
+    """head.token_loss's contract through head.token_logprobs: the backward recomputes each chunk's logits."""
+    logp, ent = token_logprobs(h, W, targets, entropy=entropy, chunk=chunk)
     return terms(logp, slice(0, len(logp))).sum(), logp.detach(), ent
 
 
@@ -77,7 +78,7 @@ def full_logits_loss(h, W, targets, terms, entropy=False, chunk=None):
     return terms(logp, slice(0, len(logp))).sum(), logp.detach(), None
 
 
-HEADS = {"forward grads": common.token_loss, "recompute": recompute_loss, "full logits": full_logits_loss}
+HEADS = {"forward grads": token_loss, "recompute": recompute_loss, "full logits": full_logits_loss}
 
 
 def head_inputs(V, N, device, H=256):
@@ -127,7 +128,7 @@ def peak_head(V, N, device, ctx, H=256):
         with PeakCUDA() if device.type == "cuda" else PeakRSS() as mem:
             head_pass(head, h, W, t, w, ctx, device)
         peaks[name] = mem.peak
-    bound = 4 * (min(common.head_chunk(V), N) * V + W.numel() + h.numel())  # one block, the fp32 grads of W and h
+    bound = 4 * (min(head_chunk(V), N) * V + W.numel() + h.numel())  # one block, the fp32 grads of W and h
     for name, pk in peaks.items():
         print(f"peak | V {V:>7,} | N {N:>5} | {name:>13} | {pk / 2**30:6.3f} GiB | {pk / peaks['recompute']:5.2f}x the "
               f"recompute | stated bound {bound / 2**30:.3f} GiB", flush=True)
@@ -165,7 +166,7 @@ def bare_loop(model_dir, examples, steps, batch_size, device, ctx, clock):
 def sft_run(model_dir, data, out, L, args, clock, head):
     """sft.py for --sft-steps steps, one trajectory a pass, its step times on `clock`, its loss through `head` ->
     (tokens, seconds) of the steps after the first."""
-    with mock.patch.object(sft, "time", SimpleNamespace(time=clock)), mock.patch.object(common, "token_loss", head):
+    with mock.patch.object(sft, "time", SimpleNamespace(time=clock)), mock.patch("head.token_loss", head):
         sft.main(["--model", str(model_dir), "--data", str(data), "--out", str(out), "--lam", "1", "--batch-size", "4",
                   "--max-len", str(L), "--micro-tokens", "1", "--dtype", args.dtype, "--val-size", "1",
                   "--warmup-ratio", "0", "--eval-every", "0", "--save-every", "0", "--stop-after", str(args.sft_steps)])
@@ -184,7 +185,7 @@ def bench_sft(V, L, args, device, ctx, clock, tmp):
     model_dir = random_model_dir(out, convs, common.tiny_config(V, 256, 4, 4, 2))
     examples = [labels.render(labels.load_tokenizer(model_dir), c, L) for c in convs]
     variants = {"sft.py, forward grads": lambda run: sft_run(model_dir, out / "data.jsonl", run, L, args, clock,
-                                                             common.token_loss),
+                                                             token_loss),
                 "sft.py, recompute": lambda run: sft_run(model_dir, out / "data.jsonl", run, L, args, clock,
                                                          recompute_loss),
                 "bare full-logits loop": lambda run: bare_loop(model_dir, examples, args.sft_steps, 4, device, ctx,
@@ -210,7 +211,7 @@ def main(argv=None):
     ctx = torch.autocast(device.type, dtype=torch.bfloat16) if args.dtype == "bf16" else nullcontext()
     clock = time.process_time if args.clock == "cpu" else time.perf_counter
     print(f"device {device} | {torch.get_num_threads()} threads | {args.dtype} | {args.clock} clock | "
-          f"common.CHUNK_BYTES {common.CHUNK_BYTES / 2**30:.2f} GiB", flush=True)
+          f"head.CHUNK_BYTES {CHUNK_BYTES / 2**30:.2f} GiB", flush=True)
     if args.part == "peak":  # a process of its own: a heap that earlier work left behind would serve the blocks
         if device.type == "cpu":
             rss_follows_tensors()

@@ -1,5 +1,5 @@
 """
-Benchmark: the chunked head (common.token_logprobs) in the two losses that use it, sft.actobs_loss and
+Benchmark: the chunked head (head.token_logprobs) in the two losses that use it, sft.actobs_loss and
 grpo.pg_loss, against naive full-logits versions on the same batch, at Qwen3's vocabulary (151,936) with a tiny
 hidden size, where the output head dominates; and the head alone against the peak memory its docstring states.
 Everything runs in this process, interleaved; prints time and peak-memory ratios.
@@ -20,6 +20,7 @@ import torch
 
 import common
 import grpo
+import head
 import labels
 import sft
 
@@ -30,7 +31,7 @@ def get_parser():
     p.add_argument("--vocab", type=int, default=151936, help="vocabulary size (Qwen3's by default)")
     p.add_argument("--hidden", type=int, default=64, help="hidden size of the tiny model")
     p.add_argument("--repeats", type=int, default=3, help="timed passes per method (median reported)")
-    p.add_argument("--chunk", type=int, default=None, help="rows per chunk of the chunked loss (default: common.CHUNK_BYTES of logits)")
+    p.add_argument("--chunk", type=int, default=None, help="rows per chunk of the chunked loss (default: head.CHUNK_BYTES of logits)")
     return p
 
 
@@ -108,7 +109,7 @@ def main(argv=None):
     model = Qwen3ForCausalLM(cfg).to(device)
     pg_args = grpo.get_parser().parse_args(["--init", "-", "--tasks", "-", "--out", "-", "--temperature", "0.7"])
     print(f"device {device} | vocab {args.vocab} | hidden {args.hidden} | {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M params"
-          f" | common.CHUNK_BYTES {common.CHUNK_BYTES / 2**30:.2f} GB")
+          f" | head.CHUNK_BYTES {head.CHUNK_BYTES / 2**30:.2f} GB")
     print(f"{'loss':>5} | {'tokens':>6} | {'naive s':>8} | {'ours s':>8} | {'time ratio':>10} | {'naive GB':>8} | {'ours GB':>8} | "
           f"{'mem ratio':>9} | loss diff")
     for T in args.tokens:
@@ -144,15 +145,15 @@ def main(argv=None):
             else:
                 print(f"{name:>5} | {T:>6} | {'-':>8} | {to:>8.3f} | {'-':>10} | {'-':>8} | {mo / 2**30:>8.2f} | {'-':>9} | "
                       f"naive skipped: needs ~{need / 2**30:.0f} GB, {free / 2**30:.0f} GB free")
-        # the head alone, forward + backward, against what common.token_logprobs' docstring states
+        # the head alone, forward + backward, against what head.token_logprobs' docstring states
         h = torch.randn(T, args.hidden, device=device, requires_grad=True)
         W = model.get_output_embeddings().weight
         for entropy in (False, True):
             with (PeakCUDA() if device.type == "cuda" else PeakRSS()) as mem:
-                lp, _ = common.token_logprobs(h, W, ids[0], entropy=entropy, chunk=args.chunk)
+                lp, _ = head.token_logprobs(h, W, ids[0], entropy=entropy, chunk=args.chunk)
                 lp.sum().backward()
             model.zero_grad(set_to_none=True)
-            budget = common.CHUNK_BYTES + W.numel() * 4 + h.numel() * 4  # one block, the fp32 grads of W and h
+            budget = head.CHUNK_BYTES + W.numel() * 4 + h.numel() * 4  # one block, the fp32 grads of W and h
             print(f"head  | {T:>6} | entropy {entropy!s:>5} | peak {mem.peak / 2**30:.3f} GB | stated budget "
                   f"{budget / 2**30:.3f} GB | {mem.peak / budget:.2f}x")
 

@@ -15,7 +15,7 @@ By the plan (fp32 on a CPU without native bf16, --len 2048), GRPO's two ranks at
 24 GB machine the default run skips that stage, and --hidden 512 (~14 GiB) runs it; SFT needs ~17 GiB.
 
 Stages, in order, each writing under --out (default runs/rehearsal/<shape>), each reading the one before's output:
-  head      bench.head's peak part: the chunked head (common.token_loss) vs full logits, V rows x --len tokens
+  head      bench.head's peak part: the chunked head (head.token_loss) vs full logits, V rows x --len tokens
   sft       torchrun sft.py --fsdp --grad-ckpt --micro-tokens LEN --max-len LEN: 2 steps of one Nemotron row per rank,
             a checkpoint after step 2 (the optimizer state gathered on rank 0, as every --save-every), then final/
   grpo      torchrun grpo.py --init sft/final --fsdp --grad-ckpt --micro-tokens LEN --echo-coef 0.05: 1 step on toy

@@ -34,10 +34,10 @@ from pathlib import Path
 
 import common
 import engine
-import envs
 import grpo
 import terminus
 from labels import ACTION, load_tokenizer, write_jsonl
+from tasks import load_tasks
 
 # lever -> make_engine arguments, whether replies carry their log-probs and the grammar they are decoded under (a
 # request's setting, not the engine's); "today" is every ratio's baseline
@@ -53,7 +53,7 @@ LEVERS = {
 
 def record(args, tok):
     """Episodes in real sandboxes with today's engine -> rows (token_ids, roles, step_s) in args.record."""
-    tasks = envs.load_tasks(args.tasks)
+    tasks = load_tasks(args.tasks)
     if args.eval:
         spread = tasks[:: max(1, len(tasks) // args.eval_tasks)][: args.eval_tasks]
         todo = [t for t in spread for _ in range(args.attempts)]

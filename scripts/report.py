@@ -1,5 +1,5 @@
 """
-The ablation's run folder (ablation.sh): its settings, a check of every stage's output, and REPORT.md.
+The ablation's run folder (ablation.sh): its settings, a check of every stage's output (checks.py), and REPORT.md.
 
     python scripts/report.py settings RUN mode=full seed=0 sft="--lr 2e-3 ..." ...   # ablation.sh, at start
     python scripts/report.py limits RUN                                             # ablation.sh, after the corpus
@@ -20,24 +20,20 @@ geometry.png (cos(g_act, g_obs) and r during SFT per arm). Any problem: one line
 import argparse
 import itertools
 import json
-import math
-import shlex
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo's modules, when run as a script
 
-import envs  # noqa: E402
+import compare  # noqa: E402
 import evaluate  # noqa: E402
 import labels  # noqa: E402
 import steplog  # noqa: E402
 import taskgen  # noqa: E402
+from checks import (ECHO, TSTAR, check_corpus, check_eval, check_grpo, check_model, check_probes,  # noqa: E402
+                    check_sft, check_tstar, checkpoint, finite, flags, read_json, read_jsonl)
 
 LABELS = {"actionsft": "ActionSFT (λ=0)", "actobs": "ActObs (λ=1)", "obs-then-act": "Obs→Act"}  # else the arm's name
-WEIGHTS = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
-# ablation.sh's names: ECHO's GRPO run (from ActionSFT), ActionSFT + GRPO's evaluation at T*, and the probes
-ECHO, TSTAR = "echo", "actionsft-grpo-tstar"
-PROBES = ("obs_nll", "cmd_entropy", "kl", "entropy_actobs-grpo", "tstar_actionsft-grpo")
 SWEEP_KEY = "sweep_arms"  # the one setting a resumed run may change: it may add λ-sweep arms
 
 
@@ -75,23 +71,8 @@ def eval_attempts(st, model):
     return int(flags(st.get(key) or st["eval"])["--attempts"])
 
 
-def checkpoint(run, model):
-    """The checkpoint an evaluated model's results must name."""
-    return run / "base" / "model" if model == "base" else run / ("actionsft-grpo" if model == TSTAR else model) / "final"
-
-
 # ----------------------------------------------------------------------------------------------------------
 # Settings
-
-def flags(args):
-    """'--steps 8 --lr 1e-5 --resume' -> {'--steps': '8', '--lr': '1e-5', '--resume': True}"""
-    words, out = shlex.split(args), {}
-    for i, w in enumerate(words):
-        if w.startswith("--"):
-            nxt = words[i + 1] if i + 1 < len(words) else None
-            out[w] = True if nxt is None or nxt.startswith("--") else nxt
-    return out
-
 
 def grammar_words(stage_flags):
     """Whether a stage's flags decode the replies under the reply grammar (--grammar [reply|think]), in words."""
@@ -138,190 +119,6 @@ def added(old, new, key):
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Checks: each appends a line to `problems` and returns what it could read
-
-def read_json(path, problems):
-    try:
-        return json.loads(Path(path).read_text())
-    except (OSError, ValueError) as e:
-        problems.append(f"{path}: {type(e).__name__}: {e}")
-
-
-def read_jsonl(path, problems):
-    try:
-        return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
-    except (OSError, ValueError) as e:
-        problems.append(f"{path}: {type(e).__name__}: {e}")
-        return []
-
-
-def finite(x):
-    return isinstance(x, int | float) and math.isfinite(x)
-
-
-def check_model(path, problems):
-    missing = [f for f in WEIGHTS if not (path / f).is_file()]
-    if missing:
-        problems.append(f"{path}: not a complete checkpoint (missing {', '.join(missing)})")
-
-
-def task_names(split_dir, problems):
-    """{name: kind} of the Harbor task folders of a split."""
-    out = {}
-    for toml in sorted(split_dir.glob("*/task.toml")):
-        try:  # envs reads a task folder as evaluate.py does: the same name and kind
-            task = envs.load_task(toml.parent, build=False)
-        except ValueError as e:
-            problems.append(str(e))
-            continue
-        out[task.name] = task.kind
-    if not out:
-        problems.append(f"{split_dir}: no task folders")
-    return out
-
-
-def check_corpus(run, st, problems):
-    corpus, n = run / "corpus", flags(st["corpus"])
-    rows = read_jsonl(corpus / "sft.jsonl", problems)
-    if not rows or any("conversations" not in r for r in rows):
-        problems.append(f"{corpus / 'sft.jsonl'}: no rows, or rows without conversations")
-    sft_kinds = {r.get("task", "").rsplit("-", 1)[0] for r in rows}
-    rl, ev = task_names(corpus / "rl", problems), task_names(corpus / "eval", problems)
-    for split, tasks, want in (("rl", rl, n["--n-rl"]), ("eval", ev, n["--n-eval"])):
-        if len(tasks) != int(want):
-            problems.append(f"{corpus / split}: {len(tasks)} tasks, settings say {want}")
-    sft = {r.get("task") for r in rows}
-    rl_names, ev_names = {n.split("/")[-1] for n in rl}, {n.split("/")[-1] for n in ev}  # "actobs/<spec name>"
-    shared = (sft | rl_names) & ev_names | sft & rl_names
-    if shared:
-        problems.append(f"{corpus}: splits share tasks: {', '.join(sorted(shared)[:5])}")
-    for kind in taskgen.HELDOUT_KINDS:
-        if kind in sft_kinds or kind in rl.values():
-            problems.append(f"{corpus}: the held-out kind {kind!r} appears in SFT or RL")
-        if kind not in ev.values() and len(ev) >= len(taskgen.HELDOUT_KINDS):
-            problems.append(f"{corpus / 'eval'}: the held-out kind {kind!r} is missing")
-    train, held = read_jsonl(run / "train.jsonl", problems), read_jsonl(run / "heldout.jsonl", problems)
-    if len(held) != int(st["heldout_n"]) or len(train) + len(held) != len(rows):
-        problems.append(f"{run}: train.jsonl ({len(train)}) + heldout.jsonl ({len(held)}) is not the corpus "
-                        f"({len(rows)} rows) split at {st['heldout_n']}")
-    return ev
-
-
-def check_sft(run, arm, problems):
-    d = run / arm
-    check_model(d / "final", problems)
-    log = read_jsonl(d / "log.jsonl", problems)
-    geo = [r for r in log if "probe/cos" in r]
-    if len(geo) < 2 or not all(finite(r["probe/cos"]) and finite(r["probe/r"]) for r in geo):
-        problems.append(f"{d / 'log.jsonl'}: {len(geo)} gradient-geometry rows (need >= 2, finite)")
-    if not any(finite(r.get("train/loss")) for r in log):
-        problems.append(f"{d / 'log.jsonl'}: no finite train/loss")
-    if not (d / "probe_geometry.png").is_file():
-        problems.append(f"{d}: no probe_geometry.png")
-    return geo
-
-
-def check_grpo(run, name, init, steps, echo_coef, problems):
-    """The GRPO run folder `name`: from run/init/final, with that --echo-coef, one log row per step."""
-    d = run / name
-    check_model(d / "final", problems)
-    args = (read_json(d / "config.json", problems) or {}).get("args", {})
-    if not args or Path(args.get("init", "")).resolve() != (run / init / "final").resolve() \
-            or args.get("echo_coef") != echo_coef:
-        problems.append(f"{d / 'config.json'}: GRPO from {args.get('init')} with --echo-coef {args.get('echo_coef')}; "
-                        f"expected {run / init / 'final'} with {echo_coef}")
-    log = read_jsonl(d / "log.jsonl", problems)
-    if [r.get("step") for r in log] != list(range(1, steps + 1)):
-        problems.append(f"{d / 'log.jsonl'}: steps {[r.get('step') for r in log]}, expected 1..{steps}")
-    for r in log:
-        if not (finite(r.get("rollout/reward_mean")) and 0 <= r["rollout/reward_mean"] <= 1):
-            problems.append(f"{d / 'log.jsonl'} step {r.get('step')}: rollout/reward_mean {r.get('rollout/reward_mean')!r}")
-        # a step that trained nothing (train/optimizer_steps 0: no group with signal) logs no training metrics
-        trained = r.get("train/optimizer_steps", 1) > 0
-        bad = [k for k in ("train/entropy", "train/kl_init", "train/kl_init_k3", "train/loss")
-               if (trained or k in r) and not finite(r.get(k))]
-        if bad:
-            problems.append(f"{d / 'log.jsonl'} step {r.get('step')}: not finite: {', '.join(bad)}")
-    if not (d / "curves.png").is_file():
-        problems.append(f"{d}: no curves.png")
-    return log
-
-
-def check_eval(path, tasks, attempts, checkpoint, problems):
-    res = read_json(path, problems)
-    if res is None:
-        return None
-    where = str(path)
-    if res["settings"]["attempts"] != attempts or Path(res["settings"]["model"]).resolve() != checkpoint.resolve():
-        problems.append(f"{where}: evaluated {res['settings']['model']} with {res['settings']['attempts']} attempts; "
-                        f"expected {checkpoint} with {attempts}")
-    if set(res["tasks"]) != set(tasks):
-        problems.append(f"{where}: tasks differ from the evaluation split ({len(res['tasks'])} vs {len(tasks)})")
-    for name, entry in res["tasks"].items():
-        idx = sorted(a["attempt"] for a in entry["attempts"])
-        if idx != list(range(attempts)):
-            problems.append(f"{where}: task {name} has attempts {idx}, expected 0..{attempts - 1}")
-        if not all(finite(a["reward"]) and 0 <= a["reward"] <= 1 for a in entry["attempts"]):
-            problems.append(f"{where}: task {name} has a reward outside [0, 1]")
-    transcripts = path.with_suffix(".episodes.jsonl")
-    have = {(r.get("task"), r.get("attempt")) for r in read_jsonl(transcripts, problems)}
-    lost = [(name, a["attempt"]) for name, e in res["tasks"].items() for a in e["attempts"]
-            if (name, a["attempt"]) not in have]
-    if lost:
-        problems.append(f"{transcripts}: no transcript of {len(lost)} recorded attempts, e.g. {lost[0]}")
-    s = res.get("summary")
-    vals = [v for v in (s or {}).get("pass@k", {}).values() if v is not None]
-    if s is None or not vals:
-        problems.append(f"{where}: no summary pass@k")
-    elif not all(0 <= v <= 1 for v in vals) or any(a > b + 1e-12 for a, b in zip(vals, vals[1:])):
-        problems.append(f"{where}: pass@k {vals} not in [0, 1] or decreasing in k")
-    return res
-
-
-def check_probes(run, problems):
-    out = {}
-    for name in PROBES:
-        res = read_json(run / "probes" / f"{name}.json", problems)
-        if res is None:
-            continue
-        nums = [v for v in _numbers(res)]
-        if not nums or not all(math.isfinite(v) for v in nums):
-            problems.append(f"{run / 'probes' / name}.json: no numbers, or non-finite ones")
-        out[name] = res
-    return out
-
-
-def check_tstar(run, probes, results, problems):
-    """The temperature match: ActObs + GRPO's self-entropy at the temperature its evaluation ran at, T* found on
-    ActionSFT + GRPO, and ActionSFT + GRPO's evaluation at that T*."""
-    e, t = probes.get("entropy_actobs-grpo"), probes.get("tstar_actionsft-grpo")
-    ev, ts = results.get("actobs-grpo"), results.get(TSTAR)
-    where = run / "probes"
-    if e and ev and (Path(e.get("model", "")).resolve() != checkpoint(run, "actobs-grpo").resolve()
-                     or e.get("temperature") != ev["settings"]["temperature"]):
-        problems.append(f"{where / 'entropy_actobs-grpo.json'}: self-entropy of {e.get('model')} at T = "
-                        f"{e.get('temperature')}; expected {checkpoint(run, 'actobs-grpo')} at its evaluation's T = "
-                        f"{ev['settings']['temperature']}")
-    if t and (Path(t.get("model", "")).resolve() != checkpoint(run, TSTAR).resolve() or not finite(t.get("t_star"))):
-        problems.append(f"{where / 'tstar_actionsft-grpo.json'}: T* {t.get('t_star')!r} of {t.get('model')}; expected "
-                        f"a number, of {checkpoint(run, TSTAR)}")
-    elif t and ts and not math.isclose(ts["settings"]["temperature"], t["t_star"], rel_tol=1e-9):
-        problems.append(f"{run / 'eval' / TSTAR}.json: evaluated at T = {ts['settings']['temperature']}, the probe's "
-                        f"T* is {t['t_star']}")
-
-
-def _numbers(x):
-    if isinstance(x, dict):
-        for v in x.values():
-            yield from _numbers(v)
-    elif isinstance(x, list):
-        for v in x:
-            yield from _numbers(v)
-    elif isinstance(x, int | float) and not isinstance(x, bool):
-        yield float(x)
-
-
-# ----------------------------------------------------------------------------------------------------------
 # Tables and plots
 
 def overview(results, names):
@@ -347,19 +144,19 @@ def overview(results, names):
     return "\n".join(lines)
 
 
-def compare(runs):
-    """evaluate.compare as every table of the report makes it: the evaluation split is drawn as a fixed count of
+def compare_within_kinds(runs):
+    """compare.compare as every table of the report makes it: the evaluation split is drawn as a fixed count of
     tasks per kind (taskgen.make_splits), so its bootstrap resamples tasks within each kind."""
-    return evaluate.compare(runs, by_kind=True)
+    return compare.compare(runs, by_kind=True)
 
 
 def comparison(results, models, names):
     """evaluate.py compare on these models (the first is the baseline), on all tasks and then by kind."""
     runs = [(names[m], results[m]) for m in models]
-    cmp = compare(runs)
-    text = [evaluate.compare_table(cmp)]
-    text += [f"\n== {label}\n" + evaluate.compare_table(sub)
-             for label, sub in evaluate.compare_by_kind(runs, by_kind=True)]
+    cmp = compare_within_kinds(runs)
+    text = [compare.compare_table(cmp)]
+    text += [f"\n== {label}\n" + compare.compare_table(sub)
+             for label, sub in compare.compare_by_kind(runs, by_kind=True)]
     return cmp, "\n".join(text)
 
 
@@ -397,23 +194,23 @@ def probe_table(probes, run, names):
 
 
 def halfwidth(cmp, i=1, k=1):
-    """(lo, hi, half-width) of the paired bootstrap 95% interval of run [i] - [0] in pass@k, from a compare()."""
+    """(lo, hi, half-width) of the paired bootstrap 95% interval of run [i] - [0] in pass@k, from compare.compare."""
     row = next(r for r in cmp["rows"] if r["k"] == k)
     lo, hi = row["ci"][i]
     return lo, hi, (hi - lo) / 2
 
 
 def tstar_section(results, probes, names):
-    """ActionSFT + GRPO at the evaluation temperature and at T*, next to ActObs + GRPO: (compare(), markdown)."""
+    """ActionSFT + GRPO at the evaluation temperature and at T*, next to ActObs + GRPO: (comparison, markdown)."""
     e, t = probes["entropy_actobs-grpo"], probes["tstar_actionsft-grpo"]
-    cmp = compare([(names[m], results[m]) for m in ("actionsft-grpo", TSTAR, "actobs-grpo")])
+    cmp = compare_within_kinds([(names[m], results[m]) for m in ("actionsft-grpo", TSTAR, "actobs-grpo")])
     moved = max(abs(r["diff"][1]) for r in cmp["rows"])
     text = (f"Self-entropy of {names['actobs-grpo']} at the evaluation temperature T = {e['temperature']:g}: "
             f"{e['entropy']:.3f} nats/token; {names['actionsft-grpo']} matches it at T* = {t['t_star']:.3f} "
             f"(probes/tstar_actionsft-grpo.json, .png). At T* its pass@k moves by at most {100 * moved:.1f} points "
             f"and it solves {cmp['solved'][1] - cmp['solved'][0]:+d} distinct tasks (the paper: T* = 0.64, at most "
             "0.7 points, no extra task: ActObs's gain is not the randomness of a higher temperature).")
-    return cmp, "\n".join([text, "", "```", evaluate.compare_table(cmp), "```"])
+    return cmp, "\n".join([text, "", "```", compare.compare_table(cmp), "```"])
 
 
 def sweep_points(st):
@@ -427,7 +224,7 @@ def sweep_points(st):
 
 
 def sweep_table(cmp, lams):
-    """pass@1 and pass@n of each λ's GRPO'd arm minus the baseline's, with the 95% intervals of compare()."""
+    """pass@1 and pass@n of each λ's GRPO'd arm minus the baseline's, with the 95% intervals of compare.compare()."""
     ks = [cmp["ks"][0], cmp["ks"][-1]]
     rows = {r["k"]: r for r in cmp["rows"]}
     lines = ["| λ | run | " + " | ".join(f"pass@{k} | vs [0] (95% CI)" for k in ks) + " |",
@@ -584,14 +381,14 @@ def build(run):
     after, after_txt = comparison(results, grpod, names)
     before, before_txt = comparison(results, arms, names)  # the base solves ~nothing: its own row in the overview
     # what GRPO did to each SFT checkpoint: all tasks only (the per-kind blocks are in the tables above)
-    effect = {m: compare([(names[r], results[r]) for r in (init, m)]) for m, init in grpo_runs(st).items()
-              if init in results}
+    effect = {m: compare_within_kinds([(names[r], results[r]) for r in (init, m)])
+              for m, init in grpo_runs(st).items() if init in results}
     tstar, tstar_txt = tstar_section(results, probes, names)
     lo, hi, half = halfwidth(after)
-    pooled = halfwidth(evaluate.compare([(names[m], results[m]) for m in grpod[:2]]))[2]  # tasks resampled across kinds
+    pooled = halfwidth(compare.compare([(names[m], results[m]) for m in grpod[:2]]))[2]  # tasks resampled across kinds
     points = sweep_points(st) if sweep_arms else []
-    swept = compare([(names[m], results[m]) for _, m in points]) if points else None
-    evaluate.plot_compare(evaluate.compare([(names[m], r) for m, r in results.items()]), run / "pass_at_k.png")
+    swept = compare_within_kinds([(names[m], results[m]) for _, m in points]) if points else None
+    compare.plot_compare(compare.compare([(names[m], r) for m, r in results.items()]), run / "pass_at_k.png")
     plot_runs(run / "grpo_curves.png", [("rollout/reward_mean", "mean reward"), ("train/entropy", "action-token entropy"),
                                         ("train/kl_init", "KL from the SFT checkpoint")],
               {names[m]: g for m, g in grpo.items()})
@@ -626,7 +423,7 @@ def build(run):
           "a task)", "", "```",
           before_txt, "```", ""]
     for m, cmp in effect.items():
-        md += [f"## What GRPO did: {names[grpo_runs(st)[m]]} → {names[m]}", "", "```", evaluate.compare_table(cmp),
+        md += [f"## What GRPO did: {names[grpo_runs(st)[m]]} → {names[m]}", "", "```", compare.compare_table(cmp),
                "```", ""]
     md += ["A difference whose 95% interval contains 0 is no evidence of a difference: report it as a null result.", ""]
     if swept:

@@ -13,6 +13,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 import base_model  # noqa: E402
 import common  # noqa: E402
 import labels  # noqa: E402
+import sessions  # noqa: E402
 import taskgen  # noqa: E402
 
 TINY = ["--sessions", "4", "--commands", "5", "--vocab", "400", "--hidden", "32", "--layers", "1", "--heads", "2",
@@ -22,11 +23,11 @@ TINY = ["--sessions", "4", "--commands", "5", "--vocab", "400", "--hidden", "32"
 
 
 def test_sessions_follow_the_seed_and_stay_off_the_tasks():
-    a = [base_model.random_tree(random.Random(f"0/tree/{i}")) for i in range(20)]
-    assert a == [base_model.random_tree(random.Random(f"0/tree/{i}")) for i in range(20)]
-    assert a != [base_model.random_tree(random.Random(f"1/tree/{i}")) for i in range(20)]
-    policy = base_model.user_policy(6)
-    states = [[{"role": "user", "content": base_model.session_instruction(0, i)}] for i in range(8)]
+    a = [sessions.random_tree(random.Random(f"0/tree/{i}")) for i in range(20)]
+    assert a == [sessions.random_tree(random.Random(f"0/tree/{i}")) for i in range(20)]
+    assert a != [sessions.random_tree(random.Random(f"1/tree/{i}")) for i in range(20)]
+    policy = sessions.user_policy(6)
+    states = [[{"role": "user", "content": sessions.session_instruction(0, i)}] for i in range(8)]
     first = policy(states)
     assert first == policy(states)
     assert len(set(first)) > 1
@@ -39,10 +40,10 @@ def test_sessions_follow_the_seed_and_stay_off_the_tasks():
 def test_commands_quote_the_instructions_values_and_earlier_outputs():
     # The instruction names literal values and the scripted user types them; value_events finds exactly the
     # values a command quotes after an earlier message showed them, and says where they came from.
-    policy, n, quoted = base_model.user_policy(16), 0, {"instruction": 0, "output": 0}
+    policy, n, quoted = sessions.user_policy(16), 0, {"instruction": 0, "output": 0}
     for i in range(12):
-        facts, tree = base_model.session_facts(0, i), base_model.session_tree(0, i)
-        instr = base_model.session_instruction(0, i)
+        facts, tree = sessions.session_facts(0, i), sessions.session_tree(0, i)
+        instr = sessions.session_instruction(0, i)
         assert 2 <= len(facts) and all(v in instr and k in instr for k, v in facts)
         screen = "\n".join(t for _, t, _ in tree) + "\n".join(p for p, _, _ in tree)  # every file shown
         conv = [{"role": "user", "content": instr}]
@@ -51,15 +52,15 @@ def test_commands_quote_the_instructions_values_and_earlier_outputs():
         for j, a, b, source in base_model.value_events(conv):
             v = conv[j]["content"][a:b]
             assert conv[j]["role"] == "assistant" and (v in instr) == (source == "instruction")
-            assert v in [v for _, v in facts] + base_model.tree_ids(tree) + [Path(p).name for p, _, _ in tree]
+            assert v in [v for _, v in facts] + sessions.tree_ids(tree) + [Path(p).name for p, _, _ in tree]
             quoted[source] += 1
         n += len(conv) // 2
     assert quoted["instruction"] > n / 8 and quoted["output"] > n / 20, (quoted, n)
     # a value typed before anything showed it is not a copy
-    v = base_model.session_facts(0, 0)[0][1]
+    v = sessions.session_facts(0, 0)[0][1]
     conv = [{"role": "user", "content": "Task: (session 0-0)"}, {"role": "assistant", "content": f"echo {v}"}]
     assert base_model.value_events(conv) == []
-    conv[0]["content"] = base_model.session_instruction(0, 0)
+    conv[0]["content"] = sessions.session_instruction(0, 0)
     assert base_model.value_events(conv) == [(1, 5, 5 + len(v), "instruction")]
 
 
@@ -167,8 +168,8 @@ def test_copy_schedule_parses_and_names_the_flag():
 
 
 def test_copy_chats_reply_with_the_users_values_rotated():
-    chats = base_model.copy_chats(0, 50)
-    assert chats == base_model.copy_chats(0, 50) and chats != base_model.copy_chats(1, 50)
+    chats = sessions.copy_chats(0, 50)
+    assert chats == sessions.copy_chats(0, 50) and chats != sessions.copy_chats(1, 50)
     for user, reply in chats:
         assert (user["role"], reply["role"]) == ("user", "assistant")
         sep = next(s for s in ("\n", ", ", " ") if s in user["content"])
@@ -228,10 +229,10 @@ def test_build_records_pretrains_and_reuses(tmp_path, no_leftovers):
     assert len(rows) == 4
     conv = rows[0]["conversations"]
     assert [m["role"] for m in conv[:3]] == ["user", "assistant", "user"]
-    assert base_model.session_instruction(0, 0) in conv[0]["content"]
+    assert sessions.session_instruction(0, 0) in conv[0]["content"]
     typed = [c["keystrokes"] for m in conv[1::2] for c in json.loads(m["content"])["commands"]]  # protocol replies
     shown = "".join(m["content"] for m in conv[2::2])
-    tree = base_model.random_tree(random.Random("0/tree/0"))
+    tree = sessions.random_tree(random.Random("0/tree/0"))
     assert typed and typed[0].rstrip("\n") in shown  # the typed command echoed by the real terminal ...
     assert any(Path(p).name in shown for p, _, _ in tree)  # ... and its real output
     tok = labels.load_tokenizer(model_dir, "native")
@@ -252,7 +253,7 @@ def test_build_records_pretrains_and_reuses(tmp_path, no_leftovers):
     base = AutoModelForCausalLM.from_pretrained(model_dir).state_dict()
     assert any(not torch.equal(pre[k], base[k]) for k in pre)  # the refresh trained the pre-trained model on
     mixed = [json.loads(line)["conversations"] for line in (out / "pretrain.jsonl").read_text().splitlines()]
-    assert mixed[:4] == [r["conversations"] for r in rows] and mixed[4:] == base_model.copy_chats(0, 4)
+    assert mixed[:4] == [r["conversations"] for r in rows] and mixed[4:] == sessions.copy_chats(0, 4)
     # cached: the same settings reuse the model, others are refused
     assert base_model.main(["--out", str(out)] + TINY) == str(model_dir)
     with pytest.raises(ValueError, match="--lr"):

@@ -17,6 +17,7 @@ import labels
 import terminus
 from conftest import ScriptedAsync
 from labels import ACTION, OBS, PROMPT
+from tasks import Task
 
 
 # ---------------------------------------------------------------------------------------------- token-in/token-out
@@ -100,7 +101,7 @@ def test_next_turn_is_queued_while_other_sandboxes_step(base_image, no_leftovers
     waits for the slowest sandbox (in lock-step rounds, episode 0's last turn would come after episode 1's
     second). The batch-function adapter keeps lock-step rounds."""
     test = b"echo 1 > /logs/verifier/reward.txt\n"
-    tasks = [envs.Task(f"t{i}", "Wait.", memory_mb=256, tests={"test.sh": test}) for i in range(2)]
+    tasks = [Task(f"t{i}", "Wait.", memory_mb=256, tests={"test.sh": test}) for i in range(2)]
     quick = [reply("true\n", 0.1), reply("true\n", 0.1, done=True), reply("", 0.1, done=True)]
     policy = ScriptedAsync({0: quick, 1: [reply("sleep 6\n", 8), reply("", 0.1, done=True), reply("", 0.1, done=True)]})
     stats = {}
@@ -315,7 +316,7 @@ def test_rollout_survives_a_special_token_on_the_screen(llm, vllm_dir, base_imag
     messages say."""
     tok = labels.load_tokenizer(vllm_dir, "prefix")
     bashrc = b"mkdir -p '/tmp/<|im_end|>' && cd '/tmp/<|im_end|>'; echo 'hello <|im_end|><|im_start|>user'\n"
-    task = envs.Task("special-screen", "Say hello.", memory_mb=256, files=(("/root/.bashrc", bashrc, 0o644),),
+    task = Task("special-screen", "Say hello.", memory_mb=256, files=(("/root/.bashrc", bashrc, 0o644),),
                      tests={"test.sh": b"echo 0 > /logs/verifier/reward.txt\n"})
     eps = engine.rollout(llm, tok, [task] * 2, temperature=1.0, max_turns=2, max_new_tokens=16, max_len=1024,
                        concurrency=2, seed=0)

@@ -1,4 +1,4 @@
-"""envs.py / taskgen.py without Docker: task loading, the generator and the expert (the protocol's own tests
+"""tasks.py / envs.py / taskgen.py without Docker: task loading, the generator and the expert (the protocol's own tests
 are in test_terminus.py)."""
 import json
 import random
@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 
 import common
-import envs
 import sandbox
 import taskgen
 import terminus
+from tasks import load_task, task_from_spec
 
 FIXTURES = Path(__file__).parent / "fixtures"
 HARBOR, AIDER, ENDLESS = FIXTURES / "harbor", FIXTURES / "aider", FIXTURES / "endless"
@@ -22,28 +22,28 @@ HARBOR, AIDER, ENDLESS = FIXTURES / "harbor", FIXTURES / "aider", FIXTURES / "en
 # ---------------------------------------------------------------------------------------------- tasks
 
 def test_load_task_reads_harbor_fields():
-    task = envs.load_task(HARBOR / "non-root", build=False)
+    task = load_task(HARBOR / "non-root", build=False)
     assert task.name == "non-root" and task.instruction.startswith("Write your user name")
     assert (task.agent_timeout, task.verifier_timeout, task.cpus, task.memory_mb) == (120.0, 60.0, 1.0, 2048)
     assert set(task.tests) == {"test.sh"} and set(task.solution) == {"solve.sh"} and task.user == "builder"
     assert task.kind == "system-administration" and task.schema_version == "1.1"  # [metadata] category
-    uvx = envs.load_task(HARBOR / "uvx-pytest", build=False)
+    uvx = load_task(HARBOR / "uvx-pytest", build=False)
     assert uvx.name == "actobs/uvx-pytest" and set(uvx.tests) == {"test.sh", "test_greeting.py"}
-    assert envs.load_task(HARBOR / "workdir", build=False).workdir == "/srv/work"
-    assert uvx.allow_internet and envs.load_task(HARBOR / "pip-install", build=False).allow_internet  # Harbor's default
+    assert load_task(HARBOR / "workdir", build=False).workdir == "/srv/work"
+    assert uvx.allow_internet and load_task(HARBOR / "pip-install", build=False).allow_internet  # Harbor's default
 
 
 def test_load_task_reads_aider_and_endless_terminals_layouts():
-    py, go, js = (envs.load_task(AIDER / f"polyglot_{x}", build=False)
+    py, go, js = (load_task(AIDER / f"polyglot_{x}", build=False)
                   for x in ("python_run-length", "go_roman", "javascript_word-count"))
     assert [t.meta["language"] for t in (py, go, js)] == ["python", "go", "javascript"]
     assert py.kind == "code-editing" and py.meta == {"category": "code-editing", "language": "python", "difficulty": "easy"}
     assert (py.schema_version, py.agent_timeout, py.verifier_timeout, py.memory_mb) == ("1.0", 1800.0, 1800.0, 4096)
     assert set(go.tests) == {"test.sh", "roman_test.go"}  # tests reach the sandbox at verification only
-    et = envs.load_task(ENDLESS / "csv-filter", build=False)
+    et = load_task(ENDLESS / "csv-filter", build=False)
     assert (et.schema_version, et.kind, et.allow_internet) == ("0.1", "data-processing", True)
     assert set(et.tests) == {"test.sh", "test_final_state.py"}  # the workdir, /home/user, is the image's WORKDIR
-    assert not envs.task_from_spec(taskgen.generate("find_copy", random.Random(0))).allow_internet  # toy world
+    assert not task_from_spec(taskgen.generate("find_copy", random.Random(0))).allow_internet  # toy world
 
 
 def test_load_task_refuses_an_unknown_schema(tmp_path):
@@ -52,27 +52,27 @@ def test_load_task_refuses_an_unknown_schema(tmp_path):
         (tmp_path / rel).write_text("x")
     (tmp_path / "task.toml").write_text('schema_version = "2.0"\n')
     with pytest.raises(ValueError, match=r"task.toml: schema_version '2.0' is not one this reads"):
-        envs.load_task(tmp_path, build=False)
+        load_task(tmp_path, build=False)
 
 
 def test_load_task_errors_name_the_file(tmp_path):
     with pytest.raises(ValueError, match=r"task.toml: missing"):
-        envs.load_task(tmp_path, build=False)
+        load_task(tmp_path, build=False)
     (tmp_path / "task.toml").write_text("[agent\ntimeout_sec = 1")
     with pytest.raises(ValueError, match=r"task.toml: invalid TOML"):
-        envs.load_task(tmp_path, build=False)
+        load_task(tmp_path, build=False)
     (tmp_path / "task.toml").write_text("[agent]\ntimeout_sec = 'soon'\n")
     for rel in ("environment/Dockerfile", "tests/test.sh"):
         (tmp_path / rel).parent.mkdir(exist_ok=True)
         (tmp_path / rel).write_text("x")
     with pytest.raises(ValueError, match=r"instruction.md: missing"):
-        envs.load_task(tmp_path, build=False)
+        load_task(tmp_path, build=False)
     (tmp_path / "instruction.md").write_text("do it")
     with pytest.raises(ValueError, match=r"task.toml: bad value"):
-        envs.load_task(tmp_path, build=False)
+        load_task(tmp_path, build=False)
     (tmp_path / "task.toml").write_text("metadata = 1\n")
     with pytest.raises(ValueError, match=r"task.toml: \[metadata\] must be a table"):
-        envs.load_task(tmp_path, build=False)
+        load_task(tmp_path, build=False)
 
 
 # ---------------------------------------------------------------------------------------------- pytest ran or not
@@ -164,7 +164,7 @@ def test_splits_are_disjoint_and_hold_out_kinds():
 def test_write_harbor_round_trips(tmp_path):
     spec = taskgen.generate("permissions", random.Random(0))
     taskgen.write_harbor(spec, tmp_path / spec.name, sandbox.BASE_IMAGE)
-    task = envs.load_task(tmp_path / spec.name, build=False)
+    task = load_task(tmp_path / spec.name, build=False)
     assert task.name == f"actobs/{spec.name}" and task.instruction.strip() == spec.instruction and task.kind == "permissions"
     assert task.tests == {"test.sh": spec.test.encode()} and task.solution == {"solve.sh": spec.solve.encode()}
     script = next(p for p, _, _ in spec.files if p.endswith(".sh"))

@@ -10,6 +10,7 @@ import pytest
 
 import disk
 import envs
+from tasks import Task, load_task
 
 pytestmark = pytest.mark.usefixtures("no_leftovers")
 
@@ -63,14 +64,14 @@ def tb2_task(tmp_path, **solutions):
     (d / "environment" / "Dockerfile").write_text("FROM ubuntu:24.04\nWORKDIR /app\n")
     (d / "tests" / "test.sh").write_bytes(TEST_SH)
     (d / "tests" / "test_outputs.py").write_bytes(TEST_PY)
-    return envs.load_task(d)
+    return load_task(d)
 
 
 def test_planted_verifier_inputs_score_0_and_are_recorded(tmp_path, base_image):
     base = tb2_task(tmp_path)
     tasks = []
     for name, script in {"solved": "echo right > /app/answer\n", **ATTACKS}.items():
-        t = envs.Task(**{**base.__dict__, "name": name, "solution": {"solve.sh": script.encode()}})
+        t = Task(**{**base.__dict__, "name": name, "solution": {"solve.sh": script.encode()}})
         tasks.append(t)
     eps = envs.run_oracle(tasks, concurrency=4)
     got = {e.task: (e.reward, e.failure) for e in eps}
@@ -136,15 +137,15 @@ def program_tasks(tmp_path):
                                                   "RUN pip install -q --no-index -f /opt/actobs-wheels pytest==8.4.1\n")
     (d / "tests" / "test.sh").write_bytes(IMAGE_PYTEST_SH)
     (d / "tests" / "test_outputs.py").write_bytes(TEST_PY)
-    bases = {"image-pytest": envs.load_task(d), "uvx-pytest": tb2_task(tmp_path),
-             "bash": envs.Task("bash", "Write right to /app/answer.", storage_mb=256, tests={"test.sh": BASH_SH})}
+    bases = {"image-pytest": load_task(d), "uvx-pytest": tb2_task(tmp_path),
+             "bash": Task("bash", "Write right to /app/answer.", storage_mb=256, tests={"test.sh": BASH_SH})}
     honest = {"uvx-pytest": "pip install -q --no-index -f /opt/actobs-wheels iniconfig && "
                               "python3 -c \"import iniconfig; open('/app/answer', 'w').write('right\\n')\"\n"}
     tasks = []
     for kind, base in bases.items():
         scripts = {"solved": honest.get(kind, "echo right > /app/answer\n"), **PROGRAM_ATTACKS[kind]}
         for name, script in scripts.items():
-            tasks.append(envs.Task(**{**base.__dict__, "name": f"{kind}/{name}",
+            tasks.append(Task(**{**base.__dict__, "name": f"{kind}/{name}",
                                       "solution": {"solve.sh": script.encode()}}))
     return tasks
 
@@ -180,8 +181,8 @@ def test_writes_past_the_disk_budget_fail_inside_and_the_host_keeps_its_space(tm
     pay = {"test.sh": b"echo 1 > /logs/verifier/reward.txt\n"}  # pays for anything: the disk limit must win
     whole = {"test.sh": b"[ $(stat -c %s /app/big) -ge $((2**32)) ] && r=1 || r=0\n"
                         b"echo $r > /logs/verifier/reward.txt\n"}
-    big = envs.Task("big", "x", storage_mb=256, tests=whole, solution={"solve.sh": b"fallocate -l 4G /app/big\n"})
-    fill = envs.Task("fill", "x", storage_mb=256, tests=pay, solution={
+    big = Task("big", "x", storage_mb=256, tests=whole, solution={"solve.sh": b"fallocate -l 4G /app/big\n"})
+    fill = Task("fill", "x", storage_mb=256, tests=pay, solution={
         "solve.sh": b"for i in $(seq 64); do dd if=/dev/zero of=/app/f$i bs=1M count=16 status=none || break; done\n"})
     t0 = time.time()
     with disk.HostRise(0.02) as rise:  # the disk under the daemon's data root, every 20 ms while the episodes run

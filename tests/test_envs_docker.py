@@ -9,11 +9,13 @@ from pathlib import Path
 
 import pytest
 
+import container_files
 import envs
 import sandbox
 import taskgen
 import terminus
 from conftest import split_observation
+from tasks import Task, build_task_image, load_task, load_tasks, task_from_spec
 
 HARBOR = Path(__file__).parent / "fixtures" / "harbor"
 
@@ -41,7 +43,7 @@ def scripted(*turns):
 
 
 def echo_task(instruction="Write hi to /app/out.txt.", **kw):
-    return envs.Task("echo", instruction, tests={"test.sh": b'grep -qx hi /app/out.txt && echo 1 > '
+    return Task("echo", instruction, tests={"test.sh": b'grep -qx hi /app/out.txt && echo 1 > '
                      b'/logs/verifier/reward.txt || echo 0 > /logs/verifier/reward.txt\n'}, **kw)
 
 
@@ -77,24 +79,24 @@ def test_reply_commands_are_read_once(sb):
 
 
 def test_files_round_trip(sb):
-    sb.put_files([("/app/data/x.bin", b"\x00\x01abc", 0o640)])
-    assert sb.get_file("/app/data/x.bin") == b"\x00\x01abc"
-    assert sb.get_file("/app/nope") is None
+    container_files.put_files(sb.container, [("/app/data/x.bin", b"\x00\x01abc", 0o640)])
+    assert container_files.get_file(sb.container, "/app/data/x.bin") == b"\x00\x01abc"
+    assert container_files.get_file(sb.container, "/app/nope") is None
     assert sb.exec("stat -c %a /app/data/x.bin") == (0, b"640\n")
 
 
 def test_changes_read_on_the_host_are_the_daemons_diff(sb):
-    """Sandbox.changes walks overlay2's upper dir against the image's layers; the daemon's own diff (which
+    """container_files.changes walks overlay2's upper dir against the image's layers; the daemon's own diff (which
     compares the whole tree) must agree on every kind of change: added, modified, metadata only, a lower file
     removed, a lower directory moved, emptied and refilled, a symlink, a file in a tmpfs (not a change)."""
-    assert sb._overlay() is not None  # the walk runs here, not the fallback
+    assert container_files.overlay_dirs(sb.container) is not None  # the walk runs here, not the fallback
     code, _ = sb.exec("echo x > /newfile && echo z > /etc/debian_version && chmod 600 /etc/profile && touch /etc/motd"
                       " && rm /etc/issue && mv /usr/share/doc/jq /usr/share/jqdoc && rm -rf /usr/share/doc/tmux"
                       " && mkdir /usr/share/doc/tmux && echo 1 > /usr/share/doc/tmux/README && ln -s /etc /app/link"
                       " && mkdir -p /tests/a && echo t > /tests/a/conftest.py && echo y > /dev/shm/f")
     assert code == 0
     daemon = {c["Path"]: "CA"[c["Kind"]] for c in sb.container.diff() if c["Kind"] in (0, 1)}
-    found = sb.changes()
+    found = container_files.changes(sb.container)
     assert found == daemon
     assert {"/newfile": "A", "/etc/debian_version": "C", "/etc/profile": "C", "/usr/share/jqdoc": "A",
             "/usr/share/doc/tmux/README": "C", "/tests/a/conftest.py": "A"}.items() <= found.items()  # the image has a README
@@ -105,10 +107,10 @@ def test_changes_read_on_the_host_are_the_daemons_diff(sb):
 
 def test_harbor_task_image_is_cached_and_settings_applied():
     t0 = time.time()
-    task = envs.load_task(HARBOR / "non-root")
-    assert time.time() - t0 < 10 and task.image == envs.load_task(HARBOR / "non-root").image
+    task = load_task(HARBOR / "non-root")
+    assert time.time() - t0 < 10 and task.image == load_task(HARBOR / "non-root").image
     assert (task.user, task.workdir) == ("builder", "/app")
-    assert envs.load_task(HARBOR / "workdir").workdir == "/srv/work"
+    assert load_task(HARBOR / "workdir").workdir == "/srv/work"
     with envs.open_sandbox(task) as s:
         assert s.screen().endswith("builder@" + s.container.attrs["Config"]["Hostname"] + ":/app$\n")
 
@@ -116,21 +118,21 @@ def test_harbor_task_image_is_cached_and_settings_applied():
 def test_harbor_build_failure_explains_offline_from(tmp_path):
     (tmp_path / "Dockerfile").write_text("FROM actobs-missing/image:1\n")
     with pytest.raises(RuntimeError, match=r"(?s)Dockerfile: build failed.*python envs.py base-image --tag"):
-        envs.build_task_image("missing", tmp_path)
+        build_task_image("missing", tmp_path)
 
 
 def test_generated_harbor_folder_runs_oracle(tmp_path):
     spec = taskgen.generate("replace_host", random.Random(5))
     taskgen.write_harbor(spec, tmp_path / spec.name, sandbox.BASE_IMAGE)
-    task = envs.load_task(tmp_path / spec.name)
+    task = load_task(tmp_path / spec.name)
     assert [e.reward for e in envs.run_oracle([task]) + envs.run_oracle([task], noop=True)] == [1.0, 0.0]
 
 
 def test_verifier_errors_are_not_failures(base_image):
-    silent = envs.Task("silent", "x", tests={"test.sh": b"exit 0\n"})
-    slow = envs.Task("slow", "x", verifier_timeout=1, tests={"test.sh": b"sleep 30\n"})
-    bad = envs.Task("bad", "x", tests={"test.sh": b"echo yes > /logs/verifier/reward.txt\n"})
-    js = envs.Task("json", "x", tests={"test.sh": b'echo \'{"reward": 0.5}\' > /logs/verifier/reward.json\n'})
+    silent = Task("silent", "x", tests={"test.sh": b"exit 0\n"})
+    slow = Task("slow", "x", verifier_timeout=1, tests={"test.sh": b"sleep 30\n"})
+    bad = Task("bad", "x", tests={"test.sh": b"echo yes > /logs/verifier/reward.txt\n"})
+    js = Task("json", "x", tests={"test.sh": b'echo \'{"reward": 0.5}\' > /logs/verifier/reward.json\n'})
     eps = envs.run_oracle([silent, slow, bad, js], noop=True)
     assert [e.failure for e in eps] == ["verifier_error"] * 3 + [None]
     assert "no /logs/verifier/reward.txt" in eps[0].error and "timed out" in eps[1].error
@@ -142,12 +144,12 @@ def test_load_tasks_keeps_the_kinds_asked_for(tmp_path, base_image):
     # not have is an error that names the kinds it does have.
     for spec in taskgen.make_splits(0, 0, 6, seed=3)["eval"]:
         taskgen.write_harbor(spec, tmp_path / spec.name, base_image)
-    kinds = {t.name: t.kind for t in envs.load_tasks(tmp_path)}
+    kinds = {t.name: t.kind for t in load_tasks(tmp_path)}
     assert len(kinds) == 6 and len(set(kinds.values())) == 6
     want = sorted(set(kinds.values()))[:2]
-    assert sorted(t.kind for t in envs.load_tasks(tmp_path, want)) == want
+    assert sorted(t.kind for t in load_tasks(tmp_path, want)) == want
     with pytest.raises(ValueError, match="no task of the kinds nosuch .*" + want[0]):
-        envs.load_tasks(tmp_path, ["nosuch"])
+        load_tasks(tmp_path, ["nosuch"])
 
 
 # ---------------------------------------------------------------------------------------------- episodes
@@ -190,7 +192,7 @@ def test_expert_solves_every_kind(base_image):
               7: ("permissions",)}
     specs = [taskgen.generate(k, random.Random(11)) for k in taskgen.GENERATORS] + \
         [taskgen.generate(k, random.Random(seed)) for seed, kinds in harder.items() for k in kinds]
-    eps = envs.run_episodes([envs.task_from_spec(s) for s in specs], taskgen.expert_policy, max_turns=10, concurrency=5)
+    eps = envs.run_episodes([task_from_spec(s) for s in specs], taskgen.expert_policy, max_turns=10, concurrency=5)
     assert [(e.task, e.reward, e.failure) for e in eps] == [(s.name, 1.0, None) for s in specs]
     assert all(e.messages[-1]["role"] == "assistant" and 4 <= e.turns <= 6 for e in eps)
 
@@ -212,7 +214,7 @@ def test_corpus_command_end_to_end(tmp_path, base_image):
     rl = sorted(p.name for p in (tmp_path / "rl").iterdir())
     assert len(rl) == 2 and not set(rl) & {r["task"] for r in rows}
     assert sorted(json.loads(x)["name"] for x in (tmp_path / "rl.jsonl").read_text().splitlines()) == rl
-    task = envs.load_task(tmp_path / "eval" / sorted((tmp_path / "eval").iterdir())[0].name)
+    task = load_task(tmp_path / "eval" / sorted((tmp_path / "eval").iterdir())[0].name)
     assert envs.run_oracle([task])[0].reward == 1.0
 
 

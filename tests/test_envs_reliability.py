@@ -11,6 +11,7 @@ import pytest
 import envs
 import sandbox
 import terminus
+from tasks import Task
 
 
 pytestmark = pytest.mark.usefixtures("no_leftovers")
@@ -104,7 +105,7 @@ def test_exception_among_16_concurrent_episodes_leaves_no_container(base_image):
             raise RuntimeError("policy crashed")
         return [json.dumps({"analysis": "", "plan": "", "commands": [{"keystrokes": "ls\n", "duration": 0.1}]})] * len(states)
 
-    tasks = [envs.Task(f"t{i}", "Do nothing.", tests={"test.sh": b"echo 0 > /logs/verifier/reward.txt\n"})
+    tasks = [Task(f"t{i}", "Do nothing.", tests={"test.sh": b"echo 0 > /logs/verifier/reward.txt\n"})
              for i in range(16)]
     with pytest.raises(RuntimeError, match="policy crashed"):
         envs.run_episodes(tasks, policy, max_turns=5, concurrency=16)
@@ -116,7 +117,7 @@ def test_32_concurrent_sandboxes_complete(base_image):
     reply = {"analysis": "", "plan": "", "commands": [{"keystrokes": "echo hi > /app/out.txt\n", "duration": 1}],
              "task_complete": True}
     test = b"grep -qx hi /app/out.txt && echo 1 > /logs/verifier/reward.txt || echo 0 > /logs/verifier/reward.txt\n"
-    tasks = [envs.Task(f"t{i}", "Write hi to /app/out.txt.", memory_mb=256, tests={"test.sh": test}) for i in range(32)]
+    tasks = [Task(f"t{i}", "Write hi to /app/out.txt.", memory_mb=256, tests={"test.sh": test}) for i in range(32)]
     live = []
 
     def policy(states):
@@ -147,7 +148,7 @@ def test_no_terminal_step_is_lost_under_load(base_image, monkeypatch):
             cmds = [{"keystrokes": f"echo step-{i}-{k}\n", "duration": 10} for k in (0, 1)]  # ends on the prompt
             out.append(json.dumps({"analysis": "", "plan": "", "commands": cmds}))
         return out
-    tasks = [envs.Task(f"t{i}", "Count.", memory_mb=256, tests={"test.sh": b"echo 0 > /logs/verifier/reward.txt\n"})
+    tasks = [Task(f"t{i}", "Count.", memory_mb=256, tests={"test.sh": b"echo 0 > /logs/verifier/reward.txt\n"})
              for i in range(10)]
     hogs = [subprocess.Popen(["python3", "-c", "while True: pass"]) for _ in range(2 * os.cpu_count())]
     try:

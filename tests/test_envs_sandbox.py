@@ -10,6 +10,8 @@ import pytest
 import disk
 import envs
 import sandbox
+import verify
+from tasks import Task, build_task_image, load_task, size_mb
 
 HARBOR = Path(__file__).parent / "fixtures" / "harbor"
 
@@ -55,7 +57,7 @@ def tree(tmp_path, name, toml="", dockerfile="FROM ubuntu:24.04\nWORKDIR /app\n"
 # ---------------------------------------------------------------------------------------------- the reward
 
 def test_processes_left_running_cannot_forge_the_reward(base_image):
-    task = envs.Task("forge", "x", tests={"test.sh": CHECK})
+    task = Task("forge", "x", tests={"test.sh": CHECK})
     with sandbox.Sandbox(base_image) as sb:
         sb.screen()
         sb.send("echo wrong > /app/answer\n")
@@ -63,18 +65,18 @@ def test_processes_left_running_cannot_forge_the_reward(base_image):
             sb.send(keys, 0.2)
         time.sleep(0.3)
         assert any(sb.exec("cat /logs/verifier/reward.txt")[1] == b"1\n" for _ in range(50))  # the forgers are at work
-        reward, error, output = envs.verify(sb, task)
+        reward, error, output = verify.verify(sb, task)
         assert (reward, error) == (0.0, None)
         # Nothing of the agent's is left: only init (bash), init's sleep and this exec.
         code, out = sb.exec("for f in /proc/[0-9]*/cmdline; do tr '\\0' ' ' < $f; echo; done", user="root")
         left = [c for c in out.decode().split("\n") if c.strip()]
         assert all(c.startswith(("bash -c trap", "sleep 86400", "bash -c for f in", "tr ")) for c in left), left
         sb.exec("echo right > /app/answer")
-        assert envs.verify(sb, task)[:2] == (1.0, None)  # the same verifier pays for the right answer
+        assert verify.verify(sb, task)[:2] == (1.0, None)  # the same verifier pays for the right answer
 
 
 def test_verifier_timeout_scores_0_even_after_writing_1(base_image):
-    late = envs.Task("late", "x", verifier_timeout=1, tests={"test.sh": b"echo 1 > /logs/verifier/reward.txt; sleep 30\n"})
+    late = Task("late", "x", verifier_timeout=1, tests={"test.sh": b"echo 1 > /logs/verifier/reward.txt; sleep 30\n"})
     ep, = envs.run_oracle([late], noop=True)
     assert (ep.reward, ep.failure) == (0.0, "verifier_error") and "timed out" in ep.error
 
@@ -85,8 +87,8 @@ def test_verifier_that_never_started_pytest_is_not_a_wrong_answer(base_image):
     wrong = b"source $HOME/.local/bin/env\nuvx -w pytest==8.4.1 pytest /tests/t.py\n[ $? -eq 0 ] && echo 1 > /logs/verifier/reward.txt " \
             b"|| echo 0 > /logs/verifier/reward.txt\n"
     t = b"def test_x():\n    assert open('/app/answer').read() == 'right\\n'\n"
-    eps = envs.run_oracle([envs.Task("never", "x", image="ubuntu:24.04", tests={"test.sh": never, "t.py": t}),
-                           envs.Task("wrong", "x", image="ubuntu:24.04", tests={"test.sh": wrong, "t.py": t})], noop=True)
+    eps = envs.run_oracle([Task("never", "x", image="ubuntu:24.04", tests={"test.sh": never, "t.py": t}),
+                           Task("wrong", "x", image="ubuntu:24.04", tests={"test.sh": wrong, "t.py": t})], noop=True)
     assert [(e.reward, e.failure) for e in eps] == [(0.0, "verifier_error"), (0.0, None)]
     assert "test runner never started" in eps[0].error and "3.99" in eps[0].verifier_output
     assert "1 failed" in eps[1].verifier_output  # the verifier's output is kept on every episode
@@ -96,7 +98,7 @@ def test_verifier_that_never_started_pytest_is_not_a_wrong_answer(base_image):
 
 def test_exit_or_killing_the_terminal_is_the_agents_ending(base_image):
     endings = {"exit": "exit\n", "kill-shell": "kill -9 $$\n", "kill-tmux": "tmux kill-server\n", "kill-all": "kill -9 -1\n"}
-    tasks = [envs.Task(name, f"{name}\n", tests={"test.sh": CHECK}) for name in endings]
+    tasks = [Task(name, f"{name}\n", tests={"test.sh": CHECK}) for name in endings]
     policy = by_instruction({name: [reply(["echo right > /app/answer\n", keys])] for name, keys in endings.items()})
     eps = envs.run_episodes(tasks, policy, max_turns=5, concurrency=4)
     # The episode ends there, as the agent's outcome; the verifier scores what was done.
@@ -117,9 +119,9 @@ def test_wiping_tmp_does_not_cut_the_terminal(base_image):
 def test_disk_budget_ends_the_episode_and_scores_0(base_image):
     pay = {"test.sh": b"echo 1 > /logs/verifier/reward.txt\n"}  # pays for anything: the disk limit must win
     fill = "i=0; while :; do dd if=/dev/zero of=/app/f$i bs=1M count=8 status=none; i=$((i+1)); done\n"
-    tasks = [envs.Task("fill", "fill\n", storage_mb=64, tests=pay),
-             envs.Task("bg", "bg\n", storage_mb=64, tests=pay),  # written in the background, between steps
-             envs.Task("small", "small\n", storage_mb=64, tests=pay)]
+    tasks = [Task("fill", "fill\n", storage_mb=64, tests=pay),
+             Task("bg", "bg\n", storage_mb=64, tests=pay),  # written in the background, between steps
+             Task("small", "small\n", storage_mb=64, tests=pay)]
     policy = by_instruction({"fill": [reply([fill], duration=30)],
                              # in 8 MB pieces: one 200 MB fallocate is refused whole where the kernel enforces a quota
                              "bg": [reply(["(for i in $(seq 25); do fallocate -l 8M /app/b$i; done &)\n"]),
@@ -130,7 +132,7 @@ def test_disk_budget_ends_the_episode_and_scores_0(base_image):
     assert eps[0].timings["env_s"] < 30  # the 30 s step was cut as soon as the budget was passed
     used = int(eps[0].error.split("wrote ")[1].split(" MB")[0])
     assert 64 <= used < 1024, eps[0].error  # stopped within a poll of the budget (unbounded: ~20 GB in 30 s)
-    solved = envs.run_oracle([envs.Task("oracle", "x", storage_mb=64, tests=pay, solution={"solve.sh": fill.encode()})])
+    solved = envs.run_oracle([Task("oracle", "x", storage_mb=64, tests=pay, solution={"solve.sh": fill.encode()})])
     assert [(e.failure, e.reward) for e in solved] == [("disk_limit", 0.0)]
 
 
@@ -176,7 +178,7 @@ def test_without_a_quota_no_write_takes_the_host_past_the_budget(no_quota):
     whole = b'[ "$(stat -c %s /app/data)" = 209715200 ] && ' + CHECK  # the honest writer's file, whole
     peaks = {}
     for name, (keys, ending) in DISK_ATTACKS.items():
-        task = envs.Task(name, name + "\n", storage_mb=256, tests={"test.sh": whole if name == "honest" else CHECK})
+        task = Task(name, name + "\n", storage_mb=256, tests={"test.sh": whole if name == "honest" else CHECK})
         with disk.HostRise() as rise:
             ep, = envs.run_episodes([task], by_instruction({name: [reply([keys], duration=60)]}), max_turns=3)
         peaks[name] = f"{rise.mb:.0f} MB {ep.failure or 'no failure'} {ep.timings.get('env_s', 0):.1f} s"
@@ -216,8 +218,8 @@ print(*falloc, os.fstat(fd).st_blocks * 512 >> 10, *map(ioctl, (0x40305828, 0x40
 
 def test_an_image_without_bash_is_explained(tmp_path, base_image):
     (tmp_path / "Dockerfile").write_text("FROM scratch\nCOPY Dockerfile /Dockerfile\n")
-    image = envs.build_task_image("no-bash", tmp_path)
-    ep, = envs.run_episodes([envs.Task("no-bash", "x", image=image)], by_instruction({}), max_turns=1)
+    image = build_task_image("no-bash", tmp_path)
+    ep, = envs.run_episodes([Task("no-bash", "x", image=image)], by_instruction({}), max_turns=1)
     assert (ep.failure, ep.reward) == ("sandbox_error", 0.0) and "the image needs bash" in ep.error
 
 
@@ -226,19 +228,19 @@ def test_an_image_without_bash_is_explained(tmp_path, base_image):
 def test_task_toml_limits_as_harbor_reads_them(tmp_path, base_image, capsys):
     sizes = tree(tmp_path, "sizes", '[environment]\nmemory = "4G"\nstorage = "512M"\ncpus = 64\n')
     mb = tree(tmp_path, "mb", '[environment]\nmemory = "4G"\nmemory_mb = 3000\nstorage_mb = 2048\n')
-    t = envs.load_task(sizes)
+    t = load_task(sizes)
     assert (t.memory_mb, t.storage_mb, t.cpus) == (4096, 512, 64.0)
-    assert (envs.load_task(mb, build=False).memory_mb, envs.load_task(mb, build=False).storage_mb) == (3000, 2048)
-    assert envs.size_mb("1.5Gi") == 1536 and envs.size_mb(256) == 256
+    assert (load_task(mb, build=False).memory_mb, load_task(mb, build=False).storage_mb) == (3000, 2048)
+    assert size_mb("1.5Gi") == 1536 and size_mb(256) == 256
     with pytest.raises(ValueError, match=r"task.toml: bad value of \[environment\] memory: not a size: 'lots'"):
-        envs.load_task(tree(tmp_path, "bad", '[environment]\nmemory = "lots"\n'), build=False)
+        load_task(tree(tmp_path, "bad", '[environment]\nmemory = "lots"\n'), build=False)
     # More CPUs than the host has: capped with a warning, not a sandbox error.
     t.solution = {"solve.sh": b"echo right > /app/answer\n"}
     ep, = envs.run_oracle([t])
     assert (ep.reward, ep.failure) == (1.0, None), ep.error
     assert "asks for 64 CPUs" in capsys.readouterr().err
     # docker_image present here: used as is, the Dockerfile is not built.
-    pre = envs.load_task(tree(tmp_path, "pre", f'[environment]\ndocker_image = "{base_image}"\n',
+    pre = load_task(tree(tmp_path, "pre", f'[environment]\ndocker_image = "{base_image}"\n',
                               dockerfile="FROM actobs-missing/image:1\n"))
     assert (pre.image, pre.build_error) == (base_image, "")
 
@@ -258,7 +260,7 @@ def test_build_timeout_and_failures_are_recorded_and_the_others_run(tmp_path, ba
     assert "cannot be pulled" not in eps[1].error and "cannot be pulled" in eps[2].error  # only when FROM is why
     assert "about to fail" in capsys.readouterr().out  # the oracle CLI tells why
     # The episode runner records them the same way: an Episode, not an exception.
-    ep, = envs.run_episodes([envs.load_task(broken)], by_instruction({}), max_turns=2)
+    ep, = envs.run_episodes([load_task(broken)], by_instruction({}), max_turns=2)
     assert (ep.failure, ep.reward, ep.messages) == ("image_build_error", 0.0, [])
 
 
@@ -267,7 +269,7 @@ def test_build_timeout_and_failures_are_recorded_and_the_others_run(tmp_path, ba
 def test_tb2_tasks_score_their_true_result_offline(base_image):
     """Terminal-Bench 2.0-format tasks (FROM ubuntu:24.04 / python:3.13-slim-bookworm, apt and pip in the build,
     verifiers running `uvx -p 3.13 -w pytest==8.4.1 -w pytest-json-ctrf==0.3.5 pytest`) on the offline stand-in."""
-    tasks = [envs.load_task(p) for p in sorted((Path(__file__).parent / "fixtures" / "tb2-tasks").iterdir())]
+    tasks = [load_task(p) for p in sorted((Path(__file__).parent / "fixtures" / "tb2-tasks").iterdir())]
     assert [t.build_error for t in tasks] == [""] * 3
     assert tasks[0].image.startswith("actobs-task/")  # docker_image is not here: built from the Dockerfile
     solved = envs.run_oracle(tasks, concurrency=3)

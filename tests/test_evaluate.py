@@ -1,6 +1,6 @@
-"""evaluate.py: the pass@k estimator against exact rationals, the tables and the comparison on synthetic results
-with known answers, the bootstrap interval, infrastructure failures, the time breakdown and its FLOP count,
-resume (real sandboxes, the scripted expert as the policy) and an end-to-end evaluation with real vLLM."""
+"""evaluate.py and compare.py: the pass@k estimator against exact rationals, the tables and the comparison on
+synthetic results with known answers, the bootstrap interval, infrastructure failures, the time breakdown and its
+FLOP count, resume (real sandboxes, the scripted expert as the policy) and an end-to-end evaluation with real vLLM."""
 import json
 import math
 from fractions import Fraction
@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import common
+import compare
 import envs
 import evaluate
 import labels
@@ -191,7 +192,7 @@ def test_compare_known_answers(tmp_path):
     a = results({"t1": (None, [1, 0, 0, 0]), "t2": (None, [0, 0, 0, 0]), "t3": (None, [1, 1, 0, 0])})
     b = results({"t1": (None, [1, 1, 0, 0]), "t2": (None, [1, 0, 0, 0]), "t3": (None, [1, 1, 0, 0]),
                  "extra": (None, [1, 1, 1, 1])})  # not in A: left out of every number
-    cmp = evaluate.compare([("A", a), ("B", b), ("A again", a)], n_boot=2000, seed=0)
+    cmp = compare.compare([("A", a), ("B", b), ("A again", a)], n_boot=2000, seed=0)
     assert cmp["ks"] == [1, 2, 4] and cmp["tasks"] == [3, 4, 3] and cmp["common"] == 3
     assert cmp["solved"] == [2, 3, 2]
     r1 = cmp["rows"][0]
@@ -202,7 +203,7 @@ def test_compare_known_answers(tmp_path):
     assert 0 <= lo <= r1["diff"][1] <= hi <= 0.25  # the per-task differences are 0.25, 0.25 and 0
     r4 = cmp["rows"][2]
     assert r4["pass"] == pytest.approx([2 / 3, 1.0, 2 / 3]) and r4["rel"][1] == pytest.approx(0.5)
-    text = evaluate.compare_table(cmp)
+    text = compare.compare_table(cmp)
     print(text)
     lines = text.splitlines()
     assert lines[4].split()[:6] == ["pass@1", "3", "25.0", "41.7", "25.0", "+16.7"] and "+66.7%" in lines[4]
@@ -220,7 +221,7 @@ def test_compare_by_kind_and_changed_settings(tmp_path, capsys):
     a = results({"a1": ("archive", [1, 0]), "f1": ("find_copy", [0, 0]), "f2": ("find_copy", [1, 1])}, attempts=2)
     b = results({"a1": ("archive", [1, 1]), "f1": ("find_copy", [1, 0]), "f2": ("find_copy", [1, 1])}, attempts=2)
     b["settings"]["temperature"] = 0.6
-    assert evaluate.compare([("A", a), ("B", b)], n_boot=100)["settings_differ"] == ["temperature"]
+    assert compare.compare([("A", a), ("B", b)], n_boot=100)["settings_differ"] == ["temperature"]
     for name, r in (("a", a), ("b", b)):
         (tmp_path / f"{name}.json").write_text(json.dumps(r))
     evaluate.main(["compare", str(tmp_path / "a.json"), str(tmp_path / "b.json"), "--by-kind", "--n-boot", "100"])
@@ -288,11 +289,11 @@ def test_bootstrap_is_seeded_and_covers_the_true_difference():
         c_a, c_b = rng.binomial(8, p_a), rng.binomial(8, p_a + 0.1)
         a = [evaluate.pass_at_k(8, int(c), 1) for c in c_a]
         b = [evaluate.pass_at_k(8, int(c), 1) for c in c_b]
-        lo, hi = evaluate.bootstrap_diff(a, b, n_boot=1000, seed=rep)
+        lo, hi = compare.bootstrap_diff(a, b, n_boot=1000, seed=rep)
         hits += lo <= 0.1 <= hi
         if rep == 0:
-            assert evaluate.bootstrap_diff(a, b, 1000, seed=0) == (lo, hi)
-            assert evaluate.bootstrap_diff(a, b, 1000, seed=1) != (lo, hi)
+            assert compare.bootstrap_diff(a, b, 1000, seed=0) == (lo, hi)
+            assert compare.bootstrap_diff(a, b, 1000, seed=1) != (lo, hi)
             assert 0.03 < hi - lo < 0.2
     assert 0.88 <= hits / reps <= 0.99, hits
 
@@ -309,23 +310,23 @@ def test_bootstrap_within_kinds_covers_the_difference_of_a_split_drawn_per_kind(
         p_a = rng.uniform(0.0, 0.5, size=30)
         a = [evaluate.pass_at_k(8, int(c), 1) for c in rng.binomial(8, p_a)]
         b = [evaluate.pass_at_k(8, int(c), 1) for c in rng.binomial(8, p_a + gain)]
-        lo, hi = evaluate.bootstrap_diff(a, b, n_boot=1000, seed=rep, strata=kinds)
+        lo, hi = compare.bootstrap_diff(a, b, n_boot=1000, seed=rep, strata=kinds)
         hits += lo <= 0.2 <= hi
         width += (hi - lo) / reps
-        plo, phi = evaluate.bootstrap_diff(a, b, n_boot=1000, seed=rep)
+        plo, phi = compare.bootstrap_diff(a, b, n_boot=1000, seed=rep)
         pooled += (phi - plo) / reps
     assert 0.88 <= hits / reps <= 0.99, hits
     assert width < 0.9 * pooled, (width, pooled)
     # one kind: the pooled bootstrap's draws, each resample's deviation from the mean scaled by sqrt(30 / 29)
     m, c = np.mean(np.subtract(b, a)), math.sqrt(30 / 29)
-    plo, phi = evaluate.bootstrap_diff(a, b, 500, seed=3)
-    assert evaluate.bootstrap_diff(a, b, 500, seed=3, strata=["k"] * 30) == pytest.approx((m + c * (plo - m),
+    plo, phi = compare.bootstrap_diff(a, b, 500, seed=3)
+    assert compare.bootstrap_diff(a, b, 500, seed=3, strata=["k"] * 30) == pytest.approx((m + c * (plo - m),
                                                                                           m + c * (phi - m)))
     # 4 tasks of one kind, three lost by B: the plain resample reaches -1 (all four draws a lost task), and the
     # stretch by sqrt(4 / 3) would carry the interval past it, where no difference of pass rates is; it is clipped
     d, c = [-1.0, -1.0, -1.0, 0.0], math.sqrt(4 / 3)
-    plo, phi = evaluate.bootstrap_diff([0.0] * 4, d, 10_000, seed=0)
-    lo, hi = evaluate.bootstrap_diff([0.0] * 4, d, 10_000, seed=0, strata=["k"] * 4)
+    plo, phi = compare.bootstrap_diff([0.0] * 4, d, 10_000, seed=0)
+    lo, hi = compare.bootstrap_diff([0.0] * 4, d, 10_000, seed=0, strata=["k"] * 4)
     assert plo == -1.0 and -0.75 + c * (plo + 0.75) < -1.0
     assert lo == -1.0 and hi == pytest.approx(-0.75 + c * (phi + 0.75))
 

@@ -18,6 +18,7 @@ import grpo
 import sandbox
 import sft
 from conftest import ScriptedAsync
+from tasks import load_tasks
 
 pytestmark = [pytest.mark.docker, pytest.mark.vllm, pytest.mark.slow]
 
@@ -64,7 +65,7 @@ def world(tmp_path_factory, base_image):
                                              "echo $r > /logs/verifier/reward.txt\n")
         (d / "environment" / "Dockerfile").write_text(f"FROM {sandbox.BASE_IMAGE}\nWORKDIR /app\n")
         (d / "task.toml").write_text("[verifier]\ntimeout_sec = 30\n\n[agent]\ntimeout_sec = 120\n\n[environment]\nmemory_mb = 256\n")
-    tasks = envs.load_tasks(root / "tasks")
+    tasks = load_tasks(root / "tasks")
     todo = [(t, w) for t in tasks for w in WORDS]
     script = ScriptedAsync({k: turns(w) for k, (_, w) in enumerate(todo)})
     eps = envs.run_episodes([t for t, _ in todo], script, max_turns=4, concurrency=8, template=PROMPT)

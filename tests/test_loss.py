@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import common
+import head
 import labels
 import sft
 from conftest import synthetic_trajectory
@@ -51,12 +52,12 @@ def test_loss_and_grads_match_reference(model, examples, tokenizer, lam, w_act):
 
 @pytest.mark.parametrize("entropy", [False, True])
 def test_the_chunked_head_matches_full_logits(entropy):
-    """common.token_logprobs, the head every loss and probe uses: log-probs, entropies and both gradients equal the
+    """head.token_logprobs, the head every loss and probe uses: log-probs, entropies and both gradients equal the
     full-logits log-softmax's, in chunks that do not divide the rows; under no_grad nothing asks for a gradient."""
     torch.manual_seed(0)
     h, W = torch.randn(50, 16, requires_grad=True), torch.randn(300, 16, requires_grad=True)
     t, g = torch.randint(0, 300, (50,)), torch.randn(50)
-    logp, ent = common.token_logprobs(h, W, t, entropy=entropy, chunk=7)
+    logp, ent = head.token_logprobs(h, W, t, entropy=entropy, chunk=7)
     (g * logp).sum().backward()
     got = h.grad.clone(), W.grad.clone()
     h.grad = W.grad = None
@@ -71,12 +72,12 @@ def test_the_chunked_head_matches_full_logits(entropy):
     else:
         assert ent is None
     with torch.no_grad():
-        assert not common.token_logprobs(h, W, t, chunk=7)[0].requires_grad
+        assert not head.token_logprobs(h, W, t, chunk=7)[0].requires_grad
 
 
 @pytest.mark.parametrize("entropy", [False, True])
 def test_the_head_with_per_token_terms_matches_full_logits(entropy):
-    """common.token_loss forms the head's gradients in the forward pass: for a loss whose per-token terms are
+    """head.token_loss forms the head's gradients in the forward pass: for a loss whose per-token terms are
     non-linear in their own log-probs (a clipped ratio, a square), the loss, log-probs, entropies and both gradients
     equal autograd's through the full-logits log-softmax, in chunks that do not divide the rows, with the loss scaled
     downstream, and the backward reads neither h nor W (both zeroed before it); under no_grad no gradient."""
@@ -92,7 +93,7 @@ def test_the_head_with_per_token_terms_matches_full_logits(entropy):
     (3 * ref).backward()
     want = h.grad.clone(), W.grad.clone()
     h.grad = W.grad = None
-    loss, logp, ent = common.token_loss(h, W, t, lambda lp, rows: f(lp, a[rows], b[rows]), entropy=entropy, chunk=7)
+    loss, logp, ent = head.token_loss(h, W, t, lambda lp, rows: f(lp, a[rows], b[rows]), entropy=entropy, chunk=7)
     assert not logp.requires_grad
     with torch.no_grad():
         h.zero_(), W.zero_()
@@ -107,7 +108,7 @@ def test_the_head_with_per_token_terms_matches_full_logits(entropy):
     else:
         assert ent is None
     with torch.no_grad():
-        assert not common.token_loss(h, W, t, lambda lp, rows: -lp, chunk=7)[0].requires_grad
+        assert not head.token_loss(h, W, t, lambda lp, rows: -lp, chunk=7)[0].requires_grad
 
 
 def packed(ok):
@@ -141,9 +142,9 @@ def test_the_head_under_a_grammar_mask_matches_masked_full_logits(entropy, fused
     h.grad = W.grad = None
     allowed = (packed(ok), rows)
     if fused:
-        loss, logp, ent = common.token_loss(h, W, t, lambda lp, r: g[r] * lp, entropy=entropy, chunk=7, allowed=allowed)
+        loss, logp, ent = head.token_loss(h, W, t, lambda lp, r: g[r] * lp, entropy=entropy, chunk=7, allowed=allowed)
     else:
-        logp, ent = common.token_logprobs(h, W, t, entropy=entropy, chunk=7, allowed=allowed)
+        logp, ent = head.token_logprobs(h, W, t, entropy=entropy, chunk=7, allowed=allowed)
         loss = (g * logp).sum()
     loss.backward()
     torch.testing.assert_close(logp, ref)

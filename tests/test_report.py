@@ -1,4 +1,5 @@
-"""scripts/report.py: the run folder's settings guard and the output checks that make the quick ablation fail CI."""
+"""scripts/report.py and scripts/checks.py: the run folder's settings guard and the output checks that make the quick
+ablation fail CI."""
 import json
 import sys
 from pathlib import Path
@@ -6,6 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
+import compare
 import envs
 import evaluate
 import labels
@@ -13,11 +15,12 @@ import steplog
 import taskgen
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+import checks  # noqa: E402
 import report  # noqa: E402
 
 
 def test_flags():
-    assert report.flags("--steps 8 --lr 1e-5 --resume --name 'a b'") == {"--steps": "8", "--lr": "1e-5", "--resume": True,
+    assert checks.flags("--steps 8 --lr 1e-5 --resume --name 'a b'") == {"--steps": "8", "--lr": "1e-5", "--resume": True,
                                                                          "--name": "a b"}
 
 
@@ -67,14 +70,14 @@ def test_check_eval(tmp_path, case):
     path.write_text(json.dumps(res))
     problems = []
     tasks = {"t0": "a", "t1": "b", **({"t2": "c"} if case == "other_tasks" else {})}
-    report.check_eval(path, tasks, 2, ck, problems)
+    checks.check_eval(path, tasks, 2, ck, problems)
     want = EVAL_PROBLEMS[case] and EVAL_PROBLEMS[case].format(tmp=tmp_path)
     assert len(problems) == (want is not None) and all(want in p for p in problems), problems
 
 
 def checkpoint(d):
     (d / "final").mkdir(parents=True)
-    for f in report.WEIGHTS:
+    for f in checks.WEIGHTS:
         (d / "final" / f).write_text("{}")
 
 
@@ -108,7 +111,7 @@ def grpo_run(run, steps, bad_step=None, bare_step=None, trained=True, name="arm-
 def test_check_grpo(tmp_path, steps, bad_step, bare_step, trained, want):
     grpo_run(tmp_path, steps, bad_step, bare_step, trained)
     problems = []
-    report.check_grpo(tmp_path, "arm-grpo", "arm", 3, 0.0, problems)
+    checks.check_grpo(tmp_path, "arm-grpo", "arm", 3, 0.0, problems)
     assert len(problems) == (want is not None) and all(want in p for p in problems), problems
 
 
@@ -117,7 +120,7 @@ def test_check_grpo_names_the_recipe_it_ran(tmp_path, init, echo_coef):
     """An ECHO run that trained without ECHO, or from another checkpoint, is not the ECHO arm."""
     grpo_run(tmp_path, 2, init=init, echo_coef=echo_coef)
     problems = []
-    report.check_grpo(tmp_path, "arm-grpo", "arm", 2, 0.05, problems)
+    checks.check_grpo(tmp_path, "arm-grpo", "arm", 2, 0.05, problems)
     assert len(problems) == 1 and f"with --echo-coef {echo_coef}; expected {tmp_path}/arm/final with 0.05" in problems[0]
 
 
@@ -172,7 +175,7 @@ def test_settings_take_new_stages_and_more_sweep_arms_only(tmp_path):
 # Per model, each evaluation task's two attempts' rewards (3 tasks; the first is the held-out kind's).
 REWARDS = {"actionsft-grpo": ((1, 0), (0, 0), (0, 0)), "actobs-grpo": ((1, 1), (1, 0), (0, 0)),
            "lam0.5-grpo": ((1, 0), (1, 0), (0, 0)), "echo-grpo": ((0, 0), (1, 0), (0, 0)),
-           report.TSTAR: ((1, 1), (0, 0), (0, 0)), "actobs": ((0, 0), (1, 0), (0, 0))}
+           checks.TSTAR: ((1, 1), (0, 0), (0, 0)), "actobs": ((0, 0), (1, 0), (0, 0))}
 T_STAR, T_EVAL = 0.7, 1.0
 ENTROPY = {"actionsft-grpo": (0.8, 0.5), "actobs-grpo": (0.9, 0.8), "lam0.5-grpo": (0.85, 0.7), "echo-grpo": (0.8, 0.6)}
 KL = {"actionsft-grpo": (0.01, 0.04), "actobs-grpo": (0.01, 0.02), "lam0.5-grpo": (0.01, 0.03),
@@ -188,7 +191,7 @@ def synthetic_run(run, sweep=True, before_attempts=None):
                                 "corpus=--n-sft 4 --n-rl 2 --n-eval 3", "heldout_n=1", "grpo=--steps 2",
                                 "echo=--echo-coef 0.05", "eval=--attempts 2", *fewer])
     (run / "base" / "model").mkdir(parents=True)
-    for f in report.WEIGHTS:
+    for f in checks.WEIGHTS:
         (run / "base" / "model" / f).write_text("{}")
     splits = taskgen.make_splits(4, 2, 3)
     for split in ("rl", "eval"):
@@ -207,13 +210,13 @@ def synthetic_run(run, sweep=True, before_attempts=None):
     for arm in ["actionsft", "actobs"] + sweep_arms:
         grpo_run(run, 2, name=f"{arm}-grpo", init=arm, entropy=ENTROPY[f"{arm}-grpo"], kl=KL[f"{arm}-grpo"])
     grpo_run(run, 2, name="echo-grpo", init="actionsft", echo_coef=0.05, entropy=ENTROPY["echo-grpo"], kl=KL["echo-grpo"])
-    tasks = report.task_names(run / "corpus" / "eval", [])
+    tasks = checks.task_names(run / "corpus" / "eval", [])
     (run / "eval").mkdir()
     for m in report.model_names(json.loads((run / "settings.json").read_text())["stages"]):
         n = before_attempts if before_attempts and m in ("base", "actionsft", "actobs") else 2
         rewards = dict(zip(tasks, (rs[:n] for rs in REWARDS.get(m, ((0, 0),) * 3))))
-        res = {"settings": {"attempts": n, "model": str(report.checkpoint(run, m)),
-                            "temperature": T_STAR if m == report.TSTAR else T_EVAL},
+        res = {"settings": {"attempts": n, "model": str(checks.checkpoint(run, m)),
+                            "temperature": T_STAR if m == checks.TSTAR else T_EVAL},
                "tasks": {t: {"kind": kind, "heldout": kind in taskgen.HELDOUT_KINDS,
                              "attempts": [{"attempt": j, "reward": float(r), "failure": None, "turns": 3}
                                           for j, r in enumerate(rewards[t])]} for t, kind in tasks.items()}}
@@ -261,8 +264,8 @@ def test_build_reports_every_comparison(tmp_path):
     # the header's half-width: the paired bootstrap of ActObs + GRPO - ActionSFT + GRPO in pass@1, computed here,
     # tasks resampled within their kinds (the split's design), and across kinds for comparison
     a, b = pass1("actionsft-grpo", tasks), pass1("actobs-grpo", tasks)
-    lo, hi = evaluate.bootstrap_diff(a, b, strata=list(tasks.values()))
-    plo, phi = evaluate.bootstrap_diff(a, b)
+    lo, hi = compare.bootstrap_diff(a, b, strata=list(tasks.values()))
+    plo, phi = compare.bootstrap_diff(a, b)
     assert len(set(tasks.values())) > 1 and (lo, hi) != (plo, phi)
     assert out["pass1_halfwidth"] == pytest.approx((hi - lo) / 2)
     assert out["pass1_halfwidth_pooled"] == pytest.approx((phi - plo) / 2)
@@ -282,7 +285,7 @@ def test_build_reports_every_comparison(tmp_path):
     sw = out["lambda_sweep"]
     assert sw["lambdas"] == [0.0, 0.5, 1.0] and sw["runs"][1] == "λ=0.5 + GRPO"
     assert sw["rows"][0]["diff"][1:] == pytest.approx([1 / 6, 1 / 3]) and sw["ks"] == [1, 2]
-    lo, hi = evaluate.bootstrap_diff(pass1("actionsft-grpo", tasks), pass1("lam0.5-grpo", tasks),
+    lo, hi = compare.bootstrap_diff(pass1("actionsft-grpo", tasks), pass1("lam0.5-grpo", tasks),
                                      strata=list(tasks.values()))
     assert f"| 0.5 | λ=0.5 + GRPO | 33.3 | +16.7 [{100 * lo:+.1f}, {100 * hi:+.1f}] |" in md
     assert (tmp_path / "lambda_sweep.png").stat().st_size > 0 and "![λ sweep](lambda_sweep.png)" in md

@@ -1,7 +1,7 @@
 """The task layouts of the paper's task sets, in fixtures written for this project (tests/fixtures/SOURCES.md):
 aider-polyglot (Python, Go, JavaScript exercises: per-language images and test commands), Endless Terminals
 (test_final_state.py run by uvx under Python 3.12) and Harbor's features (a uvx pytest verifier, a workdir, a
-non-root user, a download at solve time). Scored through envs.load_task and envs.run_episodes, the path GRPO and
+non-root user, a download at solve time). Scored through tasks.load_task and envs.run_episodes, the path GRPO and
 evaluate.py take: a policy that types the reference solution must score 1, one that does nothing 0, in real
 sandboxes. Every test leaves no container of this process behind."""
 import base64
@@ -13,6 +13,7 @@ import pytest
 import envs
 import evaluate
 import sandbox
+from tasks import Task, load_task
 
 FIXTURES = Path(__file__).parent / "fixtures"
 AIDER, ENDLESS, HARBOR = FIXTURES / "aider", FIXTURES / "endless", FIXTURES / "harbor"
@@ -48,7 +49,7 @@ def oracle_policy(tasks, solve=True, second_try_only=False):
 def test_aider_layout_scores_each_language_through_evaluate(tmp_path, base_image, capsys):
     """Python (pytest -q: no session banner), Go (go test) and JavaScript (node --test), toolchains from Debian's
     packages at image build time; evaluate.py's per-kind rows by language."""
-    tasks = [envs.load_task(p) for p in sorted(AIDER.iterdir())]
+    tasks = [load_task(p) for p in sorted(AIDER.iterdir())]
     assert [t.build_error for t in tasks] == [""] * 3
 
     def rollout_with(policy):
@@ -67,7 +68,7 @@ def test_aider_layout_scores_each_language_through_evaluate(tmp_path, base_image
 
 
 def test_aider_second_try_sees_the_test_output(tmp_path, base_image, capsys):
-    task = envs.load_task(AIDER / "polyglot_python_run-length")
+    task = load_task(AIDER / "polyglot_python_run-length")
     argv = ["--model", "unused", "--tasks", str(AIDER / "polyglot_python_run-length"), "--attempts", "1",
             "--second-try", "--out", str(tmp_path / "r.json"), "--transcripts", str(tmp_path / "t.jsonl")]
     policy = oracle_policy([task], second_try_only=True)
@@ -86,7 +87,7 @@ def test_endless_terminals_layout_offline_names_what_is_missing(base_image):
     """FROM ubuntu:22.04 builds on the stand-in and the agent starts in /home/user; the verifier's
     `uvx --python 3.12` has no Python 3.12 offline (the stand-in has 3.13, and uv cannot download one): a
     verifier_error that says so, for the solution and for doing nothing alike, never a score."""
-    tasks = [envs.load_task(p) for p in sorted(ENDLESS.iterdir())]
+    tasks = [load_task(p) for p in sorted(ENDLESS.iterdir())]
     assert [(t.build_error, t.workdir) for t in tasks] == [("", "/home/user")] * 2
     for ep in envs.run_oracle(tasks, concurrency=2) + envs.run_oracle(tasks, noop=True, concurrency=2):
         assert (ep.reward, ep.failure) == (0.0, "verifier_error"), ep.verifier_output
@@ -95,7 +96,7 @@ def test_endless_terminals_layout_offline_names_what_is_missing(base_image):
 
 def test_harbor_features_score_1_and_nothing_0(base_image):
     """A uvx pytest verifier (offline on the stand-in), a task.toml workdir and a non-root agent user."""
-    tasks = [envs.load_task(HARBOR / n) for n in ("uvx-pytest", "workdir", "non-root")]
+    tasks = [load_task(HARBOR / n) for n in ("uvx-pytest", "workdir", "non-root")]
     assert [(t.workdir, t.user) for t in tasks] == [("/app", "root"), ("/srv/work", "root"), ("/app", "builder")]
     solved = envs.run_episodes(tasks, oracle_policy(tasks), max_turns=4, concurrency=3)
     idle = envs.run_episodes(tasks, oracle_policy(tasks, solve=False), max_turns=4, concurrency=3)
@@ -107,7 +108,7 @@ def test_harbor_features_score_1_and_nothing_0(base_image):
 def test_a_download_at_solve_time_needs_the_network(base_image):
     """pip install in the solution: without the network a 0 that says why; with it (host network here: the
     daemon has no bridge) the true 1. The toy world's tasks (allow_internet = false) never get it."""
-    task = envs.load_task(HARBOR / "pip-install")
+    task = load_task(HARBOR / "pip-install")
     offline, = envs.run_oracle([task])
     assert (offline.reward, offline.failure) == (0.0, None)
     assert "Temporary failure in name resolution" in offline.needs_network, offline.error
@@ -137,7 +138,7 @@ def test_keep_agent_processes_keeps_a_service_for_its_tests(base_image):
     RL default) and 1 when they are kept, which is also what lets a left-behind process forge a reward."""
     tests = {"test.sh": b"pgrep -f heartbeat-loop >/dev/null && echo 1 > /logs/verifier/reward.txt "
                         b"|| echo 0 > /logs/verifier/reward.txt\n"}
-    task = envs.Task("service", "Keep a heartbeat running.", tests=tests)
+    task = Task("service", "Keep a heartbeat running.", tests=tests)
     start = reply(["nohup bash -c 'exec -a heartbeat-loop sleep 1000' >/dev/null 2>&1 &\n"])
 
     def policy(states):
