@@ -48,6 +48,7 @@ from pathlib import Path
 
 import common
 from bench import realshape
+from head import CHUNK_BYTES
 
 ROOT = Path(__file__).resolve().parents[1]
 STAGES = ("head", "sft", "grpo", "evaluate", "probes")
@@ -90,14 +91,14 @@ def plan_gib(stage, cfg, P, args, dtype_bytes):
     """Planned peak resident GiB of each process of a stage (rank 0 first), from the parameter count P. Rough: the
     big terms only. Training keeps fp32 weights, grads and AdamW's two moments (16 B/param), FSDP2-sharded over the
     ranks; a checkpoint with optimizer state gathers the full weights and moments on rank 0 (12 B/param) after the
-    grads are freed; the head holds one block of logits (common.CHUNK_BYTES) and its fp32 (V, H) gradient;
+    grads are freed; the head holds one block of logits (head.CHUNK_BYTES) and its fp32 (V, H) gradient;
     activations under grad-ckpt: each layer's input plus one layer's work, over LEN tokens. GRPO's ranks add the
     reference policy and the engine's weights in the compute dtype and the engine's KV cache (engine.py's size)."""
     import engine
     from transformers import Qwen3Config
     V, H, L, T, W = cfg["vocab_size"], cfg["hidden_size"], cfg["num_hidden_layers"], args.len, args.ranks
     attn = cfg["num_attention_heads"] * cfg["head_dim"]
-    head = common.CHUNK_BYTES + 4 * V * H
+    head = CHUNK_BYTES + 4 * V * H
     act = 4 * T * (L * H + 4 * cfg["intermediate_size"] + 8 * attn)
     rank0 = max(16 * P / W + head + act, 12 * P / W + 12 * P)
     other = 16 * P / W + head + act
