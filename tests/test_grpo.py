@@ -490,7 +490,7 @@ def fake_run(out, init, monkeypatch, *flags, signal_tasks):
         trained.append(list(examples))
         return real_train_batch(model, ref, opt, examples, *rest)
     real_train_batch = grpo.train_batch
-    monkeypatch.setattr(envs, "load_tasks", lambda path, kinds=None: list(range(10)))
+    monkeypatch.setattr(grpo, "load_tasks", lambda path, kinds=None: list(range(10)))
     monkeypatch.setattr(engine, "make_engine", lambda *a, **k: None)
     monkeypatch.setattr(engine, "sync_weights", lambda llm, model: 0.0)
     monkeypatch.setattr(grpo, "draw_episodes", draw_episodes)
