@@ -3,7 +3,8 @@ What sft.py and grpo.py share, so that each of them reads as its stage: batching
 (start and resume, flag groups, autocast, the loss as a module, micro-batch passes, the optimizer step, atomic
 checkpoints, the run record: config.json, log.jsonl, optional wandb), distributed set-up and teardown (torchrun:
 DDP or FSDP2) and the scripts' entry point (several runs in one process). The tiny random Qwen3 the tests and
-the CPU run start from is tiny.py's. Their loss's head is head.py's. Plain functions, no framework: a stage calls what it needs.
+the CPU run start from is tiny.py's, their loss's head head.py's. Plain functions, no framework: a stage calls what
+it needs.
 """
 import functools
 import json
