@@ -246,7 +246,7 @@ def time_breakdown(records, stats, setup_s):
     bound counts every token of an episode once (its prompt and observations prefilled through the prefix
     cache, its replies decoded) at the matmul rate: the time that work takes at best, and the generated tokens/s
     that allows."""
-    import common
+    import tiny  # torch: only where the bound is computed
     n, wall = max(len(records), 1), stats["wall_s"]
     phases = {**{k: sum(a[k] for a in records) for k in PHASES}, "attempt_s": sum(a["wall_s"] for a in records)}
     generated = sum(a["generated"] for a in records)
@@ -257,7 +257,7 @@ def time_breakdown(records, stats, setup_s):
            "engine_tok_s": generated / max(stats["policy_s"], 1e-9)}
     if "config" in stats:
         # an episode of T tokens: sum over positions p < T of forward_flops(p), linear in p: T * forward_flops((T-1)/2)
-        flops = sum(a["tokens"] * common.forward_flops(stats["config"], (a["tokens"] - 1) / 2) for a in records)
+        flops = sum(a["tokens"] * tiny.forward_flops(stats["config"], (a["tokens"] - 1) / 2) for a in records)
         compute_s = flops / stats["matmul_flop_s"]
         out["bound"] = {k: stats[k] for k in ("dtype", "threads", "matmul_flop_s")} | {
             "tokens": sum(a["tokens"] for a in records), "flops": flops, "compute_s": compute_s,

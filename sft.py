@@ -27,6 +27,7 @@ import torch.distributed as dist
 import common
 import head
 import probes
+import tiny
 from labels import ACTION, OBS, PROMPT, load_tokenizer, read_trajectories, render
 
 
@@ -195,7 +196,7 @@ def main(argv=None):
     if args.model == "tiny":
         model_path = out / "init"
         if rank == 0 and not (model_path / "config.json").exists():
-            common.build_tiny(model_path, [m["content"] for c in convs for m in c], seed=args.seed)
+            tiny.build_tiny(model_path, [m["content"] for c in convs for m in c], seed=args.seed)
         common.barrier()
     # a checkpoint carries the chat template it was trained with: resume with exactly that one
     tok = load_tokenizer(ckpt, "native") if ckpt else load_tokenizer(model_path, args.chat_template)

@@ -23,6 +23,7 @@ import common
 import engine
 import taskgen
 import terminus
+import tiny
 from labels import ACTION, load_tokenizer
 from tasks import task_from_spec
 
@@ -47,7 +48,7 @@ def main(argv=None):
         model_dir = Path(args.workdir) / f"qwen3-h{args.hidden}-l{args.layers}"
         if not (model_dir / "config.json").exists():
             texts = [terminus.DEFAULT_PROMPT] + [s.instruction + s.solve + s.test for s in specs]
-            common.build_tiny(model_dir, texts, vocab_size=4096, hidden=args.hidden, layers=args.layers,
+            tiny.build_tiny(model_dir, texts, vocab_size=4096, hidden=args.hidden, layers=args.layers,
                            heads=args.hidden // 64, kv_heads=max(1, args.hidden // 128))
     tok = load_tokenizer(model_dir, "native" if args.model else "prefix")
     model = common.load_model(model_dir, "cpu").eval()

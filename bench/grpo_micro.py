@@ -22,6 +22,7 @@ import torch
 
 import common
 import grpo
+import tiny
 from labels import ACTION, OBS, PROMPT
 
 WAYS = {"padded micro-batches (default)": 32768, "one episode a pass": 1}  # name -> --micro-tokens
@@ -77,7 +78,7 @@ def main(argv=None):
     out = Path(tempfile.mkdtemp(prefix="bench_grpo_micro_"))
     # the base model's architecture (scripts/base_model.py's defaults), random weights; no tokenizer is needed
     from transformers import Qwen3ForCausalLM
-    model_dir, config = out / "model", common.tiny_config(4096, 256, 4, 4, 2)
+    model_dir, config = out / "model", tiny.tiny_config(4096, 256, 4, 4, 2)
     torch.manual_seed(0)
     Qwen3ForCausalLM(config).save_pretrained(model_dir)
     examples = synthetic_examples(random.Random(0), args.episodes, args.group_size, args.tokens, config.vocab_size)

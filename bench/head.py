@@ -41,6 +41,7 @@ import torch
 import common
 import labels
 import sft
+import tiny
 from head import CHUNK_BYTES, head_chunk, token_logprobs, token_loss
 from bench.loss import PeakCUDA, PeakRSS
 from bench.train import long_trajectory, random_model_dir
@@ -182,7 +183,7 @@ def bench_sft(V, L, args, device, ctx, clock, tmp):
     convs = [long_trajectory(rng, 6 * L) for _ in range(4 * args.sft_steps + 1)]  # every one cut to L tokens
     out = tmp / f"v{V}"
     out.mkdir()
-    model_dir = random_model_dir(out, convs, common.tiny_config(V, 256, 4, 4, 2))
+    model_dir = random_model_dir(out, convs, tiny.tiny_config(V, 256, 4, 4, 2))
     examples = [labels.render(labels.load_tokenizer(model_dir), c, L) for c in convs]
     variants = {"sft.py, forward grads": lambda run: sft_run(model_dir, out / "data.jsonl", run, L, args, clock,
                                                              token_loss),

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-import common
+import tiny
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 import base_model  # noqa: E402
@@ -62,7 +62,7 @@ def main(argv=None):
     from transformers import Qwen3ForCausalLM
     schedule = base_model.parse_schedule(args.schedule)
     torch.manual_seed(args.seed)
-    model = Qwen3ForCausalLM(common.tiny_config(args.vocab, args.hidden, args.layers, args.heads, args.kv_heads))
+    model = Qwen3ForCausalLM(tiny.tiny_config(args.vocab, args.hidden, args.layers, args.heads, args.kv_heads))
     vocab = torch.arange(256, args.vocab)  # past the byte alphabet, as base_model.plain_ids would give
     longest = max(n for n, _ in schedule)
     probes = sorted({longest, 2 * longest, 128})

@@ -18,11 +18,11 @@ import time
 
 import torch
 
-import common
 import grpo
 import head
 import labels
 import sft
+import tiny
 
 
 def get_parser():
@@ -105,7 +105,7 @@ def main(argv=None):
     from transformers import Qwen3ForCausalLM
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch.manual_seed(0)
-    cfg = common.tiny_config(args.vocab, args.hidden, 2, 4, 2, max_position_embeddings=max(args.tokens))
+    cfg = tiny.tiny_config(args.vocab, args.hidden, 2, 4, 2, max_position_embeddings=max(args.tokens))
     model = Qwen3ForCausalLM(cfg).to(device)
     pg_args = grpo.get_parser().parse_args(["--init", "-", "--tasks", "-", "--out", "-", "--temperature", "0.7"])
     print(f"device {device} | vocab {args.vocab} | hidden {args.hidden} | {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M params"

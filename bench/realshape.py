@@ -2,7 +2,7 @@
 A real architecture with nothing downloaded, the one home of what bench.gpu_check and bench.rehearsal start from:
 Qwen3-0.6B's config (narrowed on request), a random init of it saved as a Hugging Face checkpoint in bf16 (as the
 hub's is), and a tokenizer trained here. The tokenizer is a small byte-level BPE with Qwen's special tokens
-(common.build_tiny) and the Qwen3 chat template of tests/fixtures as its own; the model's vocabulary stays the
+(tiny.build_tiny) and the Qwen3 chat template of tests/fixtures as its own; the model's vocabulary stays the
 config's 151,936 rows, padded far past the BPE's few thousand tokens (a real Qwen3 pads too, from ~151.7k tokens),
 so the embedding, the head and the logits have the real size and a sampled id past the BPE decodes to nothing.
 """
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-import common
+import tiny
 
 FIXTURES = Path(__file__).resolve().parents[1] / "tests" / "fixtures"
 QWEN3_TEMPLATE = FIXTURES / "qwen3_chat_template.jinja"  # the template the Qwen3 models ship (SOURCES.md)
@@ -50,7 +50,7 @@ def checkpoint(out, texts, cfg, bpe_vocab=4096, seed=0):
     """OUT: a BPE of bpe_vocab tokens trained on `texts` (Qwen's special tokens, Qwen3's chat template as its own)
     and a random init of `cfg` (a dict; its vocab_size may exceed the BPE's) in bf16. -> OUT as a str."""
     from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3Config
-    common.build_tiny(out, texts, vocab_size=bpe_vocab, hidden=64, layers=1)  # the tokenizer; its model replaced below
+    tiny.build_tiny(out, texts, vocab_size=bpe_vocab, hidden=64, layers=1)  # the tokenizer; its model replaced below
     tok = AutoTokenizer.from_pretrained(out)
     tok.chat_template = QWEN3_TEMPLATE.read_text()
     tok.save_pretrained(out)

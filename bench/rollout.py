@@ -36,6 +36,7 @@ import common
 import engine
 import grpo
 import terminus
+import tiny
 from labels import ACTION, load_tokenizer, write_jsonl
 from tasks import load_tasks
 
@@ -145,7 +146,7 @@ def summary(eps, res, llm):
     bound, and, from the first round, the replies that differ from today's and the log-prob difference on the
     others."""
     mc = llm.llm_engine.model_config
-    flops = sum(len(e["token_ids"]) * common.forward_flops(mc.hf_text_config.to_dict(), (len(e["token_ids"]) - 1) / 2)
+    flops = sum(len(e["token_ids"]) * tiny.forward_flops(mc.hf_text_config.to_dict(), (len(e["token_ids"]) - 1) / 2)
                 for e in eps)  # every token once: prompts and observations prefilled, replies decoded
     bound = sum(e["roles"].count(ACTION) for e in eps) / (flops / common.matmul_flop_s(mc.dtype))
     recorded = {(i, k): e["token_ids"][a:b] for i, e in enumerate(eps)

@@ -15,7 +15,7 @@ import random
 import tempfile
 from pathlib import Path
 
-import common
+import tiny
 from bench.sft_threads import sft_run, train_seconds
 from bench.train import long_trajectory, random_model_dir
 
@@ -38,7 +38,7 @@ def main(argv=None):
     rng = random.Random(0)
     convs = [long_trajectory(rng, rng.randint(*args.chars)) for _ in range(4 * args.steps + 1)]
     # the base model's architecture (scripts/base_model.py's defaults)
-    model_dir = random_model_dir(out, convs, common.tiny_config(4096, 256, 4, 4, 2))
+    model_dir = random_model_dir(out, convs, tiny.tiny_config(4096, 256, 4, 4, 2))
     total = dict.fromkeys(WAYS, 0.0)
     for r in range(args.rounds):
         line = []

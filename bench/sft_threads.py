@@ -18,7 +18,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-import common
+import tiny
 from bench.train import long_trajectory, random_model_dir
 
 
@@ -62,7 +62,7 @@ def main(argv=None):
     rng = random.Random(0)
     convs = [long_trajectory(rng, args.chars) for _ in range(4 * args.steps + 1)]
     # the base model's architecture (scripts/base_model.py's defaults)
-    model_dir = random_model_dir(out, convs, common.tiny_config(4096, 256, 4, 4, 2))
+    model_dir = random_model_dir(out, convs, tiny.tiny_config(4096, 256, 4, 4, 2))
     total = {"serial": 0.0, "parallel": 0.0}
     for r in range(args.rounds):
         run = lambda name, threads: (sft_run(model_dir, out / "data.jsonl", out / name, args.steps, threads), out / name)

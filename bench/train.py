@@ -6,7 +6,7 @@ log.jsonl. Nothing is downloaded: the tokenizer is trained here, the weights are
     python -m bench.train                                  # one GPU: Qwen3-4B config, 16k-token trajectories
     python -m bench.train --config tiny --seq-len 2048     # CPU smoke run of the same path
 
-MFU = (6 N + 12 L a T) tokens/s / peak FLOP/s (common.forward_flops, times 3), N = the matmul weights (the head
+MFU = (6 N + 12 L a T) tokens/s / peak FLOP/s (tiny.forward_flops, times 3), N = the matmul weights (the head
 included, the embedding lookup not), L layers, a attention heads x head dim, T sequence length (the attention
 term); peak defaults to an H100/H200's dense bf16 989 TFLOP/s.
 """
@@ -16,9 +16,9 @@ import random
 import tempfile
 from pathlib import Path
 
-import common
 import sft
 import terminus
+import tiny
 
 QWEN3_4B = dict(hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32,
                 num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=True,
@@ -55,7 +55,7 @@ def random_model_dir(out, convs, config):
     (sft.py then initialises the model randomly). -> the model dir."""
     (out / "data.jsonl").write_text("".join(json.dumps({"conversations": c}) + "\n" for c in convs))
     model_dir = out / "model"
-    common.build_tiny(model_dir, [m["content"] for c in convs[:20] for m in c], vocab_size=4096, hidden=64, layers=1)
+    tiny.build_tiny(model_dir, [m["content"] for c in convs[:20] for m in c], vocab_size=4096, hidden=64, layers=1)
     for f in model_dir.glob("model*.safetensors"):
         f.unlink()
     config.save_pretrained(model_dir)
@@ -78,7 +78,7 @@ def main(argv=None):
     rows = [json.loads(x) for x in (out / "run" / "log.jsonl").read_text().splitlines()]
     rows = [r for r in rows if "train/tok_per_s" in r][2:]  # the first steps include compilation and allocator warm-up
     tok_s = sum(r["train/tokens"] for r in rows) / sum(r["train/step_s"] for r in rows)
-    flops_per_tok = 3 * common.forward_flops(cfg, args.seq_len)  # forward and backward at full context
+    flops_per_tok = 3 * tiny.forward_flops(cfg, args.seq_len)  # forward and backward at full context
     mfu = flops_per_tok * tok_s / (args.peak_tflops * 1e12)
     peak = max((r.get("train/peak_mem_gb", 0.0) for r in rows), default=0.0)
     print(f"{args.config} | seq {args.seq_len} | {len(rows)} timed steps | {tok_s:,.0f} tok/s | MFU {mfu:.1%} "

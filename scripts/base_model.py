@@ -40,6 +40,7 @@ import common  # noqa: E402
 import labels  # noqa: E402
 import sft  # noqa: E402
 import terminus  # noqa: E402
+import tiny  # noqa: E402
 from sessions import (copy_chats, record_sessions, session_facts, session_rng, session_tree,  # noqa: E402
                       tree_ids)
 
@@ -64,8 +65,8 @@ def get_parser():
                    "Terminus-2's); give the one SFT, RL and evaluation use")
     # model
     p.add_argument("--vocab", type=int, default=4096, help="BPE vocabulary, Qwen's special tokens included")
-    p.add_argument("--split", default="qwen", choices=sorted(common.SPLITS), help="the BPE's pre-tokenizer: qwen "
-                   "(Qwen's) or names (a name's tokens the same wherever it stands; common.NAME_SPLIT)")
+    p.add_argument("--split", default="qwen", choices=sorted(tiny.SPLITS), help="the BPE's pre-tokenizer: qwen "
+                   "(Qwen's) or names (a name's tokens the same wherever it stands; tiny.NAME_SPLIT)")
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--heads", type=int, default=4)
@@ -370,7 +371,7 @@ def pretrain(args, data):
     convs = labels.read_trajectories(data)[0]
     if not (init / "config.json").exists():
         # The BPE is fit to everything the model will read and write: prompt, JSON replies, terminal output.
-        common.build_tiny(init, [m["content"] for c in convs for m in c], vocab_size=args.vocab, hidden=args.hidden,
+        tiny.build_tiny(init, [m["content"] for c in convs for m in c], vocab_size=args.vocab, hidden=args.hidden,
                           layers=args.layers, heads=args.heads, kv_heads=args.kv_heads, seed=args.seed,
                           split=args.split)
     start = init

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-import common
 import labels
 import terminus
+import tiny
 
 FIXTURES = Path(__file__).parent / "fixtures"
 QWEN3_TEMPLATE = (FIXTURES / "qwen3_chat_template.jinja").read_text()
@@ -117,7 +117,7 @@ def tiny_dir(tmp_path_factory, synthetic):
     """A saved tiny random Qwen3 (+ tokenizer) dir; the tokenizer is trained on real and synthetic text."""
     texts = [m["content"] for row in nemotron_rows() for m in row["conversations"]]
     texts += [m["content"] for c in synthetic for m in c]
-    return common.build_tiny(tmp_path_factory.mktemp("tiny"), texts, vocab_size=2048, hidden=64, layers=2, heads=4, kv_heads=2)
+    return tiny.build_tiny(tmp_path_factory.mktemp("tiny"), texts, vocab_size=2048, hidden=64, layers=2, heads=4, kv_heads=2)
 
 
 @pytest.fixture(scope="session")
@@ -125,7 +125,7 @@ def vllm_dir(tmp_path_factory, synthetic):
     """A tiny random Qwen3 whose head size (32) vLLM's CPU attention supports, its tokenizer trained like
     tiny_dir's and saved with its chat template."""
     texts = [m["content"] for row in nemotron_rows() for m in row["conversations"]] + [m["content"] for c in synthetic for m in c]
-    return common.build_tiny(tmp_path_factory.mktemp("vllm-tiny"), texts, vocab_size=2048, hidden=64, layers=2, heads=2, kv_heads=1)
+    return tiny.build_tiny(tmp_path_factory.mktemp("vllm-tiny"), texts, vocab_size=2048, hidden=64, layers=2, heads=2, kv_heads=1)
 
 
 @pytest.fixture(scope="session")

@@ -11,10 +11,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 import base_model  # noqa: E402
-import common  # noqa: E402
 import labels  # noqa: E402
 import sessions  # noqa: E402
 import taskgen  # noqa: E402
+import tiny  # noqa: E402
 
 TINY = ["--sessions", "4", "--commands", "5", "--vocab", "400", "--hidden", "32", "--layers", "1", "--heads", "2",
         "--kv-heads", "1", "--epochs", "1", "--batch-size", "2", "--max-len", "1024", "--concurrency", "4", "--heldout", "2",
@@ -77,7 +77,7 @@ def test_a_names_tokens_under_each_split(tmp_path, split):
     # Under Qwen's split a file name listed by `ls` and the same name typed in a path start with different tokens
     # (" d" vs "/d"): nothing earlier to copy from. Under NAME_SPLIT it is the same tokens wherever it stands.
     texts = [f"ls /etc/svc\n{n}.ini  {n}.txt\ncat /etc/svc/{n}.ini\n" for n in ("d8n8n", "kelp", "onyx_7", "tundra")] * 20
-    tok = labels.load_tokenizer(common.build_tiny(tmp_path, texts, vocab_size=400, hidden=32, layers=1, heads=2,
+    tok = labels.load_tokenizer(tiny.build_tiny(tmp_path, texts, vocab_size=400, hidden=32, layers=1, heads=2,
                                                   kv_heads=1, split=split))
 
     def tokens(before):  # the tokens that hold a character of the name
@@ -136,7 +136,7 @@ def test_repeats_reward_a_copy_by_content_and_not_a_fixed_look_back():
     # a random model does not copy: the probe reads ~0 until a copy circuit is learnt
     from transformers import Qwen3ForCausalLM
     torch.manual_seed(0)
-    model = Qwen3ForCausalLM(common.tiny_config(4096, 32, 1, 2, 1)).eval()
+    model = Qwen3ForCausalLM(tiny.tiny_config(4096, 32, 1, 2, 1)).eval()
     assert base_model.repeat_accuracy(model, torch.arange(300, 4000), n=8) < 0.05
 
 
@@ -196,7 +196,7 @@ def test_copy_practice_forms_the_circuit_at_its_settings():
     # stays in the plateau (0.18 at step 300): the settings, not the step count, decide it.
     from transformers import Qwen3ForCausalLM
     torch.manual_seed(0)
-    model = Qwen3ForCausalLM(common.tiny_config(300, 64, 2, 2, 2))
+    model = Qwen3ForCausalLM(tiny.tiny_config(300, 64, 2, 2, 2))
     curve = base_model.train_copy(model, torch.arange(256, 288), 300, [(16, 0)], tokens=512, every=150,
                                   probe_lengths=(16,), log=lambda line: None)
     assert [k for k, _ in curve] == [0, 150, 300]
@@ -211,7 +211,7 @@ def test_the_refresh_trains_its_second_loss_beside_the_rows():
 
     def run(also):
         torch.manual_seed(0)
-        model = Qwen3ForCausalLM(common.tiny_config(400, 32, 1, 2, 1))
+        model = Qwen3ForCausalLM(tiny.tiny_config(400, 32, 1, 2, 1))
         fixed = lambda: model(input_ids=seq, labels=seq).loss  # noqa: E731
         before = fixed().item()
         base_model.train_copy(model, torch.arange(256, 288), 20, [(16, 0)], tokens=256, lr=1e-2, warmup=1,

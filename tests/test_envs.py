@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-import common
 import sandbox
 import taskgen
 import terminus
+import tiny
 from tasks import load_task, task_from_spec
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -218,7 +218,7 @@ def test_expert_types_the_word_as_the_instruction_tokenizes_it():
     # The instruction quotes the word (`the word "apple"`): under the BPE's pre-split the word is a piece of its own.
     # Typed after a space (`grep -oiw apple`) it would be another piece, " apple", and no copy from the instruction
     # types that; the expert quotes it in its plan and commands, where the JSON reply's \" leaves the same piece.
-    pieces = lambda text: [p for p, _ in common.pre_split("qwen").pre_tokenize_str(text)]  # noqa: E731
+    pieces = lambda text: [p for p, _ in tiny.pre_split("qwen").pre_tokenize_str(text)]  # noqa: E731
     for i in range(8):
         spec = taskgen.generate("word_count", random.Random(i))
         word = spec.params["word"]

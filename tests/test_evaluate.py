@@ -8,13 +8,13 @@ from fractions import Fraction
 import numpy as np
 import pytest
 
-import common
 import compare
 import envs
 import evaluate
 import labels
 import taskgen
 import terminus
+import tiny
 
 
 def exact(n, c, k):
@@ -249,9 +249,9 @@ def test_forward_flops_match_torchs_flop_counter():
     T = 37
     with torch.no_grad(), FlopCounterMode(display=False) as counter:
         model(input_ids=torch.randint(0, TINY["vocab_size"], (1, T)))
-    assert counter.get_total_flops() == T * common.forward_flops(TINY, T)
+    assert counter.get_total_flops() == T * tiny.forward_flops(TINY, T)
     linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))  # the head included
-    assert common.forward_flops(TINY, 0) == 2 * linear
+    assert tiny.forward_flops(TINY, 0) == 2 * linear
 
 
 def test_time_breakdown_known_answers():
@@ -265,7 +265,7 @@ def test_time_breakdown_known_answers():
     assert b["turns_mean"] == 4.0 and b["gen_tok_s"] == 300.0 and b["engine_busy_frac"] == 0.75
     assert b["engine_tok_s"] == 400.0
     # every token of each episode once, at the context of its position
-    flops = sum(common.forward_flops(TINY, p) for a in recs for p in range(a["tokens"]))
+    flops = sum(tiny.forward_flops(TINY, p) for a in recs for p in range(a["tokens"]))
     x = b["bound"]
     assert x["flops"] == pytest.approx(flops, rel=1e-12) and x["tokens"] == 1801
     assert x["compute_s"] == pytest.approx(flops / 1e9) and x["of_wall"] == pytest.approx(flops / 1e9 / 2.0)

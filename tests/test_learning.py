@@ -11,12 +11,12 @@ import random
 
 import pytest
 
-import common
 import envs
 import evaluate
 import grpo
 import sandbox
 import sft
+import tiny
 from conftest import ScriptedAsync
 from tasks import load_tasks
 
@@ -73,7 +73,7 @@ def world(tmp_path_factory, base_image):
     rows = [{"conversations": e.messages} for e in eps] * 16  # each word equally often: the SFT'd policy guesses
     random.Random(0).shuffle(rows)
     (root / "sft.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    base = common.build_tiny(root / "base", [m["content"] for e in eps for m in e.messages] * 4, vocab_size=1024,
+    base = tiny.build_tiny(root / "base", [m["content"] for e in eps for m in e.messages] * 4, vocab_size=1024,
                           hidden=64, layers=2, heads=2, kv_heads=1)  # head size 32: vLLM's CPU attention takes it
     sft.main(["--model", base, "--data", str(root / "sft.jsonl"), "--out", str(root / "sft"), "--lam", "0", "--lr", "1e-2",
               "--batch-size", "8", "--epochs", "12", "--max-len", "1024", "--val-size", "8", "--eval-every", "0",
