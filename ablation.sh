@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # The whole ablation on a CPU machine (root; no GPU, no internet but the Debian and PyPI mirrors): install, build
 # the sandbox base image, pre-train a small base model on terminal sessions, generate the toy corpus and disjoint
-# RL / evaluation tasks (the held-out kind only in evaluation), SFT three arms from that base (ActionSFT λ=0,
-# ActObs λ=1, Obs→Act), the same GRPO recipe from each and from ActionSFT with ECHO (an observation loss on its
-# own rollouts), pass@k of every checkpoint on the held-out tasks, ActionSFT + GRPO again at the temperature T*
-# where its self-entropy matches ActObs + GRPO's, the probes, and one run folder with REPORT.md (tables with
-# paired bootstrap intervals) and the plots.
+# RL / evaluation tasks (the held-out kind only in evaluation), SFT two arms from that base (ActionSFT λ=0, ActObs
+# λ=1), the same GRPO recipe from each, pass@k of every checkpoint on the held-out tasks, the probes, and one run
+# folder with REPORT.md (tables with paired bootstrap intervals) and the plots. --all adds the paper's other
+# comparisons: the Obs→Act arm (SFT, GRPO, evaluation), GRPO from ActionSFT with ECHO (an observation loss on its own
+# rollouts), and ActionSFT + GRPO again at the temperature T* where its self-entropy matches ActObs + GRPO's.
 #
-#   bash ablation.sh              # the full run -> runs/ablation/     (RUN_DIR=... to write elsewhere)
+#   bash ablation.sh              # the main job -> runs/ablation/     (RUN_DIR=... to write elsewhere)
+#   bash ablation.sh --all        # also Obs→Act, ECHO and T*: ~1.6x the main job's time
 #   bash ablation.sh --quick      # smaller everything, same code path -> runs/ablation-quick/
 #   SEED=1 bash ablation.sh       # another draw of everything seeded (base, corpus and tasks, SFT order, rollouts):
 #                                 # a replicate, in its own RUN_DIR
@@ -17,7 +18,7 @@
 #
 # Re-running resumes: every stage skips or continues when its output exists. settings.json in the run folder
 # records every size and the seed; a run folder is only continued with the same ones, or with more: the settings
-# of a stage it did not have (ECHO's, in a folder from before it) or more λ-sweep arms; only their stages then run.
+# of a stage it did not have, the comparisons of --all, more λ-sweep arms; only their stages then run.
 set -Eeuo pipefail
 # A run that stops early says where: the line, the command and its exit status (set -e alone ends without a word);
 # -E: inside functions too. A stage's own failure is named by stage() with its command expanded.
@@ -26,13 +27,14 @@ trap 'echo "${BASH_SOURCE[0]}: line $LINENO: exit $?: $BASH_COMMAND" >&2' ERR
 trap 'echo "ablation.sh: stopped by SIGINT; run it again to continue where it stopped" >&2; exit 130' INT
 trap 'echo "ablation.sh: stopped by SIGTERM; run it again to continue where it stopped" >&2; exit 143' TERM
 cd "$(dirname "$0")"
-MODE=full LAMBDAS=
+MODE=full LAMBDAS='' ALL=''
 for a in "$@"; do
     case $a in
         --quick) MODE=quick ;;
+        --all) ALL=1 ;;
         --sweep) LAMBDAS=default ;;
         --sweep=*) LAMBDAS=${a#--sweep=} ;;
-        *) echo "usage: bash ablation.sh [--quick] [--sweep[=λ,λ,...]]" >&2; exit 2 ;;
+        *) echo "usage: bash ablation.sh [--quick] [--all] [--sweep[=λ,λ,...]]" >&2; exit 2 ;;
     esac
 done
 for L in ${LAMBDAS//,/ }; do  # before anything is installed: a mistyped λ stops the run at once
@@ -44,9 +46,12 @@ export PYTHONUNBUFFERED=1  # each stage's lines as they come, also into a file (
 
 # ---- settings: full, then what --quick shrinks ------------------------------------------------------------
 SEED=${SEED:-0}
-ARMS=(actionsft actobs obs-then-act)  # SFT arms; the first is the baseline of every comparison in the report
-# Obs→Act: one observation-only epoch, then one action-only epoch: in the full run the same passes over the data and
-# steps as the other arms (sft.py counts --epochs per phase)
+# SFT arms; the first is the baseline of every comparison in the report. The main job is the paper's comparison
+# (ActionSFT against ActObs), sized to ~110 minutes on 2 AVX2 cores in fp32 (RESULTS.md); --all adds Obs→Act: one
+# observation-only epoch, then one action-only epoch: in the full run the same passes over the data and steps as the
+# other arms (sft.py counts --epochs per phase)
+ARMS=(actionsft actobs)
+if [ -n "$ALL" ]; then ARMS+=(obs-then-act); fi
 declare -A LOSS=([actionsft]="--lam 0" [actobs]="--lam 1" [obs-then-act]="--schedule obs-then-act --epochs 1")
 BASE=(--sessions 256 --heldout 16 --commands 20 --epochs 6 --batch-size 2 --lr 1e-3)      # scripts/base_model.py
 CORPUS=(--n-sft 576 --n-rl 32 --n-eval 36)                                                # envs.py corpus
@@ -71,13 +76,13 @@ SFT=(--lr 2e-3 --warmup-ratio 0.05 --min-lr-ratio 0.1 --batch-size 4 --epochs 2 
 # (bench/draw_noise.py, RESULTS.md 2026-12-05)
 GRPO=(--steps 8 --tasks-per-step 4 --group-size 8 --lr 1e-4 --kl-coef 0.05 --scale-std --redraw 2 --max-turns 10
       --max-new-tokens 384 --max-len 4096 --concurrency 32 --micro-tokens 1 --save-every 4 --keep 1)        # grpo.py
-# 36 evaluation tasks (4 of each kind) x 8 attempts: the attempts of 18 x 16, with the pass@1 interval narrower (it is
-# bounded by how much tasks differ, more than by the attempts on each)
-EVAL=(--attempts 8 --max-turns 10 --max-new-tokens 384 --max-len 4096 --concurrency 64)  # evaluate.py, all models
-# The GRPO'd policies are the comparison at pass@n; the SFT checkpoints are compared at pass@1-4 (that they look
+# 36 evaluation tasks (4 of each kind) x 4 attempts: more tasks rather than more attempts, as the pass@1 interval is
+# bounded by how much tasks differ more than by the attempts on each (8 attempts: pass@8, ~7 more minutes an arm)
+EVAL=(--attempts 4 --max-turns 10 --max-new-tokens 384 --max-len 4096 --concurrency 64)  # evaluate.py, all models
+# The GRPO'd policies are the comparison at pass@n; the SFT checkpoints are compared at pass@1-2 (that they look
 # alike, and what GRPO did to each), and the base only shows that it solves ~nothing (none of 288 attempts in the
-# 2026-12-02 full run of RESULTS.md, none of 72 in 2026-12-04's, each to the turn limit): they get 4 attempts and 1
-EVAL_SFT=(--attempts 4)
+# 2026-12-02 full run of RESULTS.md, none of 72 in 2026-12-04's, each to the turn limit): they get 2 attempts and 1
+EVAL_SFT=(--attempts 2)
 EVAL_BASE=(--attempts 1)
 PROBE=(--n 32 --max-len 3072)                                                             # probes.py
 SAMPLE=(--max-new-tokens 128)                                                             # probes' own samples
@@ -96,9 +101,10 @@ if [ $MODE = quick ]; then
     PROBE=(--n 4 --max-len 1024)
     SAMPLE=(--max-new-tokens 32)
 fi
-# The comparisons beyond the SFT arms: ECHO (grpo.py's observation loss on the policy's own rollouts, at the weight
-# of its reference setting) and the λ sweep's values (--sweep without a list)
-ECHO=(--echo-coef 0.05)
+# The comparisons beyond the SFT arms: ECHO (--all: grpo.py's observation loss on the policy's own rollouts, at the
+# weight of its reference setting), T* (--all) and the λ sweep's values (--sweep without a list)
+ECHO=() TSTAR=
+if [ -n "$ALL" ]; then ECHO=(--echo-coef 0.05) TSTAR=1; fi
 SWEEP=(0.25 0.5)
 if [ $MODE = quick ]; then SWEEP=(0.5); fi
 [ "$LAMBDAS" = default ] && LAMBDAS="${SWEEP[*]}"
@@ -112,9 +118,11 @@ mkdir -p "$R/eval" "$R/probes"
 ARM_LOSS=(); for A in "${ARMS[@]}" "${SWEEP_ARMS[@]}"; do ARM_LOSS+=("loss_$A=${LOSS[$A]}"); done
 python scripts/report.py settings "$R" mode="$MODE" seed="$SEED" prompt_template="$PT" base="${BASE[*]}" corpus="${CORPUS[*]}" \
     heldout_n=$HELDOUT_N arms="${ARMS[*]}" sweep_arms="${SWEEP_ARMS[*]}" "${ARM_LOSS[@]}" sft="${SFT[*]}" \
-    grpo="${GRPO[*]}" echo="${ECHO[*]}" eval="${EVAL[*]}" eval_sft="${EVAL_SFT[*]}" eval_base="${EVAL_BASE[*]}" probe="${PROBE[*]}" sample="${SAMPLE[*]}"
+    grpo="${GRPO[*]}" echo="${ECHO[*]}" tstar="$TSTAR" eval="${EVAL[*]}" eval_sft="${EVAL_SFT[*]}" eval_base="${EVAL_BASE[*]}" probe="${PROBE[*]}" sample="${SAMPLE[*]}"
 # The stages in order, for the banners: a stage whose output exists is skipped (its banner too)
-STAGES=(base corpus sft eval-sft probes-sft grpo eval-grpo probes-tstar eval-tstar report)
+STAGES=(base corpus sft eval-sft probes-sft grpo eval-grpo)
+if [ -n "$TSTAR" ]; then STAGES+=(probes-tstar eval-tstar); fi
+STAGES+=(report)
 # banner NAME: which stage starts, of how many, and the run's time so far
 banner() {
     local i n=${#STAGES[@]}
@@ -176,30 +184,34 @@ P=(--data "$R/heldout.jsonl" "${PROBE[@]}")
 [ -f "$R/probes/kl.json" ] || RUNS+=(::: kl --models "${S[@]}" --init "$B" "${P[@]}" "${SAMPLE[@]}" --out "$R/probes/kl.json")
 together probes-sft probes.py
 
-# ---- 6. the same GRPO recipe from each SFT arm and, with ECHO, from ActionSFT (echo-grpo/), on the RL split; then
-# pass@k of each GRPO checkpoint
+# ---- 6. the same GRPO recipe from each SFT arm and (--all), with ECHO, from ActionSFT (echo-grpo/), on the RL
+# split; then pass@k of each GRPO checkpoint
 # grpo NAME INIT [FLAG...]: GRPO from INIT into $R/NAME-grpo
 grpo() { RUNS+=(::: --init "$2" --tasks "$R/corpus/rl" --out "$R/$1-grpo" --prompt-template "$PT" --seed "$SEED" --resume \
     "${GRPO[@]}" "${@:3}"); }
 for A in "${ARMS[@]}" "${SWEEP_ARMS[@]}"; do grpo "$A" "$R/$A/final"; done
-grpo echo "$R/actionsft/final" "${ECHO[@]}"
+ECHOS=()
+if [ ${#ECHO[@]} != 0 ]; then grpo echo "$R/actionsft/final" "${ECHO[@]}"; ECHOS=(echo); fi
 together grpo grpo.py
-for M in "${ARMS[@]}" "${SWEEP_ARMS[@]}" echo; do evaluation "$M-grpo" "$R/$M-grpo/final"; done
+for M in "${ARMS[@]}" "${SWEEP_ARMS[@]}" "${ECHOS[@]}"; do evaluation "$M-grpo" "$R/$M-grpo/final"; done
 together eval-grpo evaluate.py
 
-# ---- 7. temperature matching on the GRPO'd policies: ActObs + GRPO's self-entropy at the evaluation temperature
-# (the one its evaluation ran at), the T* at which ActionSFT + GRPO's matches it, and ActionSFT + GRPO evaluated at T*
+# ---- 7. (--all) temperature matching on the GRPO'd policies: ActObs + GRPO's self-entropy at the evaluation
+# temperature (the one its evaluation ran at), the T* at which ActionSFT + GRPO's matches it, and ActionSFT + GRPO
+# evaluated at T*
 # json_field FILE KEY...: one value of a JSON file
 json_field() { python -c 'import functools, json, sys
 print(functools.reduce(lambda v, k: v[k], sys.argv[2:], json.load(open(sys.argv[1]))))' "$@"; }
-[ -f "$R/probes/entropy_actobs-grpo.json" ] || RUNS+=(::: entropy --model "$R/actobs-grpo/final" \
-    --temperature "$(json_field "$R/eval/actobs-grpo.json" settings temperature)" "${P[@]}" "${SAMPLE[@]}" \
-    --out "$R/probes/entropy_actobs-grpo.json")
-[ -f "$R/probes/tstar_actionsft-grpo.json" ] || RUNS+=(::: entropy --model "$R/actionsft-grpo/final" \
-    --match-entropy "$R/probes/entropy_actobs-grpo.json" "${P[@]}" "${SAMPLE[@]}" --out "$R/probes/tstar_actionsft-grpo.json")
-together probes-tstar probes.py
-evaluation actionsft-grpo-tstar "$R/actionsft-grpo/final" --temperature "$(json_field "$R/probes/tstar_actionsft-grpo.json" t_star)"
-together eval-tstar evaluate.py
+if [ -n "$TSTAR" ]; then
+    [ -f "$R/probes/entropy_actobs-grpo.json" ] || RUNS+=(::: entropy --model "$R/actobs-grpo/final" \
+        --temperature "$(json_field "$R/eval/actobs-grpo.json" settings temperature)" "${P[@]}" "${SAMPLE[@]}" \
+        --out "$R/probes/entropy_actobs-grpo.json")
+    [ -f "$R/probes/tstar_actionsft-grpo.json" ] || RUNS+=(::: entropy --model "$R/actionsft-grpo/final" \
+        --match-entropy "$R/probes/entropy_actobs-grpo.json" "${P[@]}" "${SAMPLE[@]}" --out "$R/probes/tstar_actionsft-grpo.json")
+    together probes-tstar probes.py
+    evaluation actionsft-grpo-tstar "$R/actionsft-grpo/final" --temperature "$(json_field "$R/probes/tstar_actionsft-grpo.json" t_star)"
+    together eval-tstar evaluate.py
+fi
 
 # ---- 8. the run folder's REPORT.md, comparison tables and plots; fails if any stage's output is malformed
 banner report

@@ -16,9 +16,10 @@ from tasks import load_task
 # The run folder's names, and a stage's flags
 
 WEIGHTS = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
-# ablation.sh's names: ECHO's GRPO run (from ActionSFT), ActionSFT + GRPO's evaluation at T*, and the probes
+# ablation.sh's names: ECHO's GRPO run (from ActionSFT), ActionSFT + GRPO's evaluation at T*, the probes of the SFT
+# checkpoints and those of the temperature match (T*, with --all)
 ECHO, TSTAR = "echo", "actionsft-grpo-tstar"
-PROBES = ("obs_nll", "cmd_entropy", "kl", "entropy_actobs-grpo", "tstar_actionsft-grpo")
+PROBES, TSTAR_PROBES = ("obs_nll", "cmd_entropy", "kl"), ("entropy_actobs-grpo", "tstar_actionsft-grpo")
 
 
 def flags(args):
@@ -177,9 +178,9 @@ def check_eval(path, tasks, attempts, checkpoint, problems):
     return res
 
 
-def check_probes(run, problems):
+def check_probes(run, tstar, problems):
     out = {}
-    for name in PROBES:
+    for name in PROBES + TSTAR_PROBES * tstar:
         res = read_json(run / "probes" / f"{name}.json", problems)
         if res is None:
             continue

@@ -7,12 +7,13 @@ The ablation's run folder (ablation.sh): its settings, a check of every stage's 
 
 `settings` writes RUN/settings.json (each stage's flags, the seed, the mode, the git commit, the compute dtype) and refuses a
 folder that holds a run with other settings, so a resumed run never mixes two; what it takes is more: the settings
-of a stage the run did not have (ECHO's, in a folder from before it) and more λ-sweep arms (`bash ablation.sh
---sweep` on a finished run), whose stages then run alone. `limits` stops a run whose GRPO or
+of a stage the run did not have, the comparisons of `--all` (the Obs→Act arm, ECHO, T*) and more λ-sweep arms
+(`bash ablation.sh --all` or `--sweep` on a finished run), whose stages then run alone. `limits` stops a run whose GRPO or
 evaluation limits would cut the expert's own replies or episodes (in the base model's tokens). `build` checks
 that every stage left well-formed output (files exist and parse, one GRPO log row per step, every task attempted
 n times and every attempt's transcript kept, pass@k in [0, 1] and non-decreasing in k, finite probe numbers,
-the ECHO run trained with its --echo-coef, the T* evaluation ran at the probe's T*), then writes REPORT.md,
+the ECHO run trained with its --echo-coef, the T* evaluation ran at the probe's T*; ECHO and T* where the run
+has them), then writes REPORT.md,
 report.json and the plots: pass_at_k.png (all checkpoints), grpo_curves.png (reward, entropy, KL from init per
 GRPO run), lambda_sweep.png (pass@1 and pass@n advantage over ActionSFT against λ, with a λ sweep) and
 geometry.png (cos(g_act, g_obs) and r during SFT per arm). Any problem: one line each, exit status 1.
@@ -51,16 +52,19 @@ def arm_labels(st):
 
 def model_names(st):
     """{run folder: label} of every evaluated checkpoint: the base, each SFT arm, each arm and λ-sweep arm after
-    GRPO (a λ-sweep arm's SFT checkpoint is not evaluated), ActionSFT after GRPO with ECHO and at T*."""
+    GRPO (a λ-sweep arm's SFT checkpoint is not evaluated), ActionSFT after GRPO with ECHO and at T* where the run
+    has them (ablation.sh --all)."""
     arm_label = arm_labels(st)
     return {"base": "base", **{a: arm_label[a] for a in st["arms"].split()},
             **{f"{a}-grpo": f"{label} + GRPO" for a, label in arm_label.items()},
-            f"{ECHO}-grpo": f"{LABELS['actionsft']} + GRPO + ECHO", TSTAR: f"{LABELS['actionsft']} + GRPO at T*"}
+            **({f"{ECHO}-grpo": f"{LABELS['actionsft']} + GRPO + ECHO"} if st["echo"] else {}),
+            **({TSTAR: f"{LABELS['actionsft']} + GRPO at T*"} if st["tstar"] else {})}
 
 
 def grpo_runs(st):
     """{GRPO run folder: its SFT checkpoint's folder}: each arm's, each λ-sweep arm's, ECHO's (from ActionSFT)."""
-    return {**{f"{a}-grpo": a for a in st["arms"].split() + st[SWEEP_KEY].split()}, f"{ECHO}-grpo": "actionsft"}
+    return {**{f"{a}-grpo": a for a in st["arms"].split() + st[SWEEP_KEY].split()},
+            **({f"{ECHO}-grpo": "actionsft"} if st["echo"] else {})}
 
 
 def eval_attempts(st, model):
@@ -95,7 +99,8 @@ def write_settings(run, pairs):
         if changed:
             raise SystemExit(f"{run} holds a run with other settings ({', '.join(changed)} differ): remove it, or "
                              "set RUN_DIR to another folder" + (f" (it has the λ-sweep arms {old['stages'][SWEEP_KEY]}: "
-                             "pass ablation.sh --sweep=... with them)" if SWEEP_KEY in changed else ""))
+                             "pass ablation.sh --sweep=... with them)" if SWEEP_KEY in changed else "")
+                             + (" (it has the comparisons of --all: pass it)" if old["stages"].get("tstar") else ""))
         if old["stages"] != settings:  # more stages or λ-sweep arms: the run now has them
             path.write_text(json.dumps({**old, "stages": settings}, indent=2))
         return
@@ -112,10 +117,10 @@ def write_settings(run, pairs):
 
 def added(old, new, key):
     """Whether a setting differs only by what a resumed run may add: a key the run lacks (the settings of a stage
-    it did not have: ECHO's in a folder from before ECHO, an added λ-sweep arm's loss) or more λ-sweep arms."""
-    if key == SWEEP_KEY:
+    it did not have, an added arm's loss), more arms or λ-sweep arms, ECHO or T* where the run had none (--all)."""
+    if key in (SWEEP_KEY, "arms"):
         return set(old.get(key, "").split()) <= set(new.get(key, "").split())
-    return key not in old
+    return key not in old or (key in ("echo", "tstar") and not old[key])
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -354,7 +359,7 @@ def build(run):
     if settings is None:
         return problems
     st = settings["stages"]
-    missing = [k for k in ("arms", SWEEP_KEY, "corpus", "heldout_n", "grpo", "echo", "eval") if k not in st]
+    missing = [k for k in ("arms", SWEEP_KEY, "corpus", "heldout_n", "grpo", "echo", "tstar", "eval") if k not in st]
     if missing:
         return [f"{run / 'settings.json'}: no {', '.join(missing)} (a run folder of an older ablation.sh?)"]
     check_model(run / "base" / "model", problems)
@@ -363,7 +368,7 @@ def build(run):
     names = model_names(st)
     geo = {a: check_sft(run, a, problems) for a in arms + sweep_arms}
     steps, attempts = int(flags(st["grpo"])["--steps"]), int(flags(st["eval"])["--attempts"])
-    echo_coef = float(flags(st["echo"])["--echo-coef"])
+    echo_coef = float(flags(st["echo"])["--echo-coef"]) if st["echo"] else 0.0
     grpo = {m: check_grpo(run, m, init, steps, echo_coef if m == f"{ECHO}-grpo" else 0.0, problems)
             for m, init in grpo_runs(st).items()}
     results = {}
@@ -371,19 +376,20 @@ def build(run):
         res = check_eval(run / "eval" / f"{m}.json", ev, eval_attempts(st, m), checkpoint(run, m), problems)
         if res is not None:
             results[m] = res
-    probes = check_probes(run, problems)
-    check_tstar(run, probes, results, problems)
+    probes = check_probes(run, bool(st["tstar"]), problems)
+    if st["tstar"]:
+        check_tstar(run, probes, results, problems)
     times = read_jsonl(run / "times.jsonl", problems)
     if problems:
         return problems
 
-    grpod = [f"{a}-grpo" for a in arms] + [f"{ECHO}-grpo"]  # the paper's comparison: every arm, and ECHO
+    grpod = [f"{a}-grpo" for a in arms] + [f"{ECHO}-grpo"] * bool(st["echo"])  # the paper's comparison: every arm, ECHO
     after, after_txt = comparison(results, grpod, names)
     before, before_txt = comparison(results, arms, names)  # the base solves ~nothing: its own row in the overview
     # what GRPO did to each SFT checkpoint: all tasks only (the per-kind blocks are in the tables above)
     effect = {m: compare_within_kinds([(names[r], results[r]) for r in (init, m)])
               for m, init in grpo_runs(st).items() if init in results}
-    tstar, tstar_txt = tstar_section(results, probes, names)
+    tstar, tstar_txt = tstar_section(results, probes, names) if st["tstar"] else (None, "")
     lo, hi, half = halfwidth(after)
     pooled = halfwidth(compare.compare([(names[m], results[m]) for m in grpod[:2]]))[2]  # tasks resampled across kinds
     points = sweep_points(st) if sweep_arms else []
@@ -416,12 +422,13 @@ def build(run):
           f"{', '.join(taskgen.HELDOUT_KINDS)})", "", overview(results, names), "",
           "pass@k in %, unbiased estimator over tasks; excluded = attempts lost to infrastructure failures (not counted). "
           "Plot: pass_at_k.png.", "",
-          f"## After the same GRPO ({names[grpod[0]]} is the baseline [0]; ECHO: GRPO from {names['actionsft']} with "
-          f"`{st['echo']}`)", "", "```", after_txt, "```", "",
-          f"## Temperature-matched {names['actionsft-grpo']}", "", tstar_txt, "",
-          f"## Before GRPO: the SFT arms ({names[arms[0]]} is the baseline [0]; {eval_attempts(st, arms[0])} attempts "
-          "a task)", "", "```",
-          before_txt, "```", ""]
+          f"## After the same GRPO ({names[grpod[0]]} is the baseline [0]"
+          + (f"; ECHO: GRPO from {names['actionsft']} with `{st['echo']}`)" if st["echo"] else ")"),
+          "", "```", after_txt, "```", ""]
+    if st["tstar"]:
+        md += [f"## Temperature-matched {names['actionsft-grpo']}", "", tstar_txt, ""]
+    md += [f"## Before GRPO: the SFT arms ({names[arms[0]]} is the baseline [0]; {eval_attempts(st, arms[0])} attempts "
+           "a task)", "", "```", before_txt, "```", ""]
     for m, cmp in effect.items():
         md += [f"## What GRPO did: {names[grpo_runs(st)[m]]} → {names[m]}", "", "```", compare.compare_table(cmp),
                "```", ""]

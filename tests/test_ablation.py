@@ -87,12 +87,14 @@ def test_the_readme_command_as_typed_runs_into_its_stages_and_stops_cleanly(tmp_
     # start its first stage: the base model's session recording, with sandboxes live.
     repo = checkout_copy(tmp_path)
     settings = repo / "runs" / "ablation" / "settings.json"
-    proc, lines = start(repo, [], {}, lambda out, pid: "==> stage 1/10: base" in out and settings.exists()
+    proc, lines = start(repo, [], {}, lambda out, pid: "==> stage 1/8: base" in out and settings.exists()
                         and containers_of(group_pids(pid)))
     pids = group_pids(proc.pid)
     rc, out = stop(proc, lines)
     st = json.loads(settings.read_text())
     assert st["stages"]["mode"] == "full" and st["stages"]["seed"] == "0" and "--sessions 256" in st["stages"]["base"]
+    # the main job: the paper's two arms, no ECHO or T* (--all adds them)
+    assert (st["stages"]["arms"], st["stages"]["echo"], st["stages"]["tstar"]) == ("actionsft actobs", "", "")
     assert st["compute_dtype"]["dtype"] in ("fp32", "bf16") and "compute dtype: " in out
     assert "--dtype" not in st["stages"]["sft"]  # every stage on the machine's own choice
     assert rc == 143 and "ablation.sh: stopped by SIGTERM" in out, out[-3000:]
@@ -107,7 +109,7 @@ def test_the_readme_command_as_typed_runs_into_its_stages_and_stops_cleanly(tmp_
 def test_run_dir_seed_and_quick_choose_the_run(tmp_path, base_image, args, env, where, mode, seed):
     repo = checkout_copy(tmp_path)
     settings = repo / where / "settings.json"
-    stop(*start(repo, args, env, lambda out, _: "==> stage 1/10: base" in out and settings.exists()))
+    stop(*start(repo, args, env, lambda out, _: "==> stage 1/8: base" in out and settings.exists()))
     st = json.loads(settings.read_text())["stages"]
     assert (st["mode"], st["seed"]) == (mode, seed)
     assert ("--sessions 8 " in st["base"]) == (mode == "quick")
@@ -120,11 +122,11 @@ def test_a_failing_stage_names_its_line_and_command(tmp_path):
     script = (ROOT / "ablation.sh").read_text()
     helpers = script[script.index("# The stages in order"):script.index("# Runs of one script share a process")]
     test = tmp_path / "t.sh"
-    test.write_text("set -Eeuo pipefail\nR=" + str(tmp_path) + "\n" + helpers +
+    test.write_text("set -Eeuo pipefail\nR=" + str(tmp_path) + "\nTSTAR=\n" + helpers +
                     "stage corpus python -c 'import sys; sys.exit(7)' --seed 5\necho not reached\n")
     run = subprocess.run(["bash", str(test)], capture_output=True, text=True, timeout=30)
-    line = helpers.count("\n") + 3
+    line = helpers.count("\n") + 4
     assert run.returncode == 7 and "not reached" not in run.stdout
-    assert "==> stage 2/10: corpus" in run.stdout
+    assert "==> stage 2/8: corpus" in run.stdout
     assert (f"line {line}: stage corpus failed (exit 7) after 0s: python -c import sys; sys.exit(7) --seed 5"
             in run.stderr), run.stderr

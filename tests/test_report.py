@@ -131,24 +131,28 @@ def test_rl_time_over_the_steps_that_trained(tmp_path):
     assert report.rl_time(rows[3:]) == {"trained_steps": 0}
 
 
-def test_build_names_what_is_missing(tmp_path):
+@pytest.mark.parametrize("every", [True, False])
+def test_build_names_what_is_missing(tmp_path, every):
+    """every: a run of `ablation.sh --all` (ECHO and T*), else the main job's, whose report asks for neither."""
     report.write_settings(tmp_path, ["arms=actionsft actobs", "sweep_arms=lam0.5", "loss_lam0.5=--lam 0.5",
                                      "corpus=--n-rl 2 --n-eval 2", "heldout_n=1", "grpo=--steps 2",
-                                     "echo=--echo-coef 0.05", "eval=--attempts 2"])
+                                     f"echo={'--echo-coef 0.05' if every else ''}", f"tstar={'1' if every else ''}",
+                                     "eval=--attempts 2"])
     problems = report.build(tmp_path)
     text = "\n".join(problems)
     for piece in ("base/model", "corpus/sft.jsonl", "actobs/log.jsonl", "lam0.5/log.jsonl", "actionsft-grpo",
-                  "echo-grpo/config.json", "lam0.5-grpo", "eval/actobs-grpo.json", "eval/echo-grpo.json",
-                  "eval/lam0.5-grpo.json", "eval/actionsft-grpo-tstar.json", "probes/kl.json",
-                  "probes/tstar_actionsft-grpo.json", "times.jsonl"):
+                  "lam0.5-grpo", "eval/actobs-grpo.json", "eval/lam0.5-grpo.json", "probes/kl.json", "times.jsonl"):
         assert piece in text, piece
+    for piece in ("echo-grpo/config.json", "eval/echo-grpo.json", "eval/actionsft-grpo-tstar.json",
+                  "probes/tstar_actionsft-grpo.json", "probes/entropy_actobs-grpo.json"):
+        assert (piece in text) == every, piece
     assert "eval/lam0.5.json" not in text  # a λ-sweep arm is evaluated after GRPO only
 
 
 def test_build_names_missing_settings(tmp_path):
     report.write_settings(tmp_path, ["arms=actionsft actobs", "grpo=--steps 2", "eval=--attempts 2"])  # no ECHO, no sweep
-    assert report.build(tmp_path) == [f"{tmp_path}/settings.json: no sweep_arms, corpus, heldout_n, echo (a run folder "
-                                      "of an older ablation.sh?)"]
+    assert report.build(tmp_path) == [f"{tmp_path}/settings.json: no sweep_arms, corpus, heldout_n, echo, tstar (a run "
+                                      "folder of an older ablation.sh?)"]
 
 
 def test_settings_take_new_stages_and_more_sweep_arms_only(tmp_path):
@@ -171,6 +175,22 @@ def test_settings_take_new_stages_and_more_sweep_arms_only(tmp_path):
         report.write_settings(tmp_path, base[:3] + ["sweep_arms=lam0.5", "loss_lam0.5=--lam 0.5"])
 
 
+def test_settings_take_the_comparisons_of_all_on_a_main_run(tmp_path):
+    """`bash ablation.sh --all` on a finished main job adds Obs→Act, ECHO and T*; the main job's flags on a folder of
+    --all are refused, saying so (its arms and stages are never dropped)."""
+    main = ["arms=actionsft actobs", "sweep_arms=", "loss_actobs=--lam 1", "grpo=--steps 2"]
+    every = ["arms=actionsft actobs obs-then-act", "sweep_arms=", "loss_actobs=--lam 1",
+             "loss_obs-then-act=--schedule obs-then-act", "grpo=--steps 2"]
+    report.write_settings(tmp_path, main + ["echo=", "tstar="])
+    report.write_settings(tmp_path, every + ["echo=--echo-coef 0.05", "tstar=1"])
+    st = json.loads((tmp_path / "settings.json").read_text())["stages"]
+    assert (st["arms"], st["echo"], st["tstar"]) == ("actionsft actobs obs-then-act", "--echo-coef 0.05", "1")
+    with pytest.raises(SystemExit, match=r"\(arms, echo, loss_obs-then-act, tstar differ\).*comparisons of --all"):
+        report.write_settings(tmp_path, main + ["echo=", "tstar="])
+    with pytest.raises(SystemExit, match=r"\(echo differ\)"):  # ECHO's weight once set is kept
+        report.write_settings(tmp_path, every + ["echo=--echo-coef 0.1", "tstar=1"])
+
+
 # A complete synthetic run folder, what ablation.sh leaves: ActionSFT and ActObs, the λ = 0.5 sweep arm, ECHO, T*.
 # Per model, each evaluation task's two attempts' rewards (3 tasks; the first is the held-out kind's).
 REWARDS = {"actionsft-grpo": ((1, 0), (0, 0), (0, 0)), "actobs-grpo": ((1, 1), (1, 0), (0, 0)),
@@ -182,14 +202,16 @@ KL = {"actionsft-grpo": (0.01, 0.04), "actobs-grpo": (0.01, 0.02), "lam0.5-grpo"
       "echo-grpo": (0.01, 0.05)}
 
 
-def synthetic_run(run, sweep=True, before_attempts=None):
-    """before_attempts: the SFT checkpoints and the base evaluated with these fewer attempts (eval_sft, eval_base)."""
+def synthetic_run(run, sweep=True, before_attempts=None, every=True):
+    """before_attempts: the SFT checkpoints and the base evaluated with these fewer attempts (eval_sft, eval_base);
+    every: ECHO and T* too (ablation.sh --all)."""
     sweep_arms = ["lam0.5"] if sweep else []
     fewer = [f"eval_sft=--attempts {before_attempts}", f"eval_base=--attempts {before_attempts}"] if before_attempts else []
     report.write_settings(run, ["mode=quick", "seed=0", "arms=actionsft actobs", f"sweep_arms={' '.join(sweep_arms)}",
                                 "loss_actionsft=--lam 0", "loss_actobs=--lam 1", *(["loss_lam0.5=--lam 0.5"] if sweep else []),
                                 "corpus=--n-sft 4 --n-rl 2 --n-eval 3", "heldout_n=1", "grpo=--steps 2",
-                                "echo=--echo-coef 0.05", "eval=--attempts 2", *fewer])
+                                f"echo={'--echo-coef 0.05' if every else ''}", f"tstar={'1' if every else ''}",
+                                "eval=--attempts 2", *fewer])
     (run / "base" / "model").mkdir(parents=True)
     for f in checks.WEIGHTS:
         (run / "base" / "model" / f).write_text("{}")
@@ -209,7 +231,9 @@ def synthetic_run(run, sweep=True, before_attempts=None):
         (run / arm / "probe_geometry.png").write_bytes(b"")
     for arm in ["actionsft", "actobs"] + sweep_arms:
         grpo_run(run, 2, name=f"{arm}-grpo", init=arm, entropy=ENTROPY[f"{arm}-grpo"], kl=KL[f"{arm}-grpo"])
-    grpo_run(run, 2, name="echo-grpo", init="actionsft", echo_coef=0.05, entropy=ENTROPY["echo-grpo"], kl=KL["echo-grpo"])
+    if every:
+        grpo_run(run, 2, name="echo-grpo", init="actionsft", echo_coef=0.05, entropy=ENTROPY["echo-grpo"],
+                 kl=KL["echo-grpo"])
     tasks = checks.task_names(run / "corpus" / "eval", [])
     (run / "eval").mkdir()
     for m in report.model_names(json.loads((run / "settings.json").read_text())["stages"]):
@@ -232,7 +256,8 @@ def synthetic_run(run, sweep=True, before_attempts=None):
               "tstar_actionsft-grpo": {"model": str(run / "actionsft-grpo" / "final"), "target": 0.8, "t_star": T_STAR,
                                        "trace": [[0.05, 0.1], [3.0, 2.0]]}}
     for name, res in probes.items():
-        (run / "probes" / f"{name}.json").write_text(json.dumps(res))
+        if every or name in checks.PROBES:
+            (run / "probes" / f"{name}.json").write_text(json.dumps(res))
     (run / "times.jsonl").write_text(json.dumps({"stage": "base", "seconds": 3}) + "\n")
     return tasks
 
@@ -295,6 +320,17 @@ def test_build_reports_every_comparison(tmp_path):
     assert "Most entropy kept during GRPO (mean over the trained steps): ActObs (λ=1) + GRPO; closest to its SFT " \
            "checkpoint at the end (k3): ActObs (λ=1) + GRPO" in md
     assert out["rl_time"]["echo-grpo"]["kl_end"] == 0.05 and "![GRPO curves](grpo_curves.png)" in md
+
+
+def test_the_main_jobs_report_has_no_echo_or_tstar(tmp_path):
+    """ablation.sh without --all: the report builds from the two arms alone, with no ECHO run or T* section."""
+    synthetic_run(tmp_path, sweep=False, every=False)
+    assert report.build(tmp_path) == []
+    md = (tmp_path / "REPORT.md").read_text()
+    out = json.loads((tmp_path / "report.json").read_text())
+    assert out["after_grpo"]["runs"] == ["ActionSFT (λ=0) + GRPO", "ActObs (λ=1) + GRPO"] and out["tstar"] is None
+    assert set(out["grpo_effect"]) == {"actionsft-grpo", "actobs-grpo"}
+    assert "ECHO" not in md and "T*" not in md and "## After the same GRPO (ActionSFT (λ=0) + GRPO is the baseline [0])" in md
 
 
 def test_the_report_links_a_solved_and_a_failed_transcript_per_grpo_run(tmp_path):
