@@ -14,7 +14,7 @@
 #                                 # a replicate, in its own RUN_DIR
 #   bash ablation.sh --sweep      # also SFT arms at λ = 0.25 and 0.5 (--sweep=0.1,0.75: those), each through the
 #                                 # same GRPO and evaluation; the report plots their advantage over ActionSFT
-#                                 # against λ. Quick sweeps λ = 0.5 only; CI runs `--quick --sweep`.
+#                                 # against λ. Quick sweeps λ = 0.5 only; CI runs `--quick --all --sweep`.
 #
 # Re-running resumes: every stage skips or continues when its output exists. settings.json in the run folder
 # records every size and the seed; a run folder is only continued with the same ones, or with more: the settings
@@ -179,9 +179,12 @@ together eval-sft evaluate.py
 # the base
 S=("${ARMS[@]/#/$R/}"); S=("${S[@]/%//final}")
 P=(--data "$R/heldout.jsonl" "${PROBE[@]}")
-[ -f "$R/probes/obs_nll.json" ] || RUNS+=(::: obs-nll --models "$B" "${S[@]}" "${P[@]}" --out "$R/probes/obs_nll.json")
-[ -f "$R/probes/cmd_entropy.json" ] || RUNS+=(::: cmd-entropy --models "${S[@]}" "${P[@]}" --out "$R/probes/cmd_entropy.json")
-[ -f "$R/probes/kl.json" ] || RUNS+=(::: kl --models "${S[@]}" --init "$B" "${P[@]}" "${SAMPLE[@]}" --out "$R/probes/kl.json")
+# probed FILE MODEL...: FILE holds each MODEL's result (an arm that --all adds to a finished run is probed again)
+probed() { [ -f "$1" ] && python -c 'import json, sys
+sys.exit(any(m not in json.load(open(sys.argv[1])) for m in sys.argv[2:]))' "$@"; }
+probed "$R/probes/obs_nll.json" "$B" "${S[@]}" || RUNS+=(::: obs-nll --models "$B" "${S[@]}" "${P[@]}" --out "$R/probes/obs_nll.json")
+probed "$R/probes/cmd_entropy.json" "${S[@]}" || RUNS+=(::: cmd-entropy --models "${S[@]}" "${P[@]}" --out "$R/probes/cmd_entropy.json")
+probed "$R/probes/kl.json" "${S[@]}" || RUNS+=(::: kl --models "${S[@]}" --init "$B" "${P[@]}" "${SAMPLE[@]}" --out "$R/probes/kl.json")
 together probes-sft probes.py
 
 # ---- 6. the same GRPO recipe from each SFT arm and (--all), with ECHO, from ActionSFT (echo-grpo/), on the RL

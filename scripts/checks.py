@@ -178,7 +178,9 @@ def check_eval(path, tasks, attempts, checkpoint, problems):
     return res
 
 
-def check_probes(run, tstar, problems):
+def check_probes(run, arms, tstar, problems):
+    """The probes' results: finite numbers; the SFT checkpoints' probes hold every arm's (one added to a finished
+    run by ablation.sh --all is probed again); the temperature match's where the run has it."""
     out = {}
     for name in PROBES + TSTAR_PROBES * tstar:
         res = read_json(run / "probes" / f"{name}.json", problems)
@@ -187,6 +189,9 @@ def check_probes(run, tstar, problems):
         nums = [v for v in _numbers(res)]
         if not nums or not all(math.isfinite(v) for v in nums):
             problems.append(f"{run / 'probes' / name}.json: no numbers, or non-finite ones")
+        have = {Path(k).resolve() for k in res}
+        if name in PROBES and (missing := [a for a in arms if checkpoint(run, a).resolve() not in have]):
+            problems.append(f"{run / 'probes' / name}.json: no result for {', '.join(missing)}")
         out[name] = res
     return out
 

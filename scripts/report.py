@@ -100,7 +100,8 @@ def write_settings(run, pairs):
             raise SystemExit(f"{run} holds a run with other settings ({', '.join(changed)} differ): remove it, or "
                              "set RUN_DIR to another folder" + (f" (it has the λ-sweep arms {old['stages'][SWEEP_KEY]}: "
                              "pass ablation.sh --sweep=... with them)" if SWEEP_KEY in changed else "")
-                             + (" (it has the comparisons of --all: pass it)" if old["stages"].get("tstar") else ""))
+                             + (" (it has the comparisons of --all: pass it)" if old["stages"].get("tstar")
+                                and not settings.get("tstar") else ""))
         if old["stages"] != settings:  # more stages or λ-sweep arms: the run now has them
             path.write_text(json.dumps({**old, "stages": settings}, indent=2))
         return
@@ -376,7 +377,7 @@ def build(run):
         res = check_eval(run / "eval" / f"{m}.json", ev, eval_attempts(st, m), checkpoint(run, m), problems)
         if res is not None:
             results[m] = res
-    probes = check_probes(run, bool(st["tstar"]), problems)
+    probes = check_probes(run, arms, bool(st["tstar"]), problems)
     if st["tstar"]:
         check_tstar(run, probes, results, problems)
     times = read_jsonl(run / "times.jsonl", problems)

@@ -433,3 +433,15 @@ def test_the_report_header_says_whether_replies_were_constrained():
     assert report.grammar_words("--steps 2 --grammar --lr 1") == "constrained by the reply grammar (--grammar reply)"
     assert report.grammar_words("--steps 2 --grammar think") == "constrained by the reply grammar (--grammar think)"
     assert report.grammar_words("--steps 2") == "unconstrained"
+
+
+@pytest.mark.parametrize("probe", ["obs_nll", "cmd_entropy", "kl"])
+def test_build_names_an_arm_the_probes_left_out(tmp_path, probe):
+    """An arm added to a finished run (ablation.sh --all) whose SFT checkpoint a probe file does not hold is named,
+    not dropped from the probes' table."""
+    synthetic_run(tmp_path, sweep=False)
+    path = tmp_path / "probes" / f"{probe}.json"
+    res = json.loads(path.read_text())
+    del res[str(tmp_path / "actobs" / "final")]
+    path.write_text(json.dumps(res))
+    assert report.build(tmp_path) == [f"{path}: no result for actobs"]
