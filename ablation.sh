@@ -8,7 +8,7 @@
 # rollouts), and ActionSFT + GRPO again at the temperature T* where its self-entropy matches ActObs + GRPO's.
 #
 #   bash ablation.sh              # the main job -> runs/ablation/     (RUN_DIR=... to write elsewhere)
-#   bash ablation.sh --all        # also Obs→Act, ECHO and T*: ~1.6x the main job's time
+#   bash ablation.sh --all        # also Obs→Act, ECHO and T*: ~1.8x the main job's time
 #   bash ablation.sh --quick      # smaller everything, same code path -> runs/ablation-quick/
 #   SEED=1 bash ablation.sh       # another draw of everything seeded (base, corpus and tasks, SFT order, rollouts):
 #                                 # a replicate, in its own RUN_DIR
@@ -47,9 +47,9 @@ export PYTHONUNBUFFERED=1  # each stage's lines as they come, also into a file (
 # ---- settings: full, then what --quick shrinks ------------------------------------------------------------
 SEED=${SEED:-0}
 # SFT arms; the first is the baseline of every comparison in the report. The main job is the paper's comparison
-# (ActionSFT against ActObs), sized to ~110 minutes on 2 AVX2 cores in fp32 (RESULTS.md); --all adds Obs→Act: one
-# observation-only epoch, then one action-only epoch: in the full run the same passes over the data and steps as the
-# other arms (sft.py counts --epochs per phase)
+# (ActionSFT against ActObs), sized to fit 2 hours on 2 AVX2 cores in fp32 (94 minutes, RESULTS.md); --all adds
+# Obs→Act: one observation-only epoch, then one action-only epoch: in the full run the same passes over the data and
+# steps as the other arms (sft.py counts --epochs per phase)
 ARMS=(actionsft actobs)
 if [ -n "$ALL" ]; then ARMS+=(obs-then-act); fi
 declare -A LOSS=([actionsft]="--lam 0" [actobs]="--lam 1" [obs-then-act]="--schedule obs-then-act --epochs 1")
