@@ -22,6 +22,7 @@ end one), and the closing tokens carry no loss.
 Nothing heavy at import: vLLM is imported when an engine or a policy is made.
 """
 import os
+import time
 from contextlib import contextmanager
 
 import numpy as np
@@ -74,28 +75,44 @@ def make_engine(model_dir, *, max_model_len, max_seqs, seed=0, dtype="auto", gpu
     return LLM(**(kw | engine_args))
 
 
+# The weight sync's checksum reads every 97th element of each tensor (a prime stride, so no row length aliases
+# it): a tensor left stale or loaded on one rank only shows in it, at ~1 % of the cost of summing all of them in
+# float64 (2-3 s of a 9 s sync at 232M parameters on 2 CPU ranks, RESULTS.md 2026-12-06)
+CHECKSUM_STRIDE = 97
+
+
+def weights_checksum(t):
+    """The float64 sum of every CHECKSUM_STRIDE-th element of tensor t (a 0-dim tensor on t's device)."""
+    return t.detach().flatten()[::CHECKSUM_STRIDE].sum(dtype=torch.float64)
+
+
 def sync_weights(engine, model):
     """Load the trainer's weights into the engine in place, all at once, then drop cached prefixes (their KV was
     computed by the old weights). With tied embeddings lm_head.weight must be among them: the engine keeps a
     separate head and would otherwise silently keep the old one. Under FSDP2 each rank gathers the full
-    tensors for its own engine one at a time, so the transient memory is one tensor, not the model. -> a checksum
-    of the weights loaded (the float64 sum of all their elements, as the trainer holds them): equal on ranks whose
-    engines got equal weights."""
+    tensors for its own engine one at a time, so the transient memory is one tensor, not the model. -> (a checksum
+    of the weights loaded: weights_checksum summed over them, as the trainer holds them, equal on ranks whose
+    engines got equal weights; the seconds the trainer's side took: the gathers, sums and casts, measured inside
+    the iterator the engine consumes, so the rest of the sync's time is the engine's loading; on a GPU, whose
+    kernels run asynchronously, the split is approximate)."""
     dtype = engine.llm_engine.model_config.dtype
     sd = model.state_dict()
     if model.config.tie_word_embeddings and "lm_head.weight" not in sd:
         sd["lm_head.weight"] = sd["model.embed_tokens.weight"]
-    sums = []
+    sums, trainer_s = [], [0.0]
 
     def weights():  # consumed in order by the engine; FSDP2's gathers happen in the same order on every rank
         for k, v in sd.items():
+            t = time.perf_counter()
             full = (v.full_tensor() if hasattr(v, "full_tensor") else v).detach()
-            sums.append(full.sum(dtype=torch.float64))  # on the device: one host sync for all, below
-            yield k, full.to(dtype)
+            sums.append(weights_checksum(full))  # on the device: one host sync for all, below
+            full = full.to(dtype)
+            trainer_s[0] += time.perf_counter() - t
+            yield k, full
 
     engine.collective_rpc("reload_weights", kwargs={"weights_iterator": weights()})
     engine.reset_prefix_cache()
-    return float(torch.stack(sums).sum())
+    return float(torch.stack(sums).sum()), trainer_s[0]
 
 
 _SKELETON = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]

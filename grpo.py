@@ -471,10 +471,11 @@ def main(argv=None):
         # sync: the new weights into the engine (a step without an update leaves them as they are)
         if device.type == "cuda":
             llm.wake_up()
-        checksum = engine.sync_weights(llm, raw) if gnorm is not None else None
+        checksum, t_gather = engine.sync_weights(llm, raw) if gnorm is not None else (None, 0.0)
         t_sync = time.time()
         # log: one row a step, summed over ranks; save: a checkpoint every --save-every steps
-        times = {"rollout": t_roll - t0, "train": t_train - t_roll, "sync": t_sync - t_train, "step": t_sync - t0}
+        times = {"rollout": t_roll - t0, "train": t_train - t_roll, "sync": t_sync - t_train, "sync_gather": t_gather,
+                 "step": t_sync - t0}
         rec, lost = steplog.step_record(step, task_step(step, args.steps, args.redraw), episodes, torch.cat(valid),
                                         torch.cat(has_signal), tot, gnorm, gen, times, args, device, checksum)
         log.write(rec)

@@ -59,7 +59,9 @@ def step_record(step, task_draw, episodes, valid, has_signal, tot, gnorm, gen, t
            "train/episodes_trained": int(sums["episodes_trained"]), "train/action_tokens": int(na),
            "train/optimizer_steps": 0 if gnorm is None else args.ppo_epochs, "train/lr": args.lr,
            "time/rollout_s": times["rollout"], "time/generate_s": gen["policy_s"], "time/env_wait_s": gen["idle_s"],
-           "time/train_s": times["train"], "time/sync_s": times["sync"], "time/step_s": times["step"]}
+           "time/train_s": times["train"], "time/sync_s": times["sync"],
+           "time/sync_gather_s": times["sync_gather"],  # of sync_s, the trainer's side: gathers, checksum, casts
+           "time/step_s": times["step"]}
     if gnorm is not None:  # what the trained episodes show (a step without an update scored none)
         rec.update({"train/loss": sums["loss"], "train/pg_loss": sums["pg_loss"], "train/echo_loss": sums["echo_loss"],
                     "train/grad_norm": gnorm, "train/obs_nll": sums["obs_nll_sum"] / max(sums["obs_tokens"], 1)})

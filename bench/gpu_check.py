@@ -80,8 +80,8 @@ def engine_check(model_dir):
     opt.step()
     llm.wake_up()
     t0 = time.time()
-    engine.sync_weights(llm, model)
-    check("engine: wake_up + sync_weights", True, f"sync {time.time() - t0:.2f}s")
+    _, gather_s = engine.sync_weights(llm, model)
+    check("engine: wake_up + sync_weights", True, f"sync {time.time() - t0:.2f}s (the trainer's side {gather_s:.2f}s)")
     after = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], greedy, use_tqdm=False)]
     check("engine: sync changes what it samples", after != before, f"{sum(a != b for a, b in zip(after, before))}/8 greedy continuations changed")
 

@@ -27,7 +27,8 @@ Stages, in order, each writing under --out (default runs/rehearsal/<shape>), eac
 Each row: the exit status; each rank's peak resident memory (VmHWM from /proc, polled) and the stage's peak total
 (its processes' VmRSS summed, sampled every 0.2 s; shared pages count in every process that maps them; Docker's
 sandboxes are not in it); the plan (plan_gib); the step times from the script's own log (sft: train/step_s, grpo:
-time/step_s, evaluate: seconds an attempt); GRPO's weight sync (time/sync_s); the engine's KV cache (the tokens vLLM
+time/step_s, evaluate: seconds an attempt); GRPO's weight sync (time/sync_s, and of it the trainer's side:
+FSDP2's gathers, the checksum, the casts: time/sync_gather_s); the engine's KV cache (the tokens vLLM
 logs, the bytes engine.py gives it); the head's peaks. The table is printed at the end (markdown) and written with
 everything to OUT/rehearsal.json. Smaller than the real run, for the CPU's sake: 2 ranks, --len 2048 (not 16,384;
 it must pass the Nemotron rows' prompts, ~1.4k tokens with the 4,096-token BPE, or SFT has nothing to learn),
@@ -91,25 +92,31 @@ def plan_gib(stage, cfg, P, args, dtype_bytes):
     """Planned peak resident GiB of each process of a stage (rank 0 first), from the parameter count P. Rough: the
     big terms only. Training keeps fp32 weights, grads and AdamW's two moments (16 B/param), FSDP2-sharded over the
     ranks; a checkpoint with optimizer state gathers the full weights and moments on rank 0 (12 B/param) after the
-    grads are freed; the head holds one block of logits (head.CHUNK_BYTES) and its fp32 (V, H) gradient;
-    activations under grad-ckpt: each layer's input plus one layer's work, over LEN tokens. GRPO's ranks add the
-    reference policy and the engine's weights in the compute dtype and the engine's KV cache (engine.py's size)."""
+    grads are freed; the head holds one block of logits (head.CHUNK_BYTES) and its fp32 (V, H) gradient; FSDP2
+    unshards the tied (V, H) embedding for the forward and holds its full gradient until the reduce-scatter (two
+    more fp32 (V, H)); activations under grad-ckpt: each layer's input plus one layer's work, over LEN tokens.
+    GRPO's ranks add the reference policy and the engine's weights in the compute dtype and the engine's KV cache
+    (engine.py's size); on a CPU the engine holds its (V, H) head twice: the embedding's weights and oneDNN's packed
+    copy for the logits (vLLM's VocabParallelEmbedding keeps both; its linear layers keep only the packed one).
+    The 2026-12-06 rehearsal (RESULTS.md) measured 0.6-1.7 GiB a process above the plan without these two terms."""
     import engine
     from transformers import Qwen3Config
     V, H, L, T, W = cfg["vocab_size"], cfg["hidden_size"], cfg["num_hidden_layers"], args.len, args.ranks
     attn = cfg["num_attention_heads"] * cfg["head_dim"]
     head = CHUNK_BYTES + 4 * V * H
     act = 4 * T * (L * H + 4 * cfg["intermediate_size"] + 8 * attn)
-    rank0 = max(16 * P / W + head + act, 12 * P / W + 12 * P)
-    other = 16 * P / W + head + act
+    unshard = 2 * 4 * V * H  # FSDP2's unsharded embedding and its full gradient
+    rank0 = max(16 * P / W + head + unshard + act, 12 * P / W + 12 * P)
+    other = 16 * P / W + head + unshard + act
     kv = engine.kv_cache_bytes(Qwen3Config(**cfg), max_model_len=T, max_seqs=ROLLOUT["concurrency"],
                                dtype_bytes=dtype_bytes)
-    engine_side = 2 * dtype_bytes * P + kv  # the reference copy, the engine's weights, its KV cache
+    packed = dtype_bytes * V * H  # the engine's oneDNN copy of its head (CPU)
+    engine_side = 2 * dtype_bytes * P + kv + packed  # the reference copy, the engine's weights, its KV cache
     gib, torch_rt, vllm_rt = 2 ** 30, RUNTIME_GIB["torch"] * 2 ** 30, RUNTIME_GIB["vllm"] * 2 ** 30
     procs = {"head": [torch_rt + 3 * 4 * T * V + 2 * 4 * V * H],  # full logits: the logits, their softmax, its grad
              "sft": [torch_rt + rank0] + [torch_rt + other] * (W - 1),
              "grpo": [vllm_rt + engine_side + rank0] + [vllm_rt + engine_side + other] * (W - 1),
-             "evaluate": [vllm_rt + dtype_bytes * P + kv],
+             "evaluate": [vllm_rt + dtype_bytes * P + kv + packed],
              "probes": [torch_rt + 4 * P + head + act]}[stage]
     return [round(x / gib, 2) for x in procs]
 
@@ -283,6 +290,7 @@ def results(stage, root, log_text, cfg, args, dtype_bytes):
     elif stage == "grpo":
         rows = log_rows("grpo")
         out.update(step_s=[r["time/step_s"] for r in rows], sync_s=[r["time/sync_s"] for r in rows],
+                   sync_gather_s=[r["time/sync_gather_s"] for r in rows],
                    times=[{k: r[k] for k in r if k.startswith("time/")} for r in rows])
     elif stage == "evaluate" and (root / "evaluate" / "results.json").exists():
         t = json.loads((root / "evaluate" / "results.json").read_text())["configs"][-1].get("time", {})
@@ -300,15 +308,16 @@ def results(stage, root, log_text, cfg, args, dtype_bytes):
 
 def table(rows):
     """The rows as a markdown table."""
-    cols = ("stage", "rc", "wall s", "peak RSS per rank, GiB", "peak total, GiB", "plan, GiB", "step s", "sync s",
-            "KV cache", "head peak", "note")
+    cols = ("stage", "rc", "wall s", "peak RSS per rank, GiB", "peak total, GiB", "plan, GiB", "step s",
+            "sync s (trainer's side)", "KV cache", "head peak", "note")
 
     def cell(r):
         nums = lambda xs: " / ".join(f"{x:.1f}" for x in xs) if xs else "-"  # noqa: E731
         return [r["stage"], str(r.get("rc", "-")), f"{r['wall_s']:.0f}" if "wall_s" in r else "-",
                 " / ".join(f"{v:.2f}" for v in r.get("rank_peak_gib", {}).values()) or "-",
                 f"{r['total_peak_gib']:.2f}" if "total_peak_gib" in r else "-",
-                " / ".join(f"{v:.1f}" for v in r["plan_gib"]), nums(r.get("step_s")), nums(r.get("sync_s")),
+                " / ".join(f"{v:.1f}" for v in r["plan_gib"]), nums(r.get("step_s")),
+                f"{nums(r.get('sync_s'))} ({nums(r.get('sync_gather_s'))})" if r.get("sync_s") else "-",
                 r.get("kv", "-"), r.get("head", "-"), r.get("note", "")]
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     return "\n".join(lines + ["| " + " | ".join(cell(r)) + " |" for r in rows])

@@ -5,6 +5,7 @@ replies (all parse) and log-probs (the trainer's masked ones)."""
 import contextlib
 import json
 import random
+import time
 
 import pytest
 import torch
@@ -168,7 +169,18 @@ def test_weight_sync_matches_hf(llm, vllm_dir):
     from vllm import SamplingParams
     model = hf_model(vllm_dir, seed=1)
     assert model.config.tie_word_embeddings
-    engine.sync_weights(llm, model)
+    t = time.perf_counter()
+    checksum, trainer_s = engine.sync_weights(llm, model)
+    # the checksum: every weight's, the tied head counted as the engine's own; it reads every 97th element, so a
+    # weight changed anywhere on that stride changes it; the trainer's side of the time is a part of the whole
+    sd = model.state_dict()
+    sd.setdefault("lm_head.weight", sd["model.embed_tokens.weight"])
+    assert checksum == pytest.approx(float(sum(engine.weights_checksum(v) for v in sd.values())), rel=1e-12)
+    w = sd["model.layers.0.mlp.down_proj.weight"].clone()
+    w.view(-1)[engine.CHECKSUM_STRIDE] += 1.0
+    assert float(engine.weights_checksum(w)) == pytest.approx(float(engine.weights_checksum(
+        sd["model.layers.0.mlp.down_proj.weight"])) + 1.0, abs=1e-6)  # x + 1 rounds in fp32
+    assert 0 < trainer_s < time.perf_counter() - t
     prompt = list(range(5, 25))
     out = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0, max_tokens=24, logprobs=0, top_k=0),
                           use_tqdm=False)[0].outputs[0]

@@ -492,7 +492,7 @@ def fake_run(out, init, monkeypatch, *flags, signal_tasks):
     real_train_batch = grpo.train_batch
     monkeypatch.setattr(grpo, "load_tasks", lambda path, kinds=None: list(range(10)))
     monkeypatch.setattr(engine, "make_engine", lambda *a, **k: None)
-    monkeypatch.setattr(engine, "sync_weights", lambda llm, model: 0.0)
+    monkeypatch.setattr(engine, "sync_weights", lambda llm, model: (0.0, 0.0))
     monkeypatch.setattr(grpo, "draw_episodes", draw_episodes)
     monkeypatch.setattr(grpo, "train_batch", train_batch)
     grpo.main(["--init", str(init), "--chat-template", "prefix", "--tasks", "-", "--out", str(out), "--dtype", "fp32",
@@ -659,10 +659,10 @@ def wait_for(proc, ready, timeout=600):
 
 
 def checksum(path):
-    """engine.sync_weights' checksum of a checkpoint: the float64 sum of its state dict (the tied head included)."""
+    """engine.sync_weights' checksum of a checkpoint: weights_checksum over its state dict (the tied head included)."""
     from transformers import AutoModelForCausalLM
     sd = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).state_dict()
-    return float(sum(v.sum(dtype=torch.float64) for v in sd.values()))
+    return float(sum(engine.weights_checksum(v) for v in sd.values()))
 
 
 def log_rows(out):
