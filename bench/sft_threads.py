@@ -56,7 +56,6 @@ def train_seconds(procs_and_dirs):
 
 def main(argv=None):
     args = get_parser().parse_args(argv)
-    from transformers import Qwen3Config
     cores = os.cpu_count()
     out = Path(tempfile.mkdtemp(prefix="bench_sft_threads_"))
     rng = random.Random(0)

@@ -94,7 +94,7 @@ def test_copy_accuracy_scores_the_tokens_after_the_choice(tokenizer):
     conv = [{"role": "user", "content": f"backup: {v} and /srv/mango"}, {"role": "assistant", "content": f"cp x {v}"}]
     text = tokenizer.apply_chat_template(conv, tokenize=False)
     enc = tokenizer(text, return_offsets_mapping=True, add_special_tokens=False)
-    ids, offsets = enc["input_ids"], enc["offset_mapping"]
+    offsets = enc["offset_mapping"]
     a = text.rindex(v)
     span = [t for t, (s0, s1) in enumerate(offsets) if s0 < a + len(v) and s1 > a]
     choice = [t for t in span if offsets[t][0] < a + len("/srv/map")]
