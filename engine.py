@@ -99,20 +99,21 @@ def sync_weights(engine, model):
     sd = model.state_dict()
     if model.config.tie_word_embeddings and "lm_head.weight" not in sd:
         sd["lm_head.weight"] = sd["model.embed_tokens.weight"]
-    sums, trainer_s = [], [0.0]
+    sums, trainer_s = [], 0.0
 
     def weights():  # consumed in order by the engine; FSDP2's gathers happen in the same order on every rank
+        nonlocal trainer_s
         for k, v in sd.items():
             t = time.perf_counter()
             full = (v.full_tensor() if hasattr(v, "full_tensor") else v).detach()
             sums.append(weights_checksum(full))  # on the device: one host sync for all, below
             full = full.to(dtype)
-            trainer_s[0] += time.perf_counter() - t
+            trainer_s += time.perf_counter() - t
             yield k, full
 
     engine.collective_rpc("reload_weights", kwargs={"weights_iterator": weights()})
     engine.reset_prefix_cache()
-    return float(torch.stack(sums).sum()), trainer_s[0]
+    return float(torch.stack(sums).sum()), trainer_s
 
 
 _SKELETON = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]

@@ -189,9 +189,10 @@ def check_probes(run, arms, tstar, problems):
         nums = [v for v in _numbers(res)]
         if not nums or not all(math.isfinite(v) for v in nums):
             problems.append(f"{run / 'probes' / name}.json: no numbers, or non-finite ones")
-        have = {Path(k).resolve() for k in res}
-        if name in PROBES and (missing := [a for a in arms if checkpoint(run, a).resolve() not in have]):
-            problems.append(f"{run / 'probes' / name}.json: no result for {', '.join(missing)}")
+        if name in PROBES:  # keyed by the checkpoints probed
+            have = {Path(k).resolve() for k in res}
+            if missing := [a for a in arms if checkpoint(run, a).resolve() not in have]:
+                problems.append(f"{run / 'probes' / name}.json: no result for {', '.join(missing)}")
         out[name] = res
     return out
 
