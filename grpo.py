@@ -30,11 +30,12 @@ k3_i = e^(ref_i - logp_i) - (ref_i - logp_i) - 1, ref: the initial policy's log-
 against the trainer's log-prob before the step's first update and w_i = min(pi_old / pi_behaviour, C) corrects the
 trainer/vLLM mismatch; else w_i = 1. The last term (--sft-coef, off by default) is InstructGPT's PPO-ptx with the
 SFT data: --sft-batch expert trajectories of --sft-data, drawn afresh each step, and their actions' NLL at T = 1 on
-the unmasked distribution (sft.py's loss at --lam 0), which holds the policy near what SFT taught. Infrastructure failures (envs.INFRA_FAILURES) are out of their group's mean and
-of the loss; the normalisers count every other episode, groups without signal included (an episode the loss adds
-nothing on, may_skip, is not forwarded; a step with none left makes no optimizer step). An episode cut at --max-len
-keeps its verifier's reward, is masked out of the loss, or is penalised (--overlong). After every optimizer step the
-weights go into the engine in place (engine.py). Log rows, transcripts: steplog.py; GPU memory: docs/training.md.
+the unmasked distribution (sft.py's loss at --lam 0), which holds the policy near what SFT taught. Infrastructure
+failures (envs.INFRA_FAILURES) are out of their group's mean and of the loss; the normalisers count every other
+episode, groups without signal included (an episode the loss adds nothing on, may_skip, is not forwarded; a step with
+none left makes no optimizer step). An episode cut at --max-len keeps its verifier's reward, is masked out of the
+loss, or is penalised (--overlong). After every optimizer step the weights go into the engine in place (engine.py).
+Log rows, transcripts: steplog.py; GPU memory: docs/training.md.
 """
 import argparse
 import gc
