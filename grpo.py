@@ -18,7 +18,6 @@ at once), reward each by its task's verifier, and take --ppo-epochs optimizer st
     A_i = r_i - mean(r_group)                          (/ (std(r_group) + 1e-6) with --scale-std; population std)
     L   = -sum_{i in ACTION} n_i * w_i * min(rho_i A, clip(rho_i, 1-eps_low, 1+eps_high) A)
           + echo * mean_seq[ sum_{i in OBS(seq)} NLL_i / |OBS(seq)| ]  + kl * sum_{i in ACTION} n_i * k3_i
-          + sft * mean_{seq in replay}[ sum_{i in ACTION(seq)} NLL_i / |ACTION(seq)| ]
 
 with rho_i = pi(a_i) / pi_behaviour(a_i) (the vLLM log-prob the token was sampled with), all log-probs at the
 sampling temperature (logits / T, top-p 1, top-k off) and, with --grammar, of the distribution masked to the tokens
@@ -28,14 +27,11 @@ forced tokens, those the grammar allowed alone: they carry no loss); eps_low = e
 1 / (|ACTION(seq)| * sequences in the step) for `sequence`, 1 / (--max-len * sequences) for `constant` (Dr. GRPO).
 k3_i = e^(ref_i - logp_i) - (ref_i - logp_i) - 1, ref: the initial policy's log-prob. With --tis-cap C, rho_i is
 against the trainer's log-prob before the step's first update and w_i = min(pi_old / pi_behaviour, C) corrects the
-trainer/vLLM mismatch; else w_i = 1. The last term (--sft-coef, off by default) is InstructGPT's PPO-ptx with the
-SFT data: --sft-batch expert trajectories of --sft-data, drawn afresh each step, and their actions' NLL at T = 1 on
-the unmasked distribution (sft.py's loss at --lam 0), which holds the policy near what SFT taught. Infrastructure
-failures (envs.INFRA_FAILURES) are out of their group's mean and of the loss; the normalisers count every other
-episode, groups without signal included (an episode the loss adds nothing on, may_skip, is not forwarded; a step with
-none left makes no optimizer step). An episode cut at --max-len keeps its verifier's reward, is masked out of the
-loss, or is penalised (--overlong). After every optimizer step the weights go into the engine in place (engine.py).
-Log rows, transcripts: steplog.py; GPU memory: docs/training.md.
+trainer/vLLM mismatch; else w_i = 1. Infrastructure failures (envs.INFRA_FAILURES) are out of their group's mean and
+of the loss; the normalisers count every other episode, groups without signal included (an episode the loss adds
+nothing on, may_skip, is not forwarded; a step with none left makes no optimizer step). An episode cut at --max-len
+keeps its verifier's reward, is masked out of the loss, or is penalised (--overlong). After every optimizer step the
+weights go into the engine in place (engine.py). Log rows, transcripts: steplog.py; GPU memory: docs/training.md.
 """
 import argparse
 import gc
@@ -51,7 +47,7 @@ import envs
 import head
 import steplog
 import terminus
-from labels import ACTION, OBS, PROMPT, load_tokenizer, read_trajectories, render
+from labels import ACTION, OBS, PROMPT, load_tokenizer
 from tasks import load_tasks
 
 
@@ -100,10 +96,6 @@ def get_parser():
                    "policy's own rollouts (0.05 in its reference setting)")
     g.add_argument("--echo-payload-only", action="store_true", help="ECHO on the environment's own text only, not "
                    "the protocol's fixed wrapper text and end-of-turn tokens")
-    g.add_argument("--sft-coef", type=float, default=0.0, help="weight of the SFT replay term: the action NLL of "
-                   "--sft-batch expert trajectories of --sft-data each step (PPO-ptx; 0 = off)")
-    g.add_argument("--sft-data", help="the expert trajectories the replay term draws from (sft.py --data's formats)")
-    g.add_argument("--sft-batch", type=int, default=8, help="replay trajectories per step (global, across ranks)")
     g = p.add_argument_group("optimisation")
     g.add_argument("--steps", type=int, default=135)
     g.add_argument("--lr", type=float, default=1e-6, help="constant learning rate")
@@ -130,20 +122,17 @@ def get_parser():
 # The objective
 
 def collate(examples, pad_id):
-    """Examples (dicts of per-token lists: ids, roles, and for episodes wrapper, adv, behav, [old, ref], under a
-    grammar forced, with the masks and mask_ids; replay_examples' have ids and roles alone) -> right-padded (B, T)
-    tensors (PROMPT on padding, so padding never carries loss; a field an example lacks is 0), replay (B,) bool,
-    and under a grammar mask_table and mask_row (engine.mask_batch)."""
+    """Episodes (dicts of per-token lists: ids, roles, wrapper, adv, behav, [old, ref], and under a grammar
+    forced, with the masks and mask_ids) -> right-padded (B, T) tensors (PROMPT on padding, so padding never
+    carries loss), and under a grammar mask_table and mask_row (engine.mask_batch)."""
     out = common.collate([(e["ids"], e["roles"]) for e in examples], pad_id)  # input_ids, roles, attention_mask
     out.update(engine.mask_batch(examples, out["input_ids"].shape))
-    out["replay"] = torch.tensor([bool(e.get("replay")) for e in examples])  # (B,)
     for key, dtype in (("wrapper", torch.bool), ("forced", torch.bool), ("adv", torch.float32),
                        ("behav", torch.float32), ("old", torch.float32), ("ref", torch.float32)):
-        if key in ("wrapper", "adv", "behav") or any(key in e for e in examples):  # pg_loss reads the first three
+        if key in examples[0]:
             out[key] = torch.zeros(out["input_ids"].shape, dtype=dtype)
             for b, e in enumerate(examples):
-                if key in e:
-                    out[key][b, :len(e[key])] = torch.as_tensor(e[key], dtype=dtype)
+                out[key][b, :len(e[key])] = torch.as_tensor(e[key], dtype=dtype)
     return out
 
 
@@ -154,18 +143,17 @@ def echo_mask(roles, wrapper, payload_only):
     return m & ~wrapper[..., 1:] if payload_only else m
 
 
-def selected_rows(model, batch, temperature, nll):
-    """Hidden states of the positions that carry loss: those predicting the episodes' ACTION tokens (scaled by 1/T:
-    the head gives logits / T) but the forced ones (a grammar allowed them alone), and the positions of nll (B, T-1)
-    (at T = 1: ECHO's OBS tokens, the model's own prediction of the environment; the replay's ACTION tokens).
-    -> (rows (N, H), targets (N,), is_act (N,), row (N,) sequence, sel (B, T-1))."""
+def selected_rows(model, batch, temperature, echo):
+    """Hidden states of the positions that carry loss: those predicting ACTION tokens (scaled by 1/T: the head gives
+    logits / T) but the forced ones (a grammar allowed them alone) and, where echo, OBS tokens (at T = 1: the model's
+    own prediction of the environment). -> (rows (N, H), targets (N,), is_act (N,), row (N,) sequence, sel (B, T-1))."""
     ids, roles = batch["input_ids"], batch["roles"]  # (B, T)
     hidden = model.base_model(input_ids=ids, attention_mask=batch["attention_mask"],
                               use_cache=False).last_hidden_state  # (B, T, H)
-    is_act = (roles[:, 1:] == ACTION) & ~batch["replay"][:, None]  # (B, T-1): the role of the token each predicts
+    is_act = roles[:, 1:] == ACTION  # (B, T-1): the role of the token each position predicts
     if "forced" in batch:
         is_act &= ~batch["forced"][:, 1:]
-    sel = is_act | nll
+    sel = is_act | (roles[:, 1:] == OBS) & echo
     h, act = hidden[:, :-1][sel], is_act[sel]  # (N, H), (N,)
     scale = torch.where(act, 1.0 / temperature, 1.0).to(h.dtype)
     row = torch.arange(len(ids), device=ids.device)[:, None].expand_as(sel)[sel]
@@ -173,10 +161,7 @@ def selected_rows(model, batch, temperature, nll):
 
 
 def loss_tokens(example):
-    """How many of an example's tokens carry the policy-gradient loss: an episode's action tokens but the forced
-    ones (none of a replay example's)."""
-    if example.get("replay"):
-        return 0
+    """How many of an example's tokens carry the policy-gradient loss: its action tokens but the forced ones."""
     forced = example.get("forced") or [False] * len(example["roles"])
     return sum(r == ACTION and not f for r, f in zip(example["roles"][1:], forced[1:]))
 
@@ -189,46 +174,39 @@ def clip_range(args):
 
 
 def loss_coefs(args):
-    """The weight of each term of the loss (the module docstring's L): the policy gradient's, the KL's, ECHO's, the
-    SFT replay's. pg_loss sums its terms with these and may_skip reads them, so a term added to both reaches every
-    example."""
-    return {"pg": 1.0, "kl": args.kl_coef, "echo": args.echo_coef, "sft": args.sft_coef}
+    """The weight of each term of the loss (the module docstring's L): the policy gradient's, the KL's, ECHO's.
+    pg_loss sums its terms with these and may_skip reads them, so a term added to both reaches every example."""
+    return {"pg": 1.0, "kl": args.kl_coef, "echo": args.echo_coef}
 
 
 def may_skip(example, coefs):
-    """Whether pg_loss adds nothing on the episode `example`, so it need not be forwarded: its advantage is 0 at
-    every token (a group without signal: the policy-gradient term is 0) and every other term on episodes weighs 0
-    (the replay's acts on the replay examples alone)."""
-    return not any(example["adv"]) and not any(c for term, c in coefs.items() if term not in ("pg", "sft"))
+    """Whether pg_loss adds nothing on `example`, so it need not be forwarded: its advantage is 0 at every token
+    (a group without signal: the policy-gradient term is 0) and every other term weighs 0."""
+    return not any(example["adv"]) and not any(c for term, c in coefs.items() if term != "pg")
 
 
-def pg_loss(model, batch, args, coefs, n_tok, n_seq, n_echo, n_replay=0):
+def pg_loss(model, batch, args, coefs, n_tok, n_seq, n_echo):
     """-> (this micro-batch's part of the step's loss, stats of sums): the objective of the module docstring, a sum
     of per-token terms, each a function of its own token's log-prob, so head.token_loss forms the head's gradients
     in the forward pass (the chunked head: the (N, V) logits never exist). coefs: loss_coefs, each term's weight.
-    n_tok, n_seq, n_echo, n_replay: the normalisers, the step's action tokens, sequences (episodes), sequences with
-    ECHO tokens and replay sequences."""
-    replay = batch["replay"][:, None]  # (B, 1)
-    echo = echo_mask(batch["roles"], batch["wrapper"], args.echo_payload_only) & (coefs["echo"] != 0) & ~replay
-    nll = echo | (batch["roles"][:, 1:] == ACTION) & replay  # (B, T-1): the NLL rows, ECHO's and the replay's
-    h, targets, act, row, sel = selected_rows(model, batch, args.temperature, nll)
+    n_tok, n_seq, n_echo: the normalisers, the step's action tokens, sequences and sequences with ECHO tokens."""
+    echo = echo_mask(batch["roles"], batch["wrapper"], args.echo_payload_only) & (coefs["echo"] != 0)  # (B, T-1)
+    h, targets, act, row, sel = selected_rows(model, batch, args.temperature, echo)
     a_row, o_row = row[act], row[~act]
-    is_replay = batch["replay"][row]  # (N,)
 
     def at_rows(key):  # a (B, T) per-token field at the selected positions, (N,)
         return batch[key][:, 1:][sel]
     adv, behav = at_rows("adv"), at_rows("behav")
     old = at_rows("old") if "old" in batch else None  # None: the trainer before this step's first update is this one
     ref = at_rows("ref") if "ref" in batch else None
-    w = torch.zeros(len(targets), device=h.device)  # (N,): n_i on action rows, ECHO's or the replay's on NLL rows
+    w = torch.zeros(len(targets), device=h.device)  # (N,): n_i on action rows, ECHO's weight on observation rows
     if args.loss_norm == "token":
         w[act] = 1.0 / n_tok
     elif args.loss_norm == "sequence":
         w[act] = 1.0 / (torch.bincount(a_row, minlength=len(sel)).float()[a_row] * n_seq)
     else:  # constant (Dr. GRPO): every action token weighs the same, however long its sequence
         w[act] = 1.0 / (args.max_len * n_seq)
-    nll_coef = torch.where(is_replay[~act], coefs["sft"] / max(n_replay, 1), coefs["echo"] / max(n_echo, 1))
-    w[~act] = nll_coef / torch.bincount(o_row, minlength=len(sel)).float()[o_row]  # a sequence's mean NLL
+    w[~act] = coefs["echo"] / (torch.bincount(o_row, minlength=len(sel)).float()[o_row] * max(n_echo, 1))
 
     def act_parts(lp, i):  # the objective's parts at action rows i (indices into the N rows), lp their log-probs
         o = old[i] if old is not None else lp.detach()
@@ -253,12 +231,9 @@ def pg_loss(model, batch, args, coefs, n_tok, n_seq, n_echo, n_replay=0):
     W = model.get_output_embeddings().weight
     loss, logp_all, ent = head.token_loss(h, W, targets, terms, entropy=True,  # (), (N,) at T or 1, (N,)
                                             allowed=engine.allowed_rows(batch, sel))
-    p = act_parts(logp_all[act], act.nonzero().squeeze(1))  # the stats, detached
-    obs, rep = ~act & ~is_replay, ~act & is_replay  # (N,) each: ECHO's rows, the replay's
-    obs_logp = logp_all[obs]
-    pg, echo_term, sft_term = p["pg"].sum(), -(w[obs] * obs_logp).sum(), -(w[rep] * logp_all[rep]).sum()
-    stats = {"loss": loss.item(), "pg_loss": pg.item(), "echo_loss": echo_term.item(), "sft_loss": sft_term.item(),
-             "sft_nll_sum": float(-logp_all[rep].sum()), "sft_tokens": int(rep.sum()), "act_tokens": int(act.sum()),
+    p, obs_logp = act_parts(logp_all[act], act.nonzero().squeeze(1)), logp_all[~act]  # the stats, detached
+    pg, echo_term = p["pg"].sum(), -(w[~act] * obs_logp).sum()
+    stats = {"loss": loss.item(), "pg_loss": pg.item(), "echo_loss": echo_term.item(), "act_tokens": int(act.sum()),
              "entropy_sum": float(ent[act].sum()), "kl_init_sum": float(-p["d_ref"].sum()),
              "kl_init_k3_sum": float(p["k3"].sum()), "mismatch_sum": float((behav[act] - p["old"]).sum()),
              "mismatch_abs_sum": float((behav[act] - p["old"]).abs().sum()),
@@ -269,8 +244,8 @@ def pg_loss(model, batch, args, coefs, n_tok, n_seq, n_echo, n_replay=0):
 
 def action_logprobs(model, batch, args):
     """-> (B, T-1) the log-prob (at T) of each next token that is an action under `model`, 0 elsewhere."""
-    no_nll = torch.zeros_like(batch["roles"][:, 1:], dtype=torch.bool)  # (B, T-1)
-    h, targets, act, row, sel = selected_rows(model, batch, args.temperature, no_nll)
+    no_echo = torch.zeros_like(batch["wrapper"][:, 1:])  # (B, T-1)
+    h, targets, act, row, sel = selected_rows(model, batch, args.temperature, no_echo)
     logp, _ = head.token_logprobs(h, model.get_output_embeddings().weight, targets,
                                     allowed=engine.allowed_rows(batch, sel))
     full = torch.zeros(sel.shape, dtype=torch.float32, device=logp.device)
@@ -303,20 +278,18 @@ def policy_logprobs(model, examples, args, pad_id, device, ctx, trainer=False):
     return [lp for _, lp in sorted(out)]
 
 
-def train_batch(model, ref, opt, examples, args, pad_id, device, ctx, step, log, replay=()):
+def train_batch(model, ref, opt, examples, args, pad_id, device, ctx, step, log):
     """--ppo-epochs optimizer steps of `model` (common.LossModule of pg_loss around the policy) on this rank's
-    examples (episodes) and replay (replay_examples: the SFT replay's); ref: the initial policy. -> (stats summed
-    over the first epoch's micro-batches, grad norm of the last update or None). The normalisers count every example
-    of every rank; episodes pg_loss adds nothing on (may_skip) are not forwarded. With none left on any rank nothing
-    runs, no optimizer step either: Adam's moments would move the weights on the memory of earlier gradients (and
-    weight decay shrink them) with a gradient of 0."""
+    examples; ref: the initial policy. -> (stats summed over the first epoch's micro-batches, grad norm of the
+    last update or None). The normalisers count every example of every rank; those pg_loss adds nothing on
+    (may_skip) are not forwarded. With none left on any rank nothing runs, no optimizer step either: Adam's moments
+    would move the weights on the memory of earlier gradients (and weight decay shrink them) with a gradient of 0."""
     coefs = loss_coefs(args)
     n_echo = sum(bool(echo_mask(torch.tensor(ex["roles"]), torch.tensor(ex["wrapper"]), args.echo_payload_only).any())
                  for ex in examples) if coefs["echo"] != 0 else 0
-    n_tok, n_seq, n_echo, n_replay = common.all_reduce([sum(map(loss_tokens, examples)), len(examples), n_echo,
-                                                        len(replay)], device)
+    n_tok, n_seq, n_echo = common.all_reduce([sum(map(loss_tokens, examples)), len(examples), n_echo], device)
     examples = [ex for ex in examples if not may_skip(ex, coefs)]
-    if common.all_reduce([len(examples) + len(replay)], device)[0] == 0:
+    if common.all_reduce([len(examples)], device)[0] == 0:
         return {"episodes_trained": 0}, None
     for ex, lp in zip(examples, policy_logprobs(ref, examples, args, pad_id, device, ctx) if examples else []):
         ex["ref"] = lp
@@ -324,12 +297,10 @@ def train_batch(model, ref, opt, examples, args, pad_id, device, ctx, step, log,
         for ex, lp in zip(examples, policy_logprobs(model, examples, args, pad_id, device, ctx, trainer=True)):
             ex["old"] = lp
     tot = {"episodes_trained": len(examples)}
-    examples = examples + list(replay)  # no KL on the replay's tokens: its ref and old are never read
     for epoch in range(args.ppo_epochs):
         st = common.micro_batch_passes(model, [len(ex["ids"]) for ex in examples],
                                        lambda g: collate([examples[i] for i in g] or [empty_example(pad_id)], pad_id),
-                                       (args, coefs, max(n_tok, 1), max(n_seq, 1), n_echo, n_replay), args, device,
-                                       ctx)
+                                       (args, coefs, max(n_tok, 1), max(n_seq, 1), n_echo), args, device, ctx)
         if epoch == 0:
             tot.update(st)
         gnorm = common.optimizer_step(model, opt, args.grad_clip, step, log)
@@ -425,32 +396,6 @@ def group_examples(episodes, adv, trains):
     return groups
 
 
-def load_replay(path, tok, max_len):
-    """The expert trajectories of `path` (sft.py --data's formats) as the policy's chat template renders them, cut
-    at max_len -> replay examples (ids, roles, replay: True), those with an action token to learn; an error names
-    the file and line."""
-    where, pool = [], []
-    convs, _ = read_trajectories(path, where=where)
-    for conv, loc in zip(convs, where):
-        try:
-            ids, roles = render(tok, conv, max_len)
-        except ValueError as e:
-            raise ValueError(f"{loc}: {e}") from None
-        if ACTION in roles[1:]:
-            pool.append({"ids": ids, "roles": roles, "replay": True})
-    if not pool:
-        raise ValueError(f"--sft-data {path}: no trajectory with an action token within --max-len {max_len}")
-    return pool
-
-
-def replay_examples(pool, args, step, rank, world):
-    """This rank's share (every world-th) of step's replay draw: --sft-batch of pool, without replacement within the
-    step, seeded by (seed, step) alone in a stream of its own (the task draws' are (seed, step[, draw])), so a
-    resumed run draws the same."""
-    rng = np.random.default_rng([args.seed, step, 2**32])
-    return [pool[i] for i in rng.choice(len(pool), args.sft_batch, replace=args.sft_batch > len(pool))[rank::world]]
-
-
 # ----------------------------------------------------------------------------------------------------------
 # The run
 
@@ -465,8 +410,6 @@ def main(argv=None):
     if not 0 <= 2 * args.redraw <= args.steps:
         raise ValueError(f"--redraw {args.redraw}: the last steps redraw the first steps' tasks, at most half of "
                          f"--steps {args.steps}")
-    if (args.sft_coef != 0) != bool(args.sft_data):
-        raise ValueError("--sft-coef and --sft-data go together: the replay term needs both")
     if args.dynamic_sampling % args.tasks_per_step:
         raise ValueError(f"--dynamic-sampling {args.dynamic_sampling} must be a multiple of --tasks-per-step "
                          f"{args.tasks_per_step} (0 = off)")
@@ -474,14 +417,12 @@ def main(argv=None):
     if run is None:
         return
     rank, world, device, out, ckpt, state, print0 = run
-    for flag, n in (("--tasks-per-step", args.tasks_per_step), ("--sft-batch", args.sft_batch)):
-        if n % world:
-            raise ValueError(f"{flag} {n} must be a multiple of the {world} ranks")
+    if args.tasks_per_step % world:
+        raise ValueError(f"--tasks-per-step {args.tasks_per_step} must be a multiple of the {world} ranks")
 
     tok = load_tokenizer(ckpt or args.init, "native" if ckpt else args.chat_template)
     template = terminus.load_template(args.prompt_template)
     tasks = load_tasks(args.tasks, args.kinds)
-    pool = load_replay(args.sft_data, tok, args.max_len) if args.sft_data else []
     ctx, dtype, why = common.autocast(args.dtype, device)
     raw = common.load_model(ckpt or args.init, device)
     # the initial policy, for the KL from init: a full copy per rank, in the autocast dtype
@@ -525,8 +466,7 @@ def main(argv=None):
             llm.sleep(level=1)
         t_roll = time.time()
         # update: --ppo-epochs optimizer steps on this batch, micro-batches by token budget
-        replay = replay_examples(pool, args, step, rank, world) if pool else []
-        tot, gnorm = train_batch(model, ref, opt, examples, args, tok.pad_token_id, device, ctx, step, print0, replay)
+        tot, gnorm = train_batch(model, ref, opt, examples, args, tok.pad_token_id, device, ctx, step, print0)
         t_train = time.time()
         # sync: the new weights into the engine (a step without an update leaves them as they are)
         if device.type == "cuda":

@@ -65,8 +65,6 @@ def step_record(step, task_draw, episodes, valid, has_signal, tot, gnorm, gen, t
     if gnorm is not None:  # what the trained episodes show (a step without an update scored none)
         rec.update({"train/loss": sums["loss"], "train/pg_loss": sums["pg_loss"], "train/echo_loss": sums["echo_loss"],
                     "train/grad_norm": gnorm, "train/obs_nll": sums["obs_nll_sum"] / max(sums["obs_tokens"], 1)})
-        if sums.get("sft_tokens"):  # the SFT replay's (grpo.py --sft-coef): its loss and its actions' NLL at T = 1
-            rec.update({"train/sft_loss": sums["sft_loss"], "train/sft_nll": sums["sft_nll_sum"] / sums["sft_tokens"]})
     if na:
         rec.update({"train/entropy": sums["entropy_sum"] / na, "train/kl_init": sums["kl_init_sum"] / na,
                     "train/kl_init_k3": sums["kl_init_k3_sum"] / na, "train/mismatch": sums["mismatch_sum"] / na,

@@ -26,7 +26,6 @@ import envs
 import grpo
 import labels
 import sandbox
-import sft
 import taskgen
 from labels import ACTION, OBS, PROMPT
 
@@ -371,66 +370,6 @@ def test_a_step_without_signal_makes_no_update(model, tokenizer, synthetic):
     assert not all(torch.equal(a, b) for a, b in zip(before, mine.parameters()))
 
 
-def replay_pool(tokenizer, convs):
-    """Replay examples as grpo.load_replay makes them: the conversations rendered, flagged replay."""
-    return [dict(zip(("ids", "roles"), labels.render(tokenizer, c, max_len=200)), replay=True) for c in convs]
-
-
-def test_sft_replay_adds_sfts_action_loss(model, tokenizer, synthetic):
-    """--sft-coef: a step on episodes (under a grammar, with KL) and replayed expert trajectories in the same
-    micro-batches is the reference's update plus coef x sft.py's loss at --lam 0 on the replay (each trajectory's mean
-    action NLL at T = 1 on the unmasked distribution, averaged over the replay): the replay adds no action token to
-    the policy gradient's normaliser, no KL, no episode trained."""
-    args = args_for("--sft-coef", "0.3", "--sft-data", "-", "--sft-batch", "2", "--kl-coef", "0.2", "--temperature",
-                    "0.7", "--grad-clip", "0", "--micro-tokens", "600")
-    init = perturbed(model, seed=3)
-    episodes = loss_examples(model, tokenizer, synthetic, args, [-0.2, 0.3, 0.0], None, grammar=True)
-    replay = replay_pool(tokenizer, synthetic[3:5])
-    mine, theirs = copy.deepcopy(model), copy.deepcopy(model)
-    tot, gnorm = grpo.train_batch(common.LossModule(grpo.pg_loss, mine), init,
-                                  torch.optim.SGD(mine.parameters(), lr=0.1), [dict(ex) for ex in episodes], args,
-                                  tokenizer.pad_token_id, torch.device("cpu"), contextlib.nullcontext(), 0, print,
-                                  replay)
-    assert tot["episodes_trained"] == 3 and tot["act_tokens"] == loss_tokens(episodes) and gnorm > 0
-    assert tot["sft_tokens"] == sum(ex["roles"][1:].count(ACTION) for ex in replay)
-
-    refs = [dict(ex, ref=behaviour(init, ex, args.temperature, 0.0)) for ex in episodes]
-    pg = reference_loss(theirs, refs, args, loss_tokens(episodes), 3, 3)
-    sft_loss, st = sft.actobs_loss(theirs, common.collate([(ex["ids"], ex["roles"]) for ex in replay], 0), lam=0.0)
-    assert st["n_traj"] == 2 and tot["sft_loss"] == pytest.approx(0.3 * sft_loss.item(), rel=1e-4)
-    opt = torch.optim.SGD(theirs.parameters(), lr=0.1)
-    (pg + 0.3 * sft_loss).backward()
-    opt.step()
-    assert tot["loss"] == pytest.approx((pg + 0.3 * sft_loss).item(), rel=1e-4)
-    for (name, a), b in zip(mine.named_parameters(), theirs.parameters()):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6, msg=name)
-    # the replay's part is not 0: without it the update differs
-    alone = copy.deepcopy(model)
-    grpo.train_batch(common.LossModule(grpo.pg_loss, alone), init, torch.optim.SGD(alone.parameters(), lr=0.1),
-                     [dict(ex) for ex in episodes], args, tokenizer.pad_token_id, torch.device("cpu"),
-                     contextlib.nullcontext(), 0, print)
-    assert max((a - b).abs().max() for a, b in zip(alone.parameters(), mine.parameters())) > 1e-4
-
-
-def test_replay_draws_are_seeded_by_the_step_and_split_across_ranks(tmp_path, tokenizer, synthetic):
-    """The replay draw is a function of (seed, step): a resumed run draws the same; two ranks take disjoint halves
-    of one draw; another step draws other trajectories. A row that cannot be read names its file and line."""
-    args = args_for("--sft-coef", "1", "--sft-data", "-", "--sft-batch", "4", "--seed", "5")
-    pool = replay_pool(tokenizer, synthetic[:20])
-    key = lambda exs: [tuple(ex["ids"]) for ex in exs]  # noqa: E731
-    one = grpo.replay_examples(pool, args, 3, 0, 1)
-    assert len(one) == 4 and key(one) == key(grpo.replay_examples(pool, args, 3, 0, 1))
-    halves = grpo.replay_examples(pool, args, 3, 0, 2) + grpo.replay_examples(pool, args, 3, 1, 2)
-    assert sorted(key(halves)) == sorted(key(one)) and len(set(key(one))) == 4
-    assert key(grpo.replay_examples(pool, args, 4, 0, 1)) != key(one)
-    data = tmp_path / "sft.jsonl"
-    data.write_text(json.dumps({"messages": synthetic[0]}) + "\n" + json.dumps({"messages": [{"role": "user"}]}) + "\n")
-    with pytest.raises(ValueError, match=f"{data}:2"):
-        grpo.load_replay(data, tokenizer, 200)
-    data.write_text(json.dumps({"messages": synthetic[0]}) + "\n")
-    assert key(grpo.load_replay(data, tokenizer, 200)) == key(replay_pool(tokenizer, synthetic[:1]))
-
-
 # ---------------------------------------------------------------------------------------------- episodes to examples
 
 def episode(reward, truncated=False, failure=None):
@@ -516,8 +455,8 @@ def test_a_new_loss_term_reaches_groups_without_signal(model, tokenizer, synthet
     examples = loss_examples(model, tokenizer, synthetic, args, [0, 0, 0], None, advs=(0.0, 0.0, 0.0))
     real_coefs, real_loss = grpo.loss_coefs, grpo.pg_loss
 
-    def with_nll(lm, batch, args, coefs, n_tok, *rest):
-        loss, st = real_loss(lm, batch, args, coefs, n_tok, *rest)
+    def with_nll(lm, batch, args, coefs, n_tok, n_seq, n_echo):
+        loss, st = real_loss(lm, batch, args, coefs, n_tok, n_seq, n_echo)
         logits = lm(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1].float()
         lp = torch.log_softmax(logits, -1).gather(2, batch["input_ids"][:, 1:, None]).squeeze(2)  # (B, T-1)
         return loss + coefs["nll"] * -(lp * (batch["roles"][:, 1:] == ACTION)).sum() / n_tok, st
