@@ -10,15 +10,19 @@
 # The daemon runs without iptables and without a bridge: sandboxes use network_mode="none", and image
 # builds use --network host, so no NAT rules are touched on the host.
 #
+# The daemon's store sits in a file system of fixed size: a sparse file under $ACTOBS_DOCKER_ROOT
+# ($ACTOBS_DOCKER_DISK_GB, default half the free space where it is made), loop-mounted, so the kernel stops every
+# write past it and the host never fills, whatever a sandbox or a late disk watch does. At each start the space the
+# file can still take must be free on the host (else it says so and stops), and what the store freed is given back
+# to the host (fstrim).
 # Disk quota. By default (ACTOBS_DOCKER_STORAGE unset: "xfs overlay2 vfs", the first that runs) the overlay2
-# driver keeps its data on XFS mounted with project quotas: a sparse file $ACTOBS_DOCKER_ROOT/xfs.img
-# ($ACTOBS_DOCKER_DISK_GB, default half the free space where it is created) loop-mounted at $ACTOBS_DOCKER_ROOT/xfs.
-# The daemon then takes a size limit per container (disk.py asks for one at each sandbox's create), so the
-# kernel refuses a write past a sandbox's disk budget at overlay2's speed; images and image builds have no limit,
-# and all the daemon holds stays inside that file. Where that cannot run (no xfsprogs, no loop device, not root, a
-# kernel without XFS quota support) the log says why and plain overlay2 (or vfs, where the host cannot carry
-# overlay) runs with data-root $ACTOBS_DOCKER_ROOT/data: budgets are then held per file (ulimit fsize, seccomp) and
-# watched (disk.py), with no kernel quota.
+# driver keeps its data on XFS mounted with project quotas ($ACTOBS_DOCKER_ROOT/xfs.img): the daemon then takes a
+# size limit per container (disk.py asks for one at each sandbox's create), so the kernel refuses a write past a
+# sandbox's disk budget at overlay2's speed; images and image builds have no limit. Where that cannot run (no
+# xfsprogs, no loop device, not root, a kernel without XFS quota support) the log says why and plain overlay2 (or
+# vfs, where the host cannot carry overlay) runs on ext4 ($ACTOBS_DOCKER_ROOT/ext4.img): budgets are then held per
+# file (ulimit fsize, seccomp) and watched (disk.py), with no kernel quota; where no loop mount can be made either,
+# on $ACTOBS_DOCKER_ROOT/data, unbounded, with a warning.
 # ACTOBS_DOCKER_STORAGE=btrfs: the btrfs driver on $ACTOBS_DOCKER_ROOT/btrfs.img with qgroups (disk.py sets one
 # limit per sandbox), for kernels without XFS quotas; slower (RESULTS.md), so never chosen unasked.
 
@@ -41,6 +45,18 @@ _actobs_log() { echo "$(date -u +%FT%TZ) .ci/dockerd.sh: $*" | tee -a "$ACTOBS_D
 # Size of a new loop file: $ACTOBS_DOCKER_DISK_GB, or half the free space under $ACTOBS_DOCKER_ROOT.
 _actobs_disk_gb() {
     echo "${ACTOBS_DOCKER_DISK_GB:-$(( $(df --output=avail -k "$ACTOBS_DOCKER_ROOT" | tail -1) / 2 / 2**20 ))}"
+}
+
+# Whether the host has room for what the loop file $1 can still take, plus 1 GB; fails with a reason. A sparse
+# file takes host blocks as the store fills: room for all of it is what makes the store's size a bound.
+_actobs_fits() {
+    local left free
+    left=$(( ($(stat -c %s "$1") - $(stat -c %b "$1") * $(stat -c %B "$1")) / 2**20 ))
+    free=$(( $(df --output=avail -k "$(dirname "$1")" | tail -1) / 2**10 ))
+    [ $(( left + 1024 )) -le "$free" ] && return 0
+    echo "$1 can still grow by $left MB and the host has $free MB free: free space, or remove it (with the daemon" \
+         "stopped; its images are built again)"
+    return 1
 }
 
 # Mount (creating it the first time) XFS with project quotas at $ACTOBS_DOCKER_ROOT/xfs; fails with a reason.
@@ -66,6 +82,26 @@ _actobs_xfs() {
     grep -q " $mnt xfs .*prjquota" /proc/mounts || { echo "$mnt is mounted without project quotas"; return 1; }
 }
 
+# Mount (creating it the first time) ext4 at $ACTOBS_DOCKER_ROOT/ext4: the fixed-size store of a daemon without a
+# quota; fails with a reason.
+_actobs_ext4() {
+    local mnt="$ACTOBS_DOCKER_ROOT/ext4" img="$ACTOBS_DOCKER_ROOT/ext4.img" new=
+    if ! mountpoint -q "$mnt"; then
+        command -v mkfs.ext4 >/dev/null || { echo "e2fsprogs not installed"; return 1; }
+        if [ ! -f "$img" ]; then
+            new=1
+            truncate -s "$(_actobs_disk_gb)G" "$img" && mkfs.ext4 -q -m 0 "$img" >/dev/null 2>&1 \
+                || { rm -f "$img"; echo "mkfs.ext4 failed"; return 1; }
+        fi
+        mkdir -p "$mnt"
+        if ! mount -o loop "$img" "$mnt" 2>/dev/null; then
+            [ -n "$new" ] && rm -f "$img"
+            echo "cannot loop-mount $img"
+            return 1
+        fi
+    fi
+}
+
 # Mount (creating it the first time) the quota filesystem at $ACTOBS_DOCKER_ROOT/btrfs; fails with a reason.
 _actobs_btrfs() {
     local mnt="$ACTOBS_DOCKER_ROOT/btrfs" img="$ACTOBS_DOCKER_ROOT/btrfs.img"
@@ -81,7 +117,7 @@ _actobs_btrfs() {
 
 _actobs_start() {
     mkdir -p "$ACTOBS_DOCKER_ROOT/exec" || return 1
-    local driver data why started='' old
+    local driver data img why started="" old
     # A daemon of ours that is still going away (a stop under way, or the daemon of a run just killed) holds the
     # pidfile, and a new dockerd refuses to start on it: each driver below would fail in turn and the last one up
     # would be a slower driver on another image store. Wait for it to exit; a pidfile of a dead process is stale.
@@ -97,22 +133,39 @@ _actobs_start() {
     # (nested overlay); btrfs only when asked.
     for driver in ${ACTOBS_DOCKER_STORAGE:-xfs overlay2 vfs}; do
         _actobs_ready && break
-        data="$ACTOBS_DOCKER_ROOT/data"
+        data="$ACTOBS_DOCKER_ROOT/data" img=
         if [ "$driver" = xfs ]; then
             if ! why="$(_actobs_xfs)"; then
                 _actobs_log "no disk quota on overlay2 ($why)"
                 continue
             fi
-            data="$ACTOBS_DOCKER_ROOT/xfs"
-            _actobs_log "disk quota: overlay2 on XFS with project quotas, $ACTOBS_DOCKER_ROOT/xfs.img" \
-                "($(du -h --apparent-size "$ACTOBS_DOCKER_ROOT/xfs.img" | cut -f1) at most)"
+            data="$ACTOBS_DOCKER_ROOT/xfs" img="$ACTOBS_DOCKER_ROOT/xfs.img"
+            _actobs_log "disk quota: overlay2 on XFS with project quotas, $img" \
+                "($(du -h --apparent-size "$img" | cut -f1) at most)"
         elif [ "$driver" = btrfs ]; then
             if ! why="$(_actobs_btrfs)"; then
                 _actobs_log "no disk quota ($why): falling back to a per-file and watched disk budget (disk.py)"
                 continue
             fi
-            data="$ACTOBS_DOCKER_ROOT/btrfs"
-            _actobs_log "disk quota: btrfs qgroups on $ACTOBS_DOCKER_ROOT/btrfs.img ($(du -h --apparent-size "$ACTOBS_DOCKER_ROOT/btrfs.img" | cut -f1) at most)"
+            data="$ACTOBS_DOCKER_ROOT/btrfs" img="$ACTOBS_DOCKER_ROOT/btrfs.img"
+            _actobs_log "disk quota: btrfs qgroups on $img ($(du -h --apparent-size "$img" | cut -f1) at most)"
+        elif why="$(_actobs_ext4)"; then
+            data="$ACTOBS_DOCKER_ROOT/ext4" img="$ACTOBS_DOCKER_ROOT/ext4.img"
+            _actobs_log "the store: ext4 on $img ($(du -h --apparent-size "$img" | cut -f1) at most)"
+            if [ -d "$ACTOBS_DOCKER_ROOT/data" ]; then
+                _actobs_log "$ACTOBS_DOCKER_ROOT/data (an earlier, unbounded store) is no longer used: remove it" \
+                    "to free its space"
+            fi
+        else
+            _actobs_log "warning: the store is not bounded ($why): a sandbox the disk watch stops late can fill" \
+                "the host's disk"
+        fi
+        if [ -n "$img" ]; then
+            fstrim "$data" 2>/dev/null || true  # what the store freed goes back to the host
+            if ! why="$(_actobs_fits "$img")"; then
+                _actobs_log "$why"
+                return 1
+            fi
         fi
         mkdir -p "$data" || return 1
         nohup dockerd --iptables=false --ip6tables=false --bridge=none --storage-driver="${driver/xfs/overlay2}" \
@@ -141,12 +194,18 @@ _actobs_start() {
 
 _actobs_stop() {
     [ -f "$_actobs_pid" ] || { echo "no dockerd started by this script"; return 0; }
-    local pid
+    local pid mnt
     pid="$(cat "$_actobs_pid")"
     kill "$pid" 2>/dev/null
     _actobs_gone "$pid" || kill -9 "$pid"
     # only our daemon's pidfile: a start that ran while this one waited may own the file by now
     [ "$(cat "$_actobs_pid" 2>/dev/null)" = "$pid" ] && rm -f "$_actobs_pid"
+    # the store's file system, unless a daemon started meanwhile uses it
+    if [ ! -f "$_actobs_pid" ]; then
+        for mnt in "$ACTOBS_DOCKER_ROOT"/ext4 "$ACTOBS_DOCKER_ROOT"/xfs "$ACTOBS_DOCKER_ROOT"/btrfs; do
+            if mountpoint -q "$mnt"; then umount "$mnt" || umount -l "$mnt"; fi
+        done
+    fi
     echo "stopped dockerd $pid"
 }
 
