@@ -1,14 +1,23 @@
 """
 A sandbox's files, read and written from this host through its container (sandbox.Sandbox.container), no program in
 the container asked: files in and out as one tar archive through the daemon, and what changed since the container
-started from its image (overlay2's upper dir walked here against the image's layers, or the daemon's diff).
+started from its image (overlay2's upper dir walked here against the image's layers, or the daemon's diff). The walk
+(walk_layer) is also disk.py's measure of the layer: bounded in entries, depth and time, past which it raises.
 sandbox.py uploads a task's files with put_files; verify.py reads what the agent changed and what the verifier wrote.
 """
+import errno
 import io
 import os
 import stat
 import tarfile
 import time
+
+# The bounds of a walk of a sandbox's layer (walk_layer): past any of them the layer is not measured, and whoever
+# asked treats the sandbox as over its disk budget (fail closed). A tree deeper than MAX_DEPTH would hold that many
+# folders open at once. A path longer than PATH_MAX names nothing a program finds by its whole name (a loader, an
+# interpreter's start-up): upper_changes leaves such paths out.
+MAX_DEPTH = 128
+PATH_MAX = 4095
 
 # ----------------------------------------------------------------------------------------------------------
 # Files in and out
@@ -101,34 +110,95 @@ def in_layers(lowers, path):
     return False
 
 
-def upper_changes(upper, lowers):
+class LayerLimit(RuntimeError):
+    """A sandbox's writable layer past what is measured of it: more entries than its inode budget, deeper than
+    MAX_DEPTH or not walked in time. Whoever asked treats the sandbox as over its disk budget."""
+
+
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_CHANGED = (errno.ENOENT, errno.ENOTDIR, errno.ELOOP)  # an entry removed, or replaced by a file or a link
+
+
+def walk_layer(top, max_entries, deadline=None, tick=None, vanished=None):
+    """Every entry under the folder `top` as (fd of its folder, that folder's path under top: "" or "/a/b", its name,
+    its lstat), depth first. No recursion and no path longer than a name: each folder is opened relative to its
+    parent's descriptor, so a deep tree costs descriptors (MAX_DEPTH at most), never the stack or PATH_MAX. Raises
+    LayerLimit past max_entries entries or MAX_DEPTH levels, or at `deadline` (time.monotonic). An entry that goes
+    away or changes kind while it is read (the tree changes under the walk) is appended to the list `vanished`, if
+    given. tick() is called every 1,024 entries; it may raise to stop the walk."""
+    stack = [[os.open(top, _DIR_FLAGS), "", None]]  # per open folder: its fd, its path under top, sub-folders left
+    entries = 0
+    try:
+        while stack:
+            level = stack[-1]
+            fd, rel, subdirs = level
+            if subdirs is None:  # a folder just opened: its entries
+                level[2] = subdirs = []
+                with os.scandir(fd) as it:  # scandir reads through a copy of fd; fd stays ours
+                    for entry in it:
+                        entries += 1
+                        if entries > max_entries:
+                            raise LayerLimit(f"more than {max_entries} entries in the sandbox's layer")
+                        if entries % 1024 == 0:
+                            if deadline is not None and time.monotonic() > deadline:
+                                raise LayerLimit(f"the sandbox's layer was not walked in time ({entries} entries)")
+                            if tick is not None:
+                                tick()
+                        try:
+                            st = entry.stat(follow_symlinks=False)
+                        except OSError as e:
+                            if e.errno not in _CHANGED:
+                                raise
+                            if vanished is not None:
+                                vanished.append(f"{rel}/{entry.name}")
+                            continue
+                        yield fd, rel, entry.name, st
+                        if stat.S_ISDIR(st.st_mode):
+                            subdirs.append(entry.name)
+            if not subdirs:
+                os.close(stack.pop()[0])
+                continue
+            if len(stack) >= MAX_DEPTH:
+                raise LayerLimit(f"the sandbox's layer is deeper than {MAX_DEPTH} levels")
+            name = subdirs.pop()
+            try:
+                child = os.open(name, _DIR_FLAGS, dir_fd=fd)
+            except OSError as e:
+                if e.errno not in _CHANGED:
+                    raise
+                if vanished is not None:
+                    vanished.append(f"{rel}/{name}")
+                continue
+            stack.append([child, f"{rel}/{name}", None])
+    finally:
+        for level in stack:
+            os.close(level[0])
+
+
+def upper_changes(upper, lowers, max_entries, deadline):
     """{path: "C" or "A"} of a container's overlay2 upper dir against its image's layers (changes), or
     None where the upper dir alone does not say: a directory renamed with overlayfs' redirect_dir keeps its
-    content in the lower layer."""
+    content in the lower layer. The walk is walk_layer's, within max_entries and by `deadline` (time.monotonic)."""
     found = {}
-    for root, dirs, files in os.walk(upper):
-        rel = root[len(upper):]
-        for name in dirs + files:
-            full, path = os.path.join(root, name), f"{rel}/{name}"
-            try:
-                st = os.lstat(full)
-            except OSError:
-                continue
-            if _whiteout(st):
-                continue  # deleted: not a change of what is there
-            if stat.S_ISDIR(st.st_mode) and _xattr(full, "trusted.overlay.redirect") is not None:
-                return None
-            found[path] = "C" if in_layers(lowers, path) else "A"
+    for dir_fd, rel, name, st in walk_layer(upper, max_entries, deadline):
+        path = f"{rel}/{name}"
+        if _whiteout(st) or len(path) > PATH_MAX:
+            continue  # deleted: not a change of what is there; or out of reach of any program in the sandbox
+        full = f"/proc/self/fd/{dir_fd}/{name}"  # the entry through its folder's descriptor: short however deep
+        if stat.S_ISDIR(st.st_mode) and _xattr(full, "trusted.overlay.redirect") is not None:
+            return None
+        found[path] = "C" if in_layers(lowers, path) else "A"
     return found
 
 
-def changes(container):
+def changes(container, max_entries, deadline):
     """{path: "C" (modified) or "A" (added)} for what changed in the container since it started from its
     image, as the storage driver keeps it (no program in the container is asked): overlay2's upper dir
     walked on this host, or the daemon's diff (its overlay2 diff compares the whole tree with the image's:
-    ~0.35 s of the daemon's CPU per call, most of a verification's cost)."""
+    ~0.35 s of the daemon's CPU per call, most of a verification's cost). Raises LayerLimit where the upper dir
+    holds more than max_entries entries or is not walked by `deadline` (time.monotonic)."""
     dirs = overlay_dirs(container)
-    found = upper_changes(*dirs) if dirs else None
+    found = upper_changes(*dirs, max_entries, deadline) if dirs else None
     if found is None:  # not walkable here, or a renamed lower directory (its content is not in the upper dir)
         found = {c["Path"]: "CA"[c["Kind"]] for c in container.diff() or () if c["Kind"] in (0, 1)}
     return found

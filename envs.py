@@ -25,7 +25,7 @@ from pathlib import Path
 
 import labels
 import taskgen
-from container_files import put_files
+from container_files import LayerLimit, put_files
 from sandbox import (BASE_IMAGE, STANDIN_SUITE, STANDIN_TAGS, DiskLimit, ProcessLimit, Sandbox, ShellExited,
                      build_base_image, sweep)
 from tasks import load_task, task_from_spec
@@ -81,8 +81,8 @@ def open_sandbox(task, network=None):
     """network: a Docker network mode ("bridge", "host", a network's name) for a task that allows the internet;
     None, or a task with allow_internet = false: no network."""
     return Sandbox(task.image, workdir=task.workdir, user=task.user, cpus=task.cpus, memory_mb=task.memory_mb,
-                   storage_mb=task.storage_mb, network=network if task.allow_internet else None, files=task.files,
-                   tmpfs=(VERIFIER_DIR,))
+                   storage_mb=task.storage_mb, inodes=task.inodes, network=network if task.allow_internet else None,
+                   files=task.files, tmpfs=(VERIFIER_DIR,))
 
 
 # Failure kinds. The agent's doing (scored; the reward goes with it): timeout, parse_errors, max_turns,
@@ -154,7 +154,7 @@ class _Run:
             self.ep.messages.append({"role": "user", "content": fill_prompt(
                 self.template, self.task.instruction, self.sb.screen())})
         except Exception as e:
-            self.finish("sandbox_error", f"{type(e).__name__}: {e}", verify_=False)
+            self.finish(*self._failed(e), verify_=False)
 
     def act(self, reply, max_turns, max_parse_errors):
         t = time.time()
@@ -169,11 +169,19 @@ class _Run:
         except ShellExited as e:
             return self.finish("shell_exited", str(e))
         except Exception as e:
-            return self.finish("sandbox_error", f"{type(e).__name__}: {e}", verify_=False)
+            return self.finish(*self._failed(e), verify_=False)
         finally:
             self.ep.timings["env_s"] += time.time() - t
         if failure is not None or self.done:
             self.finish(failure, error)
+
+    def _failed(self, e):
+        """(failure, error) of a sandbox that failed: disk_limit where the disk watch stopped it (its kill can break
+        a terminal step or the terminal's start first; a watch that failed closed is never the infrastructure's),
+        else sandbox_error."""
+        if self.sb is not None and self.sb.disk_exceeded:
+            return "disk_limit", self.sb.disk_exceeded
+        return "sandbox_error", f"{type(e).__name__}: {e}"
 
     def _act(self, reply, max_parse_errors, last_turn):
         """Carry out one reply; returns (failure, error) when the episode ends without a confirmed completion.
@@ -255,6 +263,9 @@ def _score(ep, sb, task, seen="", keep_agent=False, strict=False):
         ep.reward, verr, ep.verifier_output = verify(sb, task, keep_agent, ep.tampered, strict)
     except Tampered as e:
         ep.reward, verr, tampered = 0.0, None, str(e)
+    except LayerLimit as e:  # the layer could not be read within its bounds: over the budget, as the watch says it
+        ep.reward, verr = 0.0, None
+        sb.disk.exceeded = sb.disk.exceeded or f"{e}: stopped as over the disk budget"
     except Exception as e:
         ep.reward, verr = 0.0, f"{type(e).__name__}: {e}"
     if sb.disk_exceeded:

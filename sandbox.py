@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 import disk
-from container_files import overlay_dirs, put_files
+from container_files import changes, overlay_dirs, put_files
 from terminus import MAX_DURATION, OUTPUT_HEADER, SCREEN_HEADER, decode, pane_diff, truncate_output, visible_screen
 
 BASE_IMAGE = "actobs-base:bookworm"
@@ -60,19 +60,25 @@ _client = None
 _client_lock = threading.Lock()
 
 
+def docker_env():
+    """The environment of a docker CLI call and of the SDK's client: this process's, with DOCKER_HOST set to
+    .ci/dockerd.sh's private daemon where no other is named and the default socket is not there."""
+    if "DOCKER_HOST" in os.environ or os.path.exists("/var/run/docker.sock") or not os.path.exists(PRIVATE_SOCKET):
+        return dict(os.environ)
+    return dict(os.environ, DOCKER_HOST=f"unix://{PRIVATE_SOCKET}")
+
+
 def docker_client():
     """One shared client; its HTTP pool is sized for many concurrent sandboxes (the SDK default is 10)."""
     global _client
     with _client_lock:
         if _client is None:
             import docker  # imported lazily: importing sandbox.py must not need a daemon
-            if "DOCKER_HOST" not in os.environ and not os.path.exists("/var/run/docker.sock") \
-                    and os.path.exists(PRIVATE_SOCKET):  # the daemon of .ci/dockerd.sh
-                os.environ["DOCKER_HOST"] = f"unix://{PRIVATE_SOCKET}"
+            env = docker_env()
             try:
-                _client = docker.from_env(max_pool_size=128, timeout=600)
+                _client = docker.from_env(environment=env, max_pool_size=128, timeout=600)
             except docker.errors.DockerException as e:
-                raise RuntimeError(f"no Docker daemon at {os.environ.get('DOCKER_HOST', 'the default socket')} ({e}); "
+                raise RuntimeError(f"no Docker daemon at {env.get('DOCKER_HOST', 'the default socket')} ({e}); "
                                    "start one with `. .ci/dockerd.sh start`") from None
         return _client
 
@@ -157,7 +163,7 @@ def build_base_image(suite="bookworm", extra_tags=(), rebuild=False, with_uv=Fal
             os.chmod(root, 0o755)  # the temporary folder's 0700 would become /'s mode (btrfs keeps it; overlay2 not)
             tar = subprocess.Popen(["tar", "-C", root, "-c", "."], stdout=subprocess.PIPE)
             subprocess.run(["docker", "import", "-c", "ENV LANG=C.UTF-8", "-c", 'CMD ["bash"]', "-", tag],
-                           stdin=tar.stdout, check=True, stdout=subprocess.DEVNULL)
+                           stdin=tar.stdout, check=True, stdout=subprocess.DEVNULL, env=docker_env())
             if tar.wait() != 0:
                 raise RuntimeError("tar of the debootstrap root failed")
             print(f"built {tag} in {time.time() - t0:.0f}s")
@@ -332,20 +338,21 @@ class ProcessLimit(SandboxError):
 
 class Sandbox:
     """A container with the task's limits and a tmux terminal; use as a context manager (always removed).
-    storage_mb: the disk budget of the container's writable layer (disk.py: what holds it on each kind of daemon).
+    storage_mb, inodes: the disk budget of the container's writable layer, its bytes and its entries (disk.Budget: what
+    holds it on each kind of daemon; inodes None: its default for storage_mb).
     network: None (no network: only loopback) or a Docker network mode: "bridge" (the daemon's NAT network: the
     internet, not the host's own network), "host" (the host's network namespace, its local services included: the
     only way out on a daemon started with --bridge=none and no iptables, like .ci/dockerd.sh's, whose user-defined
     bridges reach nothing), or a user-defined network's name."""
 
     def __init__(self, image, *, workdir="/app", user="root", cpus=1.0, memory_mb=2048, storage_mb=DEFAULT_STORAGE_MB,
-                 pids=1024, network=None, files=(), tmpfs=()):
+                 inodes=None, pids=1024, network=None, files=(), tmpfs=()):
         self.image, self.workdir, self.user = image, workdir, user
         self.tmpfs = tmpfs  # folders mounted as tmpfs (exec, root's): scratch space outside the disk budget
         self.cpus, self.memory_mb, self.storage_mb = cpus, memory_mb, storage_mb
         self.pids, self.network, self.files = pids, network, files
         self.container = None
-        self.disk = disk.Budget(storage_mb)
+        self.disk = disk.Budget(storage_mb, inodes)
         self._start = 0  # pane line where the next observation begins
         self._anchor = ""  # that line's text when it was read
         self.last_idle = False
@@ -424,8 +431,13 @@ class Sandbox:
 
     @property
     def disk_exceeded(self):
-        """Why the disk watch stopped the sandbox, or ""."""
-        return self.disk.exceeded
+        """Why the disk watch stopped the sandbox, or that it fell behind (then the sandbox counts as over), or ""."""
+        return self.disk.exceeded or self.disk.stale()
+
+    def changes(self):
+        """{path: "C" or "A"}: what changed in the sandbox since its image (container_files.changes), walked within
+        its inode budget and disk.WALK_DEADLINE_S; past them LayerLimit (the sandbox counts as over its budget)."""
+        return changes(self.container, self.disk.inodes, time.monotonic() + disk.WALK_DEADLINE_S)
 
     def close(self):
         self.disk.close()

@@ -8,14 +8,13 @@ offline base and stand-in images).
 """
 import dataclasses
 import hashlib
-import os
 import re
 import subprocess
 import tomllib
 from pathlib import Path
 
 import taskgen
-from sandbox import BASE_IMAGE, DEFAULT_STORAGE_MB, docker_client, image_exists
+from sandbox import BASE_IMAGE, DEFAULT_STORAGE_MB, docker_client, docker_env, image_exists
 from terminus import decode
 
 
@@ -31,6 +30,7 @@ class Task:
     cpus: float = 1.0
     memory_mb: int = 2048
     storage_mb: int = DEFAULT_STORAGE_MB
+    inodes: int | None = None  # entries the sandbox's layer may hold; None: disk.Budget's default for storage_mb
     allow_internet: bool = True  # Harbor's default; the sandbox gets a network only when the run gives one
     files: tuple = ()  # (path, bytes, mode) written into the container before the episode (generated tasks)
     tests: dict = dataclasses.field(default_factory=dict)  # relative path -> bytes, copied to /tests
@@ -89,12 +89,16 @@ def load_task(path, build=True):
         memory = size_mb(env["memory_mb"] if "memory_mb" in env else env.get("memory", 2048))
         field = "[environment] storage"
         storage = size_mb(env["storage_mb"] if "storage_mb" in env else env.get("storage", DEFAULT_STORAGE_MB))
+        field = "[environment] inodes"  # ActObs's own field (Harbor has none): the layer's entries
+        inodes = env.get("inodes")
+        if inodes is not None and (not isinstance(inodes, int) or isinstance(inodes, bool) or inodes < 1):
+            raise ValueError(f"not a count of entries: {inodes!r}")
         field = ""
         task = Task(name=str(cfg.get("task", {}).get("name") or path.name),
                     instruction=(path / "instruction.md").read_text(),
                     agent_timeout=float(agent.get("timeout_sec", 600.0)),
                     verifier_timeout=float(verifier.get("timeout_sec", 120.0)),
-                    cpus=float(env.get("cpus", 1)), memory_mb=memory, storage_mb=storage,
+                    cpus=float(env.get("cpus", 1)), memory_mb=memory, storage_mb=storage, inodes=inodes,
                     allow_internet=bool(env.get("allow_internet", True)),
                     workdir=str(env.get("workdir", "")), user=str(agent.get("user", "")),
                     tests=_read_dir(path / "tests"),
@@ -154,7 +158,7 @@ def build_task_image(name, context, timeout=600.0):
         return tag
     # The CLI, not the SDK: killing it on timeout cancels the build in the daemon.
     cmd = ["docker", "build", "--network", "host", "--force-rm", "-t", tag, str(context)]
-    env = dict(os.environ, DOCKER_BUILDKIT="0")
+    env = dict(docker_env(), DOCKER_BUILDKIT="0")
     try:
         res = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=timeout)
     except subprocess.TimeoutExpired as e:

@@ -18,7 +18,7 @@ import json
 import os
 import threading
 
-from container_files import changes, get_file, get_files, put_files
+from container_files import get_file, get_files, put_files
 from sandbox import LABEL, STANDIN_TOOLS, SandboxError, docker_client, owner_label
 from terminus import decode, pytest_never_ran
 
@@ -167,7 +167,7 @@ def prepare_verifier(sb, task, strict=False):
     files stay (removing them would break packages the agent installed): the verifier's own environment does
     not read the image's (uvx), or its interpreter is the image's. strict: also remove the .pyc files the agent
     added under PROGRAM_DIRS (a crafted one runs in place of a module's source; Python writes them again)."""
-    changed = changes(sb.container)
+    changed = sb.changes()
     tampered = verifier_loaded(sb, changed)
     programs = program_changes(sb, changed)
     hooks = [p for p in tampered if os.path.basename(p) in STARTUP_HOOKS + ("entry_points.txt",)]

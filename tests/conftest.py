@@ -169,3 +169,11 @@ def no_leftovers(base_image):
     import sandbox
     yield
     assert sandbox.my_containers() == []
+
+
+@pytest.fixture
+def no_quota(base_image, monkeypatch):
+    """The daemon as one without a disk quota: where it has one, its sandboxes are created without it."""
+    import disk
+    disk.quota()  # found first, with whether the daemon applies seccomp
+    monkeypatch.setattr(disk, "_quota", False)

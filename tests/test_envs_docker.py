@@ -86,7 +86,7 @@ def test_files_round_trip(sb):
 
 
 def test_changes_read_on_the_host_are_the_daemons_diff(sb):
-    """container_files.changes walks overlay2's upper dir against the image's layers; the daemon's own diff (which
+    """Sandbox.changes (container_files.changes) walks overlay2's upper dir against the image's layers; the daemon's own diff (which
     compares the whole tree) must agree on every kind of change: added, modified, metadata only, a lower file
     removed, a lower directory moved, emptied and refilled, a symlink, a file in a tmpfs (not a change)."""
     assert container_files.overlay_dirs(sb.container) is not None  # the walk runs here, not the fallback
@@ -96,7 +96,7 @@ def test_changes_read_on_the_host_are_the_daemons_diff(sb):
                       " && mkdir -p /tests/a && echo t > /tests/a/conftest.py && echo y > /dev/shm/f")
     assert code == 0
     daemon = {c["Path"]: "CA"[c["Kind"]] for c in sb.container.diff() if c["Kind"] in (0, 1)}
-    found = container_files.changes(sb.container)
+    found = sb.changes()
     assert found == daemon
     assert {"/newfile": "A", "/etc/debian_version": "C", "/etc/profile": "C", "/usr/share/jqdoc": "A",
             "/usr/share/doc/tmux/README": "C", "/tests/a/conftest.py": "A"}.items() <= found.items()  # the image has a README

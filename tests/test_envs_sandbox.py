@@ -136,13 +136,6 @@ def test_disk_budget_ends_the_episode_and_scores_0(base_image):
     assert [(e.failure, e.reward) for e in solved] == [("disk_limit", 0.0)]
 
 
-@pytest.fixture
-def no_quota(base_image, monkeypatch):
-    """The daemon as one without a disk quota: where it has one, its sandboxes are created without it."""
-    disk.quota()  # found first, with whether the daemon applies seccomp
-    monkeypatch.setattr(disk, "_quota", False)
-
-
 # Writes past a 256 MB budget as an agent types them, none with the answer: refused inside the sandbox, or ended
 # disk_limit by the watch; "honest" writes 200 MB and the answer.
 MMAP = ("python3 -c \"import mmap, os\nfor i in range(16):\n"
