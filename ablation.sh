@@ -116,7 +116,7 @@ R=${RUN_DIR:-$R}
 PT=scripts/toy_prompt.txt  # the corpus's short system prompt; RL and evaluation use the same
 mkdir -p "$R/eval" "$R/probes"
 ARM_LOSS=(); for A in "${ARMS[@]}" "${SWEEP_ARMS[@]}"; do ARM_LOSS+=("loss_$A=${LOSS[$A]}"); done
-python scripts/report.py settings "$R" mode="$MODE" seed="$SEED" prompt_template="$PT" base="${BASE[*]}" corpus="${CORPUS[*]}" \
+python -m scripts.report settings "$R" mode="$MODE" seed="$SEED" prompt_template="$PT" base="${BASE[*]}" corpus="${CORPUS[*]}" \
     heldout_n=$HELDOUT_N arms="${ARMS[*]}" sweep_arms="${SWEEP_ARMS[*]}" "${ARM_LOSS[@]}" sft="${SFT[*]}" \
     grpo="${GRPO[*]}" echo="${ECHO[*]}" tstar="$TSTAR" eval="${EVAL[*]}" eval_sft="${EVAL_SFT[*]}" eval_base="${EVAL_BASE[*]}" probe="${PROBE[*]}" sample="${SAMPLE[*]}"
 # The stages in order, for the banners: a stage whose output exists is skipped (its banner too)
@@ -149,7 +149,7 @@ RUNS=()
 together() { [ ${#RUNS[@]} = 0 ] || stage "$1" python "$2" "${RUNS[@]:1}"; RUNS=(); }
 
 # ---- 1. base model: generic terminal sessions recorded in sandboxes -> BPE -> pre-trained small Qwen3 (cached)
-stage base python scripts/base_model.py --out "$R/base" --seed "$SEED" --prompt-template "$PT" "${BASE[@]}"
+stage base python -m scripts.base_model --out "$R/base" --seed "$SEED" --prompt-template "$PT" "${BASE[@]}"
 B="$R/base/model"
 
 # ---- 2. corpus: expert episodes on SFT tasks; RL and evaluation tasks are disjoint, `archive` only in eval
@@ -157,7 +157,7 @@ B="$R/base/model"
 head -n -$HELDOUT_N "$R/corpus/sft.jsonl" > "$R/train.jsonl"   # the probes' trajectories stay out of SFT
 tail -n $HELDOUT_N "$R/corpus/sft.jsonl" > "$R/heldout.jsonl"
 LIMITS=(); if [ $MODE = quick ]; then LIMITS=(--warn); fi
-python scripts/report.py limits "$R" "${LIMITS[@]}"  # RL / evaluation limits fit the expert
+python -m scripts.report limits "$R" "${LIMITS[@]}"  # RL / evaluation limits fit the expert
 
 # ---- 3. SFT from the same base: same data, order and schedule; only the loss (LOSS above) differs
 for A in "${ARMS[@]}" "${SWEEP_ARMS[@]}"; do
@@ -218,5 +218,5 @@ fi
 
 # ---- 8. the run folder's REPORT.md, comparison tables and plots; fails if any stage's output is malformed
 banner report
-python scripts/report.py build "$R"
+python -m scripts.report build "$R"
 echo "ablation.sh: done in $((SECONDS / 60))m$((SECONDS % 60))s -> $R/REPORT.md"

@@ -23,15 +23,16 @@ import time
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from pathlib import Path
 
-import labels
-import taskgen
-from container_files import LayerLimit, put_files
-from sandbox import (BASE_IMAGE, STANDIN_SUITE, STANDIN_TAGS, DiskLimit, ProcessLimit, Sandbox, ShellExited,
-                     build_base_image, sweep)
-from tasks import load_task, task_from_spec
-from terminus import (DEFAULT_PROMPT, confirm_message, decode, fill_prompt, load_template, network_evidence,
-                      parse_error_message, parse_reply, second_try_message, with_warnings)
-from verify import VERIFIER_DIR, Tampered, verify
+from actobs import labels, taskgen
+from actobs.episode import Episode
+from actobs.sandbox.container_files import LayerLimit, put_files
+from actobs.sandbox.daemon import BASE_IMAGE, sweep
+from actobs.sandbox.images import STANDIN_SUITE, STANDIN_TAGS, build_base_image
+from actobs.sandbox.sandbox import DiskLimit, ProcessLimit, Sandbox, ShellExited
+from actobs.sandbox.verify import Tampered, VERIFIER_DIR, verify
+from actobs.tasks import load_task, task_from_spec
+from actobs.terminus import (DEFAULT_PROMPT, confirm_message, decode, fill_prompt, load_template, network_evidence,
+                             parse_error_message, parse_reply, second_try_message, with_warnings)
 
 # ----------------------------------------------------------------------------------------------------------
 # Arguments
@@ -83,54 +84,6 @@ def open_sandbox(task, network=None):
     return Sandbox(task.image, workdir=task.workdir, user=task.user, cpus=task.cpus, memory_mb=task.memory_mb,
                    storage_mb=task.storage_mb, inodes=task.inodes, network=network if task.allow_internet else None,
                    files=task.files, tmpfs=(VERIFIER_DIR,))
-
-
-# Failure kinds. The agent's doing (scored; the reward goes with it): timeout, parse_errors, max_turns,
-# shell_exited (the verifier still scores what was done), disk_limit and pids_limit (reward 0), verifier_error
-# (reward 0: the verifier timed out, wrote no reward, or its test runner never started; an agent can break its
-# own checker), tampered (reward 0, strict verification only: the agent changed what the verifier loads or runs).
-# Infrastructure, never the agent's doing: GRPO and evaluation leave these episodes out.
-INFRA_FAILURES = frozenset({"sandbox_error", "image_build_error"})
-
-
-@dataclasses.dataclass
-class Episode:
-    task: str
-    messages: list  # Nemotron form: user (prompt), then assistant / user (observation) turns
-    reward: float = 0.0
-    turns: int = 0
-    failure: str | None = None  # None or a failure kind (above; max_len: the policy's context was full)
-    error: str = ""  # details of the failure
-    verifier_output: str = ""  # the tail of tests/test.sh's output, whenever it ran
-    # Set when the reward is below 1 in a sandbox without the network (its task allows it; the run gave none) and
-    # a command failed for want of it: the line that says so (the solution's or the agent's output, or that of a
-    # verifier that never ran its tests). Not a failure kind: the reward stands, the run reports these apart.
-    needs_network: str = ""
-    # With second_try (aider's harness): the reward of the first verification; `reward` is the final one.
-    first_reward: float | None = None
-    # start_s, env_s (terminal steps), policy_s (waits for its own replies), verify_s, total_s
-    timings: dict = dataclasses.field(default_factory=dict)
-    # Filled by token-level policies (engine.VLLMPolicy): the one append-only sequence the policy saw and
-    # produced, one label per token (labels.PROMPT / ACTION / OBS), the behaviour log-prob of each token
-    # (0.0 where not sampled), which OBS tokens are the protocol's fixed wrapper text, and whether the context
-    # length cut the episode (then its messages end with the last observation).
-    token_ids: list = dataclasses.field(default_factory=list)
-    roles: list = dataclasses.field(default_factory=list)
-    logprobs: list = dataclasses.field(default_factory=list)
-    obs_wrapper: list = dataclasses.field(default_factory=list)
-    truncated: bool = False
-    # Under a grammar (engine.VLLMPolicy): the distinct masks the replies were sampled under (packed bits) and, per
-    # token, its mask's index in them, -1 where nothing was masked.
-    masks: list = dataclasses.field(default_factory=list)
-    mask_ids: list = dataclasses.field(default_factory=list)
-    # Replies that reached the policy's max_new_tokens (under a grammar the engine closed each: close_reply)
-    cut_replies: int = 0
-    # Tamper evidence: the verifier-loaded files the agent wrote (verify.prepare_verifier: anything in /tests, a
-    # conftest.py or pytest ini in /, Python start-up hooks, pytest plugin registrations, the stand-in's uv and
-    # wheels) and the verifier's programs it changed (verify.program_changes). Under strict verification the episode
-    # then ends as `tampered`, reward 0; otherwise the verifier ran without the planted inputs where it could, and
-    # the reward is what it then paid (evaluate.py counts these attempts).
-    tampered: list = dataclasses.field(default_factory=list)
 
 
 class _Run:

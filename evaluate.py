@@ -14,7 +14,7 @@ rollout grpo.py trains with (engine.rollout), then pass@k, distinct tasks solved
 the one it trained with), the system prompt from --prompt-template (default: the corpus's), so evaluation sees
 what training saw. The results JSON is rewritten atomically after every attempt; the same command resumes an
 interrupted run, and refuses to when a setting that changes results differs. Infrastructure failures
-(envs.INFRA_FAILURES: an image that does not build, a sandbox that fails) are reported apart and left
+(episode.INFRA_FAILURES: an image that does not build, a sandbox that fails) are reported apart and left
 out of pass@k; they are never the agent's failure. compare (compare.py) gives each run's pass@k, the difference
 to the first run in points and in %, and a paired bootstrap 95% interval of that difference over the common tasks.
 Validate a task set first (reference solution scores 1, doing nothing 0): `python envs.py oracle [--noop] DIR/*`.
@@ -22,8 +22,6 @@ Several evaluations in one process, the imports paid once (common.run_cli): `pyt
 """
 import argparse
 import json
-import math
-import operator
 import os
 import sys
 import threading
@@ -32,17 +30,9 @@ from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import envs
-import labels
-import taskgen
-import terminus
-from tasks import KIND_FIELDS, load_task
-
-# Settings that change what an attempt means; a resumed run must have the same ones.
-RESUME_KEYS = ("model", "tasks", "attempts", "temperature", "max_turns", "max_new_tokens", "max_len", "prompt",
-               "seed", "dtype", "network", "keep_agent_processes", "second_try", "grammar")
-# absent from older results files: they were off
-NEWER_KEYS = ("network", "keep_agent_processes", "second_try", "grammar")
+from actobs import compare, episode, labels, taskgen, terminus
+from actobs.passk import NEWER_KEYS, RESUME_KEYS, constrained, groups, ks_up_to, pct, summarize
+from actobs.tasks import KIND_FIELDS, load_task
 
 
 def parse_args(argv=None):
@@ -88,118 +78,10 @@ def parse_args(argv=None):
 # ----------------------------------------------------------------------------------------------------------
 # The estimator
 
-def pass_at_k(n, c, k):
-    """Unbiased pass@k of one task from n attempts with c solved (Chen et al., 2021): 1 - C(n-c, k) / C(n, k),
-    the chance that k attempts drawn without replacement include a solved one. Python integers are exact and
-    int / int is correctly rounded, so this is the float nearest the exact rational for every n: no overflow,
-    no cancellation (the float product 1 - prod(1 - k/i) is off by a few ulps)."""
-    n, c, k = operator.index(n), operator.index(c), operator.index(k)
-    if not (0 <= c <= n):
-        raise ValueError(f"pass@k: need 0 <= c <= n, got n={n} c={c}")
-    if not (1 <= k <= n):
-        raise ValueError(f"pass@{k}: need 1 <= k <= n, got n={n} attempts")
-    total = math.comb(n, k)
-    return (total - math.comb(n - c, k)) / total
-
-
-def mean_pass_at_k(counts, k):
-    """Mean pass@k over tasks; counts: [(n, c)] per task. Tasks with fewer than k valid attempts (infra failures
-    removed) are left out. Returns (mean or None, number of tasks it averages)."""
-    vals = [pass_at_k(n, c, k) for n, c in counts if n >= k]
-    return (sum(vals) / len(vals) if vals else None), len(vals)
-
-
-def rise_z(early, late):
-    """How many standard errors the rate of `late` is above `early`'s, each (solved, attempts): the one-sided
-    two-proportion z with the pooled rate (0 when every attempt failed or every one passed: no rise to see). A
-    GRPO run's learning curve asks for z >= 3 between its first and last steps (p ~ 0.001)."""
-    (k1, n1), (k2, n2) = early, late
-    pooled = (k1 + k2) / (n1 + n2)
-    if pooled in (0.0, 1.0):
-        return 0.0
-    return (k2 / n2 - k1 / n1) / math.sqrt(pooled * (1 - pooled) * (1 / n1 + 1 / n2))
-
-
-def solved_counts(rows):
-    """(episodes solved, valid episodes) over GRPO log rows (steps): the counts behind their solve rates, rise_z's
-    input."""
-    return (sum(round(r["rollout/solve_rate"] * r["rollout/episodes_valid"]) for r in rows),
-            sum(r["rollout/episodes_valid"] for r in rows))
-
-
-def ks_up_to(n):
-    return [2 ** i for i in range(n.bit_length()) if 2 ** i <= n]  # 1, 2, 4, 8, 16 for n = 16
-
 
 # ----------------------------------------------------------------------------------------------------------
 # Results: {"settings", "configs": [common.run_config of each session, with "time": its time_breakdown once it
 # ran attempts], "tasks": {name: {"path", "kind", "heldout", "attempts": [record]}}, "summary"}
-
-def reward_of(a, first=False):
-    """An attempt's reward; first: before aider's second try (--second-try), when it had one."""
-    return a["first_reward"] if first and a.get("first_reward") is not None else a["reward"]
-
-
-def task_counts(entry, first=False):
-    """(n, c, excluded, agent failures, infra failures) of one task's attempts; c on the first try with first.
-    Attempts that failed for want of the network (needs_network) count in agent failures as `needs network`, and
-    those whose agent changed what the verifier loads or runs (their reward stands, as under Harbor) as `tampered`."""
-    n = c = 0
-    agent, infra = Counter(), Counter()
-    for a in entry["attempts"]:
-        if a["failure"] in envs.INFRA_FAILURES:
-            infra[a["failure"]] += 1
-            continue
-        n += 1
-        c += reward_of(a, first) >= 1.0
-        if a["failure"]:
-            agent[a["failure"]] += 1
-        if a.get("needs_network"):
-            agent["needs network"] += 1
-        if a.get("tampered"):
-            agent["tampered"] += 1
-    return n, c, sum(infra.values()), agent, infra
-
-
-def summarize(tasks, ks, first=False):
-    """pass@k for each k, distinct tasks solved, excluded attempts and failure counts over a {name: entry} dict;
-    with first, of the first try (before aider's second)."""
-    counts, agent, infra, excluded = [], Counter(), Counter(), 0
-    for entry in tasks.values():
-        n, c, x, a, i = task_counts(entry, first)
-        counts.append((n, c))
-        excluded, agent, infra = excluded + x, agent + a, infra + i
-    out = {"tasks": len(tasks), "solved": sum(c > 0 for _, c in counts), "attempts": sum(n for n, _ in counts),
-           "excluded": excluded, "failures": dict(agent), "infra": dict(infra), "pass@k": {}, "tasks@k": {}}
-    for k in ks:
-        out["pass@k"][k], out["tasks@k"][k] = mean_pass_at_k(counts, k)
-    return out
-
-
-def groups(results):
-    """(label, {name: entry}) rows of the table: all tasks, the held-out kinds on their own, then every kind
-    (each entry's `kind`: the [metadata] field --kind-by names)."""
-    tasks = results["tasks"]
-    kinds = sorted({e["kind"] for e in tasks.values() if e["kind"]})
-    rows = [("all", tasks)]
-    if kinds:
-        heldout = sorted({e["kind"] for e in tasks.values() if e["heldout"]})
-        for k in heldout:
-            rows.append((f"{k} (held-out)", {n: e for n, e in tasks.items() if e["kind"] == k}))
-        if heldout:
-            rows.append(("seen kinds", {n: e for n, e in tasks.items() if e["kind"] not in heldout}))
-        rows += [(k, {n: e for n, e in tasks.items() if e["kind"] == k}) for k in kinds if k not in heldout]
-    return rows
-
-
-def pct(x):
-    return "-" if x is None else f"{100 * x:.1f}"
-
-
-def constrained(settings):
-    """Whether a run's replies were decoded under the reply grammar (--grammar), in words."""
-    grammar = settings.get("grammar")  # absent from older results files: off
-    return f"constrained by the reply grammar (--grammar {grammar})" if grammar else "unconstrained"
 
 
 def table(results):
@@ -234,7 +116,7 @@ def table(results):
 # ----------------------------------------------------------------------------------------------------------
 # Where an evaluation's time goes
 
-# An attempt's seconds by phase (envs.Episode.timings; its record keeps them), and what the breakdown calls them.
+# An attempt's seconds by phase (episode.Episode.timings; its record keeps them), and what the breakdown calls them.
 PHASES = {"start_s": "sandbox start", "env_s": "terminal steps", "policy_s": "policy wait", "verify_s": "verification"}
 
 
@@ -246,7 +128,7 @@ def time_breakdown(records, stats, setup_s):
     bound counts every token of an episode once (its prompt and observations prefilled through the prefix
     cache, its replies decoded) at the matmul rate: the time that work takes at best, and the generated tokens/s
     that allows."""
-    import tiny  # torch: only where the bound is computed
+    from actobs import tiny  # torch: only where the bound is computed
     n, wall = max(len(records), 1), stats["wall_s"]
     phases = {**{k: sum(a[k] for a in records) for k in PHASES}, "attempt_s": sum(a["wall_s"] for a in records)}
     generated = sum(a["generated"] for a in records)
@@ -349,8 +231,8 @@ def open_results(path, settings):
 def vllm_rollout(args, session):
     """The engine and rollout grpo.py trains with (imported here: the tables and compare need neither torch nor
     vLLM)."""
-    import common
-    import engine
+    from actobs import common
+    from actobs import engine
     import torch
     llm = engine.make_engine(args.model, max_model_len=args.max_len, max_seqs=args.concurrency, seed=args.seed,
                              dtype=args.dtype, gpu_memory=args.gpu_memory)
@@ -394,7 +276,7 @@ def evaluate(args, rollout=None):
         entry["kind"] = task.meta.get(args.kind_by) if args.kind_by else task.kind
         entry["heldout"] = entry["kind"] in taskgen.HELDOUT_KINDS
         if args.retry_infra:
-            entry["attempts"] = [a for a in entry["attempts"] if a["failure"] not in envs.INFRA_FAILURES]
+            entry["attempts"] = [a for a in entry["attempts"] if a["failure"] not in episode.INFRA_FAILURES]
         done = {a["attempt"] for a in entry["attempts"]}
         if len(done) < args.attempts:
             missing[p], names[p] = [i for i in range(args.attempts) if i not in done], task.name
@@ -407,7 +289,7 @@ def evaluate(args, rollout=None):
                 print(f"{p}: the image does not build; its attempts are recorded as image_build_error")
             jobs += [(names[p], i, task) for i in missing[p]]
     jobs.sort(key=lambda job: job[1])  # attempt 0 of every task first: a stopped run has some of each task
-    import common  # torch: only when a run starts (the tables and compare need none)
+    from actobs import common  # torch: only when a run starts (the tables and compare need none)
     results["configs"].append(common.run_config(vars(args)))  # one per session: a resumed run may run other code
     save_results(args.out, results)
     print(f"{len(paths)} tasks x {args.attempts} attempts: {len(jobs)} to run -> {args.out}")
@@ -452,11 +334,10 @@ def evaluate(args, rollout=None):
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["compare"]:
-        import compare  # compare.py reads results through this file: imported from here only when asked for
         return compare.main(argv[1:])
     return evaluate(parse_args(argv))
 
 
 if __name__ == "__main__":
-    import common  # torch: the CLI only (the tables and compare need none)
+    from actobs import common  # torch: the CLI only (the tables and compare need none)
     common.run_cli(main)

@@ -27,7 +27,7 @@ forced tokens, those the grammar allowed alone: they carry no loss); eps_low = e
 1 / (|ACTION(seq)| * sequences in the step) for `sequence`, 1 / (--max-len * sequences) for `constant` (Dr. GRPO).
 k3_i = e^(ref_i - logp_i) - (ref_i - logp_i) - 1, ref: the initial policy's log-prob. With --tis-cap C, rho_i is
 against the trainer's log-prob before the step's first update and w_i = min(pi_old / pi_behaviour, C) corrects the
-trainer/vLLM mismatch; else w_i = 1. Infrastructure failures (envs.INFRA_FAILURES) are out of their group's mean and
+trainer/vLLM mismatch; else w_i = 1. Infrastructure failures (episode.INFRA_FAILURES) are out of their group's mean and
 of the loss; the normalisers count every other episode, groups without signal included (an episode the loss adds
 nothing on, may_skip, is not forwarded; a step with none left makes no optimizer step). An episode cut at --max-len
 keeps its verifier's reward, is masked out of the loss, or is penalised (--overlong). After every optimizer step the
@@ -41,14 +41,9 @@ from collections import Counter
 import numpy as np
 import torch
 
-import common
-import engine
-import envs
-import head
-import steplog
-import terminus
-from labels import ACTION, OBS, PROMPT, load_tokenizer
-from tasks import load_tasks
+from actobs import common, engine, episode, head, steplog, terminus
+from actobs.labels import ACTION, OBS, PROMPT, load_tokenizer
+from actobs.tasks import load_tasks
 
 
 def get_parser():
@@ -353,7 +348,7 @@ def group_rewards(episodes, args):
     rewards = torch.tensor([e.reward for e in episodes], dtype=torch.float32).view(-1, args.group_size)
     if args.overlong == "penalty":
         rewards = rewards - args.overlong_penalty * cut
-    valid = torch.tensor([e.failure not in envs.INFRA_FAILURES for e in episodes]).view(-1, args.group_size)
+    valid = torch.tensor([e.failure not in episode.INFRA_FAILURES for e in episodes]).view(-1, args.group_size)
     return rewards, valid, valid & ~cut if args.overlong == "mask" else valid
 
 

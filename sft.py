@@ -24,11 +24,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-import common
-import head
-import probes
-import tiny
-from labels import ACTION, OBS, PROMPT, load_tokenizer, read_trajectories, render
+from actobs import common, geometry, head, tiny
+from actobs.labels import ACTION, OBS, PROMPT, load_tokenizer, read_trajectories, render
 
 
 def get_parser():
@@ -269,7 +266,7 @@ def main(argv=None):
 
     def probe(step):  # the paper's cos and r curves
         with ctx:
-            geo = probes.grad_geometry(raw, probe_batches)
+            geo = geometry.grad_geometry(raw, probe_batches)
         record({"step": step, **{f"probe/{k}": v for k, v in geo.items()}})
         tqdm.write(f"step {step}/{total} | probe | cos {geo['cos']:.4f} | r {geo['r']:.3f}")
 
@@ -312,7 +309,7 @@ def main(argv=None):
             save(done)
     pbar.close()
     if args.probe_every:
-        probes.plot_geometry(out / "log.jsonl", out / "probe_geometry.png")
+        geometry.plot_geometry(out / "log.jsonl", out / "probe_geometry.png")
     if stop == total:
         evaluate(total)
         common.save_checkpoint(out / "final", model, raw, tok, None, total, args, rank)

@@ -15,9 +15,9 @@ import json
 import multiprocessing
 import time
 
-import disk
 import envs
-from tasks import Task, load_tasks
+from actobs.sandbox import disk
+from actobs.tasks import Task, load_tasks
 
 # Each writes ~3 GB past a 256 MB budget in files of 1 MB (no single file may outgrow the budget), after shaping
 # the tree the watch walks; "honest" writes 200 MB and the answer. A reply's keystrokes (or a tuple: one reply's a

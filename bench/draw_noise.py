@@ -1,6 +1,6 @@
 """
 Calibration: how much of a GRPO run's learning measure is the task draw. report.py's rise compares the solve rate of
-a run's first steps with its last steps' (a one-sided two-proportion z, evaluate.rise_z; issue 33 asks z >= 3), but
+a run's first steps with its last steps' (a one-sided two-proportion z, passk.rise_z; issue 33 asks z >= 3), but
 each step draws its own tasks, and the tasks differ far more than the attempts on one task do. This takes per-task
 solve rates from an evaluation (an SFT checkpoint on the evaluation split: the kinds and spread of the RL split) and
 simulates runs that learn nothing, drawing the first and last steps' tasks as grpo.py does, one task of each kind,
@@ -18,14 +18,14 @@ import json
 
 import numpy as np
 
-import evaluate
+from actobs import passk
 
 
 def task_rates(results):
     """{kind: [solve rate of each task]} over the seen kinds of an evaluation's results, shrunk toward their mean so
     that their variance is the tasks' own: a rate from n attempts adds p(1 - p) / n of its own, which would count as
     draw (estimated without bias by p̂(1 - p̂) / (n - 1)). Each kind keeps its place relative to the others."""
-    seen = [(e["kind"], *evaluate.task_counts(e)[:2]) for e in results["tasks"].values() if not e["heldout"]]
+    seen = [(e["kind"], *passk.task_counts(e)[:2]) for e in results["tasks"].values() if not e["heldout"]]
     seen = [(k, c / n, n) for k, n, c in seen if n > 1]
     if not seen:
         return {}
@@ -41,7 +41,7 @@ def task_rates(results):
 def null_z(rates, draw, rng, steps, tasks_per_step, group_size):
     """One run that learns nothing: its first and last `steps` steps' solved counts, binomial on the drawn tasks'
     rates; draw is 'grpo' (each step tasks_per_step tasks without replacement, steps independent), 'kinds' (one
-    task of each kind in both) or 'same' (the last steps draw the first steps' tasks). -> evaluate.rise_z."""
+    task of each kind in both) or 'same' (the last steps draw the first steps' tasks). -> passk.rise_z."""
     flat = np.array([r for k in sorted(rates) for r in rates[k]])
 
     def pick():  # (tasks,) solve rates of one side's draw
@@ -51,7 +51,7 @@ def null_z(rates, draw, rng, steps, tasks_per_step, group_size):
     first = pick()
     last = first if draw == "same" else pick()
     counts = [(int(rng.binomial(group_size, p).sum()), len(p) * group_size) for p in (first, last)]
-    return evaluate.rise_z(*counts)
+    return passk.rise_z(*counts)
 
 
 def main(argv=None):

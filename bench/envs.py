@@ -26,16 +26,14 @@ import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-import disk
 import envs
-import sandbox
-import verify
-from tasks import Task
+from actobs.sandbox import daemon, disk, sandbox, verify
+from actobs.tasks import Task
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--image", default=sandbox.BASE_IMAGE)
+    p.add_argument("--image", default=daemon.BASE_IMAGE)
     p.add_argument("--reps", type=int, default=30, help="repetitions for the latency measurements")
     p.add_argument("--steps", type=int, default=10, help="terminal steps per sandbox in the throughput runs")
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
@@ -100,7 +98,7 @@ def use_daemon(host):
     """Point sandbox.py at another daemon: its client and what it and verify.py cached of the last one are
     dropped."""
     os.environ["DOCKER_HOST"] = host
-    sandbox._client, sandbox._cpus, disk._quota = None, None, None
+    daemon._client, daemon._cpus, disk._quota = None, None, None
     verify.image_archive.cache_clear()
     verify._image_commands.cache_clear()
 
@@ -175,7 +173,7 @@ def main(argv=None):
         return compare_daemons(args)
     if args.limits:
         return compare_limits(args)
-    sandbox.sweep()
+    daemon.sweep()
     starts = []
     for _ in range(max(3, args.reps // 6)):
         t0 = time.perf_counter()
@@ -199,7 +197,7 @@ def main(argv=None):
     for n in args.concurrency:
         t_start, rate, step_times = throughput(args.image, n, args.steps)
         print(f"concurrency {n:3d}: start all {t_start:5.1f} s | {rate:6.1f} steps/s | step {ms(step_times)}")
-    assert sandbox.my_containers() == []
+    assert daemon.my_containers() == []
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
-import common
+from actobs import common
 
 ROOT = Path(__file__).resolve().parents[1]
 

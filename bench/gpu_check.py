@@ -26,9 +26,10 @@ from pathlib import Path
 
 import torch
 
-import engine
 import grpo
 import sft
+from actobs import engine
+from actobs.sandbox import daemon
 from bench import realshape
 from bench.train import long_trajectory
 
@@ -104,12 +105,11 @@ def engine_check(model_dir):
 
 def grpo_check(root, model_dir, steps):
     import random as pyrandom
-    import sandbox
-    import taskgen
+    from actobs import taskgen
     tasks = root / "tasks"
     for i, kind in enumerate(("rename", "word_count")):
         spec = taskgen.generate(kind, pyrandom.Random(i))
-        taskgen.write_harbor(spec, tasks / spec.name, sandbox.BASE_IMAGE)
+        taskgen.write_harbor(spec, tasks / spec.name, daemon.BASE_IMAGE)
     out = root / "grpo"
     grpo.main(["--init", str(model_dir), "--chat-template", "prefix", "--tasks", str(tasks), "--out", str(out),
                "--steps", str(steps), "--tasks-per-step", "2", "--group-size", "4", "--max-turns", "3",

@@ -19,13 +19,9 @@ from pathlib import Path
 
 import torch
 
-import common
-import engine
-import taskgen
-import terminus
-import tiny
-from labels import ACTION, load_tokenizer
-from tasks import task_from_spec
+from actobs import common, engine, taskgen, terminus, tiny
+from actobs.labels import ACTION, load_tokenizer
+from actobs.tasks import task_from_spec
 
 
 def main(argv=None):

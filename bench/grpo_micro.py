@@ -20,10 +20,9 @@ from pathlib import Path
 
 import torch
 
-import common
 import grpo
-import tiny
-from labels import ACTION, OBS, PROMPT
+from actobs import common, tiny
+from actobs.labels import ACTION, OBS, PROMPT
 
 WAYS = {"padded micro-batches (default)": 32768, "one episode a pass": 1}  # name -> --micro-tokens
 

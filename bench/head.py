@@ -38,11 +38,9 @@ from unittest import mock
 
 import torch
 
-import common
-import labels
 import sft
-import tiny
-from head import CHUNK_BYTES, head_chunk, token_logprobs, token_loss
+from actobs import common, labels, tiny
+from actobs.head import CHUNK_BYTES, head_chunk, token_logprobs, token_loss
 from bench.loss import PeakCUDA, PeakRSS
 from bench.train import long_trajectory, random_model_dir
 

@@ -18,15 +18,11 @@ heads on rows of 64, fp32: ~500 steps; the base model's shape (4 layers, 2 KV he
 """
 import argparse
 import inspect
-import sys
-from pathlib import Path
 
 import torch
 
-import tiny
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-import base_model  # noqa: E402
+from actobs import tiny
+from scripts import base_model
 
 
 def get_parser():

@@ -19,10 +19,8 @@ import time
 import torch
 
 import grpo
-import head
-import labels
 import sft
-import tiny
+from actobs import head, labels, tiny
 
 
 def get_parser():

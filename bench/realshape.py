@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-import tiny
+from actobs import tiny
 
 FIXTURES = Path(__file__).resolve().parents[1] / "tests" / "fixtures"
 QWEN3_TEMPLATE = FIXTURES / "qwen3_chat_template.jinja"  # the template the Qwen3 models ship (SOURCES.md)

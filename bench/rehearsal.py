@@ -47,9 +47,10 @@ import sys
 import time
 from pathlib import Path
 
-import common
+from actobs import common
+from actobs.head import CHUNK_BYTES
+from actobs.sandbox import daemon
 from bench import realshape
-from head import CHUNK_BYTES
 
 ROOT = Path(__file__).resolve().parents[1]
 STAGES = ("head", "sft", "grpo", "evaluate", "probes")
@@ -99,7 +100,7 @@ def plan_gib(stage, cfg, P, args, dtype_bytes):
     (engine.py's size); on a CPU the engine holds its (V, H) head twice: the embedding's weights and oneDNN's packed
     copy for the logits (vLLM's VocabParallelEmbedding keeps both; its linear layers keep only the packed one).
     The 2026-12-06 rehearsal (RESULTS.md) measured 0.6-1.7 GiB a process above the plan without these two terms."""
-    import engine
+    from actobs import engine
     from transformers import Qwen3Config
     V, H, L, T, W = cfg["vocab_size"], cfg["hidden_size"], cfg["num_hidden_layers"], args.len, args.ranks
     attn = cfg["num_attention_heads"] * cfg["head_dim"]
@@ -215,11 +216,10 @@ def inputs(root, cfg, args):
                             for c in itertools.islice(itertools.cycle(rows), n)))
     tasks = root / "tasks"
     shutil.rmtree(tasks, ignore_errors=True)
-    import sandbox
-    import taskgen
+    from actobs import taskgen
     for i, kind in enumerate(("rename", "word_count")[: args.tasks]):
         spec = taskgen.generate(kind, random.Random(i))
-        taskgen.write_harbor(spec, tasks / spec.name, sandbox.BASE_IMAGE)
+        taskgen.write_harbor(spec, tasks / spec.name, daemon.BASE_IMAGE)
     return base, data, tasks
 
 
@@ -262,8 +262,7 @@ def needs(stage, root, docker):
 def docker_missing():
     """None when a Docker daemon answers and holds the sandboxes' base image, else why not."""
     try:
-        import sandbox
-        sandbox.docker_client().images.get(sandbox.BASE_IMAGE)
+        daemon.docker_client().images.get(daemon.BASE_IMAGE)
         return None
     except Exception as e:  # no daemon, no SDK, no image
         return f"no Docker: {str(e)[:80]}"
@@ -271,7 +270,7 @@ def docker_missing():
 
 def kv_cache(log_text, cfg, args, dtype_bytes):
     """The engine's KV cache: the size vLLM logs (tokens, each rank's once) and the bytes engine.py gives it."""
-    import engine
+    from actobs import engine
     from transformers import Qwen3Config
     tokens = re.findall(r"KV cache size: ([\d,]+) tokens", log_text)
     size = engine.kv_cache_bytes(Qwen3Config(**cfg), max_model_len=args.len, max_seqs=ROLLOUT["concurrency"],

@@ -32,13 +32,10 @@ import json
 import time
 from pathlib import Path
 
-import common
-import engine
 import grpo
-import terminus
-import tiny
-from labels import ACTION, load_tokenizer, write_jsonl
-from tasks import load_tasks
+from actobs import common, engine, terminus, tiny
+from actobs.labels import ACTION, load_tokenizer, write_jsonl
+from actobs.tasks import load_tasks
 
 # lever -> make_engine arguments, whether replies carry their log-probs and the grammar they are decoded under (a
 # request's setting, not the engine's); "today" is every ratio's baseline

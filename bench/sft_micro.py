@@ -15,7 +15,7 @@ import random
 import tempfile
 from pathlib import Path
 
-import tiny
+from actobs import tiny
 from bench.sft_threads import sft_run, train_seconds
 from bench.train import long_trajectory, random_model_dir
 

@@ -18,7 +18,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-import tiny
+from actobs import tiny
 from bench.train import long_trajectory, random_model_dir
 
 

@@ -17,8 +17,7 @@ import tempfile
 from pathlib import Path
 
 import sft
-import terminus
-import tiny
+from actobs import terminus, tiny
 
 QWEN3_4B = dict(hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32,
                 num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=True,

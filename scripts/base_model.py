@@ -2,7 +2,7 @@
 A base model that has seen terminals: record generic shell sessions in the sandboxes, fit a byte-level BPE to
 them, and pre-train a small random Qwen3 on them with sft.py's loop (commands and outputs both supervised).
 
-    python scripts/base_model.py --out runs/base            # -> runs/base/model (HF dir, prefix chat template)
+    python -m scripts.base_model --out runs/base            # -> runs/base/model (HF dir, prefix chat template)
 
 What it sees: random file trees (notes, CSV, JSON, INI/YAML configs, logs, small scripts) explored and changed by
 a scripted user who types generic commands (ls, find, cat, head, tail, wc, grep, sort, uniq, cut, awk, sed,
@@ -28,21 +28,14 @@ import os
 import random
 import re
 import shutil
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo's modules, when run as a script
+import torch
 
-import torch  # noqa: E402
-
-import common  # noqa: E402
-import labels  # noqa: E402
-import sft  # noqa: E402
-import terminus  # noqa: E402
-import tiny  # noqa: E402
-from sessions import (copy_chats, record_sessions, session_facts, session_rng, session_tree,  # noqa: E402
-                      tree_ids)
+import sft
+from actobs import common, labels, terminus, tiny
+from scripts.sessions import copy_chats, record_sessions, session_facts, session_rng, session_tree, tree_ids
 
 
 REFRESH_ROWS, REFRESH_ROW = 2, 128  # the refresh's rows a step and their length (the repeat metric's)

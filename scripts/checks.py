@@ -9,8 +9,8 @@ import math
 import shlex
 from pathlib import Path
 
-import taskgen
-from tasks import load_task
+from actobs import taskgen
+from actobs.tasks import load_task
 
 # ----------------------------------------------------------------------------------------------------------
 # The run folder's names, and a stage's flags

@@ -1,9 +1,9 @@
 """
 The ablation's run folder (ablation.sh): its settings, a check of every stage's output (checks.py), and REPORT.md.
 
-    python scripts/report.py settings RUN mode=full seed=0 sft="--lr 2e-3 ..." ...   # ablation.sh, at start
-    python scripts/report.py limits RUN                                             # ablation.sh, after the corpus
-    python scripts/report.py build RUN                                              # ablation.sh, at the end
+    python -m scripts.report settings RUN mode=full seed=0 sft="--lr 2e-3 ..." ...   # ablation.sh, at start
+    python -m scripts.report limits RUN                                             # ablation.sh, after the corpus
+    python -m scripts.report build RUN                                              # ablation.sh, at the end
 
 `settings` writes RUN/settings.json (each stage's flags, the seed, the mode, the git commit, the compute dtype) and refuses a
 folder that holds a run with other settings, so a resumed run never mixes two; what it takes is more: the settings
@@ -24,15 +24,9 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo's modules, when run as a script
-
-import compare  # noqa: E402
-import evaluate  # noqa: E402
-import labels  # noqa: E402
-import steplog  # noqa: E402
-import taskgen  # noqa: E402
-from checks import (ECHO, TSTAR, check_corpus, check_eval, check_grpo, check_model, check_probes,  # noqa: E402
-                    check_sft, check_tstar, checkpoint, finite, flags, read_json, read_jsonl)
+from actobs import compare, labels, passk, steplog, taskgen
+from scripts.checks import (ECHO, TSTAR, check_corpus, check_eval, check_grpo, check_model, check_probes, check_sft,
+                            check_tstar, checkpoint, finite, flags, read_json, read_jsonl)
 
 LABELS = {"actionsft": "ActionSFT (λ=0)", "actobs": "ActObs (λ=1)", "obs-then-act": "Obs→Act"}  # else the arm's name
 SWEEP_KEY = "sweep_arms"  # the one setting a resumed run may change: it may add λ-sweep arms
@@ -81,7 +75,7 @@ def eval_attempts(st, model):
 def grammar_words(stage_flags):
     """Whether a stage's flags decode the replies under the reply grammar (--grammar [reply|think]), in words."""
     g = flags(stage_flags).get("--grammar")
-    return evaluate.constrained({"grammar": "reply" if g is True else g})
+    return passk.constrained({"grammar": "reply" if g is True else g})
 
 
 def write_settings(run, pairs):
@@ -105,7 +99,7 @@ def write_settings(run, pairs):
         if old["stages"] != settings:  # more stages or λ-sweep arms: the run now has them
             path.write_text(json.dumps({**old, "stages": settings}, indent=2))
         return
-    import common  # torch: only here
+    from actobs import common  # torch: only here
     import torch
     # the stages' --dtype auto on this machine (bf16 only where it is fast), said once and kept with the run
     dtype, why = common.resolve_dtype("auto", torch.device("cuda" if torch.cuda.is_available() else "cpu"))
@@ -131,20 +125,20 @@ def overview(results, names):
     """One row per model: pass@k over all tasks up to its attempts ("-" past them), pass@1 / pass@n on the held-out
     kind (n: its attempts), distinct solved, attempts, mean turns and how the unsolved episodes that did not just end
     wrong ended (failure kinds)."""
-    ks = evaluate.ks_up_to(max(res["settings"]["attempts"] for res in results.values()))
+    ks = passk.ks_up_to(max(res["settings"]["attempts"] for res in results.values()))
     head = ("| model | " + " | ".join(f"pass@{k}" for k in ks)
             + " | held-out pass@1 / @n | solved | attempts | excluded | mean turns | episodes ended by |")
     lines = [head, "|" + "---|" * (len(ks) + 7)]
     for m, res in results.items():
         n = res["settings"]["attempts"]
-        own = evaluate.ks_up_to(n)
-        s = evaluate.summarize(res["tasks"], own)
+        own = passk.ks_up_to(n)
+        s = passk.summarize(res["tasks"], own)
         held = {t: e for t, e in res["tasks"].items() if e.get("heldout")}
-        h = evaluate.summarize(held, own) if held else None
-        hcell = f"{evaluate.pct(h['pass@k'][own[0]])} / {evaluate.pct(h['pass@k'][own[-1]])}" if h else "-"
+        h = passk.summarize(held, own) if held else None
+        hcell = f"{passk.pct(h['pass@k'][own[0]])} / {passk.pct(h['pass@k'][own[-1]])}" if h else "-"
         turns = [a["turns"] for e in res["tasks"].values() for a in e["attempts"]]
         ends = ", ".join(f"{k} {v}" for k, v in sorted(s["failures"].items())) or "-"
-        lines.append(f"| {names[m]} | " + " | ".join(evaluate.pct(s["pass@k"][k]) if k <= n else "-" for k in ks)
+        lines.append(f"| {names[m]} | " + " | ".join(passk.pct(s["pass@k"][k]) if k <= n else "-" for k in ks)
                      + f" | {hcell} | {s['solved']}/{s['tasks']} | {s['tasks']} × {n} | {s['excluded']} "
                      f"| {sum(turns) / max(len(turns), 1):.1f} | {ends} |")
     return "\n".join(lines)
@@ -239,7 +233,7 @@ def sweep_table(cmp, lams):
         cells = []
         for k in ks:
             r = rows[k]
-            cells += [evaluate.pct(r["pass"][i]), "baseline [0]" if i == 0 else
+            cells += [passk.pct(r["pass"][i]), "baseline [0]" if i == 0 else
                       f"{100 * r['diff'][i]:+.1f} [{100 * r['ci'][i][0]:+.1f}, {100 * r['ci'][i][1]:+.1f}]"]
         lines.append(f"| {lam:g} | {label} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -282,13 +276,13 @@ def rl_time(log):
 
 def solve_rise(log):
     """The solve rate over a GRPO run's first steps' episodes and over its last steps', and z: how far the later is
-    above the earlier (evaluate.rise_z). First and last are a third of the steps each, at most 3 (1 of 2 steps); in a
+    above the earlier (passk.rise_z). First and last are a third of the steps each, at most 3 (1 of 2 steps); in a
     run with --redraw K the K steps each, the last drawing the first ones' tasks (the steps' rollout/task_draw), so
     that the comparison is not two draws of tasks."""
     redrawn = [r for r in log if r.get("rollout/task_draw", r.get("step")) != r.get("step")]
     k = len(redrawn) or max(1, min(3, len(log) // 3))
-    early, late = evaluate.solved_counts(log[:k]), evaluate.solved_counts(log[-k:])
-    return k, early[0] / max(early[1], 1), late[0] / max(late[1], 1), evaluate.rise_z(early, late)
+    early, late = passk.solved_counts(log[:k]), passk.solved_counts(log[-k:])
+    return k, early[0] / max(early[1], 1), late[0] / max(late[1], 1), passk.rise_z(early, late)
 
 
 def rl_table(grpo, names):

@@ -11,8 +11,8 @@ import random
 import re
 
 import envs
-from taskgen import WORDS
-from tasks import Task
+from actobs.taskgen import WORDS
+from actobs.tasks import Task
 
 # ----------------------------------------------------------------------------------------------------------
 # Literal values: the instruction names a few, the files hold some, and the user's commands quote them

@@ -9,9 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-import labels
-import terminus
-import tiny
+from actobs import labels, terminus, tiny
+from actobs.sandbox import daemon, images
 
 FIXTURES = Path(__file__).parent / "fixtures"
 QWEN3_TEMPLATE = (FIXTURES / "qwen3_chat_template.jinja").read_text()
@@ -157,23 +156,21 @@ def model(tiny_dir):
 def base_image():
     """The project's base image; and the offline Terminal-Bench stand-in (trixie + uv, tagged ubuntu:24.04,
     python:3.13-slim-bookworm and ubuntu:22.04) so Harbor Dockerfiles build offline. Both are reused when present."""
-    import sandbox
-    sandbox.build_base_image()
-    sandbox.build_base_image(sandbox.STANDIN_SUITE, sandbox.STANDIN_TAGS, with_uv=True)
-    return sandbox.BASE_IMAGE
+    images.build_base_image()
+    images.build_base_image(images.STANDIN_SUITE, images.STANDIN_TAGS, with_uv=True)
+    return daemon.BASE_IMAGE
 
 
 @pytest.fixture
 def no_leftovers(base_image):
     """Docker tests use this: every test must leave no container of this process behind."""
-    import sandbox
     yield
-    assert sandbox.my_containers() == []
+    assert daemon.my_containers() == []
 
 
 @pytest.fixture
 def no_quota(base_image, monkeypatch):
     """The daemon as one without a disk quota: where it has one, its sandboxes are created without it."""
-    import disk
+    from actobs.sandbox import disk
     disk.quota()  # found first, with whether the daemon applies seccomp
     monkeypatch.setattr(disk, "_quota", False)

@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 import pytest
+from actobs.sandbox import daemon
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -44,8 +45,7 @@ def group_pids(pgid):
 
 
 def containers_of(pids):
-    import sandbox
-    return [c for pid in pids for c in sandbox.my_containers(pid)]
+    return [c for pid in pids for c in daemon.my_containers(pid)]
 
 
 def stop(proc, lines):

@@ -3,18 +3,13 @@ pre-training through sft.py that is reproducible from its seed, and the build ca
 import json
 import random
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-import base_model  # noqa: E402
-import labels  # noqa: E402
-import sessions  # noqa: E402
-import taskgen  # noqa: E402
-import tiny  # noqa: E402
+from actobs import labels, taskgen, tiny
+from scripts import base_model, sessions
 
 TINY = ["--sessions", "4", "--commands", "5", "--vocab", "400", "--hidden", "32", "--layers", "1", "--heads", "2",
         "--kv-heads", "1", "--epochs", "1", "--batch-size", "2", "--max-len", "1024", "--concurrency", "4", "--heldout", "2",

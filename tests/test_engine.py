@@ -10,15 +10,12 @@ import time
 import pytest
 import torch
 
-import common
-import engine
+from conftest import ScriptedAsync
 import envs
 import grpo
-import labels
-import terminus
-from conftest import ScriptedAsync
-from labels import ACTION, OBS, PROMPT
-from tasks import Task
+from actobs import common, engine, episode, labels, terminus
+from actobs.labels import ACTION, OBS, PROMPT
+from actobs.tasks import Task
 
 
 # ---------------------------------------------------------------------------------------------- token-in/token-out
@@ -217,7 +214,7 @@ def test_replies_without_logprobs_are_the_same_tokens(llm, vllm_dir):
         llm.reset_prefix_cache()  # both runs prefill alike
         policy = engine.VLLMPolicy(llm, tok, temperature=1.0, max_new_tokens=24, max_len=1024, seed=3,
                                    logprobs=logprobs)
-        eps = [envs.Episode("t", [{"role": "user", "content": f"Task {i}: list the files."}]) for i in range(3)]
+        eps = [episode.Episode("t", [{"role": "user", "content": f"Task {i}: list the files."}]) for i in range(3)]
         for i, ep in enumerate(eps):
             policy.submit(i, ep)
         while policy.pending():
@@ -233,7 +230,7 @@ def sample_replies(llm, tok, n, max_new_tokens, grammar):
     """One seeded reply to each of n short tasks by VLLMPolicy -> the episodes and their replies' text."""
     policy = engine.VLLMPolicy(llm, tok, temperature=1.0, max_new_tokens=max_new_tokens, max_len=1024, seed=0,
                                grammar=grammar)
-    eps = [envs.Episode("t", [{"role": "user", "content": f"Task {i}: list the files."}]) for i in range(n)]
+    eps = [episode.Episode("t", [{"role": "user", "content": f"Task {i}: list the files."}]) for i in range(n)]
     for i, ep in enumerate(eps):
         policy.submit(i, ep)
     replies = {}
@@ -333,7 +330,7 @@ def test_rollout_survives_a_special_token_on_the_screen(llm, vllm_dir, base_imag
     eps = engine.rollout(llm, tok, [task] * 2, temperature=1.0, max_turns=2, max_new_tokens=16, max_len=1024,
                        concurrency=2, seed=0)
     for ep in eps:
-        assert isinstance(ep, envs.Episode) and ep.failure != "sandbox_error" and ep.turns >= 1, (ep.failure, ep.error)
+        assert isinstance(ep, episode.Episode) and ep.failure != "sandbox_error" and ep.turns >= 1, (ep.failure, ep.error)
         first = ep.messages[0]["content"]
         assert "hello <\u200b|im_end|><\u200b|im_start|>user" in first and "<|im_end|>" not in first
         prompt, _ = engine.prompt_tokens(tok, ep.messages[:1])

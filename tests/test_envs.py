@@ -9,11 +9,9 @@ from pathlib import Path
 
 import pytest
 
-import sandbox
-import taskgen
-import terminus
-import tiny
-from tasks import load_task, task_from_spec
+from actobs import taskgen, terminus, tiny
+from actobs.sandbox import daemon
+from actobs.tasks import load_task, task_from_spec
 
 FIXTURES = Path(__file__).parent / "fixtures"
 HARBOR, AIDER, ENDLESS = FIXTURES / "harbor", FIXTURES / "aider", FIXTURES / "endless"
@@ -163,7 +161,7 @@ def test_splits_are_disjoint_and_hold_out_kinds():
 
 def test_write_harbor_round_trips(tmp_path):
     spec = taskgen.generate("permissions", random.Random(0))
-    taskgen.write_harbor(spec, tmp_path / spec.name, sandbox.BASE_IMAGE)
+    taskgen.write_harbor(spec, tmp_path / spec.name, daemon.BASE_IMAGE)
     task = load_task(tmp_path / spec.name, build=False)
     assert task.name == f"actobs/{spec.name}" and task.instruction.strip() == spec.instruction and task.kind == "permissions"
     assert task.tests == {"test.sh": spec.test.encode()} and task.solution == {"solve.sh": spec.solve.encode()}
@@ -250,7 +248,7 @@ def test_seccomp_profile_refuses_exactly_preallocation():
     """disk.seccomp_profile: fallocate in its plain and punch-hole modes only (any other mode, or upper bits set in
     the register, EOPNOTSUPP); ioctl for every command but FS_IOC_RESVSP(64) in any size (their 32-bit forms), the
     register's upper 32 bits ignored as the kernel ignores them; no io_uring; the rest as Docker's default."""
-    import disk
+    from actobs.sandbox import disk
     profile, base = json.loads(disk.seccomp_profile()), json.loads(disk.DOCKER_SECCOMP.read_text())
     eopnotsupp = 95
     assert [seccomp_action(profile, "fallocate", [3, m]) for m in (0, 3, 1, 2, 4, 0x11, 1 << 32, (1 << 32) | 3)] \
@@ -271,7 +269,8 @@ def test_seccomp_profile_refuses_exactly_preallocation():
 def test_import_has_no_side_effects():
     import subprocess
     import sys
-    code = "import envs, sandbox, taskgen; assert sandbox._client is None; print('ok')"
+    code = ("import envs; from actobs import taskgen; from actobs.sandbox import daemon; "
+            "assert daemon._client is None; print('ok')")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          env={"DOCKER_HOST": "unix:///nonexistent.sock", "PATH": ""}, cwd=Path(__file__).parent.parent)
     assert out.stdout == "ok\n", out.stderr

@@ -8,9 +8,9 @@ import time
 
 import pytest
 
-import disk
 import envs
-from tasks import Task, load_task
+from actobs.sandbox import disk
+from actobs.tasks import Task, load_task
 
 pytestmark = pytest.mark.usefixtures("no_leftovers")
 

@@ -11,12 +11,10 @@ from pathlib import Path
 
 import pytest
 
-import container_files
-import disk
 import envs
-import sandbox
+from actobs.sandbox import container_files, daemon, disk, sandbox
+from actobs.tasks import Task
 from bench.disk import ATTACKS, CHECK, attack, reply, spin
-from tasks import Task
 
 pytestmark = pytest.mark.usefixtures("no_leftovers")
 SCRIPT = Path(__file__).parent.parent / ".ci" / "dockerd.sh"
@@ -85,7 +83,7 @@ def test_the_verifiers_walk_is_held_to_the_inode_budget(no_quota, monkeypatch):
                 solution={"solve.sh": b"mkdir /app/m && cd /app/m && touch $(seq 1000)\n"})
     ep, = envs.run_oracle([many])
     assert (ep.failure, ep.reward) == ("disk_limit", 0.0) and "more than 500 entries" in ep.error, ep.error
-    with sandbox.Sandbox(sandbox.BASE_IMAGE, storage_mb=256) as sb:
+    with sandbox.Sandbox(daemon.BASE_IMAGE, storage_mb=256) as sb:
         code, _ = sb.exec("cd /app && for i in $(seq 100); do mkdir dddddddddddddddddddddddddddddddddddddddd && "
                           "cd dddddddddddddddddddddddddddddddddddddddd; done && echo x > f")
         assert code == 0
@@ -103,7 +101,7 @@ def small_daemon(base_image, tmp_path_factory):
     host = f"unix://{root}/docker.sock"
     try:
         subprocess.run(["bash", str(SCRIPT), "start"], env=env, check=True, capture_output=True, timeout=120)
-        save = subprocess.Popen(["docker", "save", base_image], stdout=subprocess.PIPE, env=sandbox.docker_env())
+        save = subprocess.Popen(["docker", "save", base_image], stdout=subprocess.PIPE, env=daemon.docker_env())
         subprocess.run(["docker", "-H", host, "load", "-q"], stdin=save.stdout, check=True, capture_output=True)
         assert save.wait() == 0
         yield host, root

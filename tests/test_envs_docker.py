@@ -9,13 +9,11 @@ from pathlib import Path
 
 import pytest
 
-import container_files
-import envs
-import sandbox
-import taskgen
-import terminus
 from conftest import split_observation
-from tasks import Task, build_task_image, load_task, load_tasks, task_from_spec
+import envs
+from actobs import taskgen, terminus
+from actobs.sandbox import container_files, daemon, sandbox
+from actobs.tasks import Task, build_task_image, load_task, load_tasks, task_from_spec
 
 HARBOR = Path(__file__).parent / "fixtures" / "harbor"
 
@@ -123,7 +121,7 @@ def test_harbor_build_failure_explains_offline_from(tmp_path):
 
 def test_generated_harbor_folder_runs_oracle(tmp_path):
     spec = taskgen.generate("replace_host", random.Random(5))
-    taskgen.write_harbor(spec, tmp_path / spec.name, sandbox.BASE_IMAGE)
+    taskgen.write_harbor(spec, tmp_path / spec.name, daemon.BASE_IMAGE)
     task = load_task(tmp_path / spec.name)
     assert [e.reward for e in envs.run_oracle([task]) + envs.run_oracle([task], noop=True)] == [1.0, 0.0]
 
@@ -221,27 +219,27 @@ def test_corpus_command_end_to_end(tmp_path, base_image):
 def test_sweep_removes_sandboxes_of_dead_processes(base_image, capsys):
     envs.main(["base-image"])
     assert "exists, reused" in capsys.readouterr().out
-    dead = sandbox.docker_client().containers.run(base_image, ["sleep", "60"], detach=True, network_mode="none",
-                                               labels={sandbox.LABEL: f"{socket.gethostname()}:999999999"})
+    dead = daemon.docker_client().containers.run(base_image, ["sleep", "60"], detach=True, network_mode="none",
+                                               labels={daemon.LABEL: f"{socket.gethostname()}:999999999"})
     try:
         mine = sandbox.Sandbox(base_image)
         mine.start()
-        assert sandbox.sweep() == 1
-        ids = {c.id for c in sandbox.docker_client().containers.list(all=True, sparse=True)}
+        assert daemon.sweep() == 1
+        ids = {c.id for c in daemon.docker_client().containers.list(all=True, sparse=True)}
         assert dead.id not in ids and mine.container.id in ids  # live owners keep their sandboxes
     finally:
         mine.close()
-        if dead.id in {c.id for c in sandbox.docker_client().containers.list(all=True, sparse=True)}:
+        if dead.id in {c.id for c in daemon.docker_client().containers.list(all=True, sparse=True)}:
             dead.remove(force=True)
 
 
 def test_sweeps_at_once_share_the_leftovers(base_image):
     """Runs that start together each sweep the same dead owner's sandboxes: a removal another sweep has under way
     (Docker's 409 Conflict) is theirs to finish, not an error (one stopped a GRPO run at its first step)."""
-    label = {sandbox.LABEL: f"{socket.gethostname()}:999999998"}
-    dead = [sandbox.docker_client().containers.run(base_image, ["sleep", "60"], detach=True, network_mode="none",
+    label = {daemon.LABEL: f"{socket.gethostname()}:999999998"}
+    dead = [daemon.docker_client().containers.run(base_image, ["sleep", "60"], detach=True, network_mode="none",
                                                    labels=label) for _ in range(8)]
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
-        removed = list(pool.map(lambda _: sandbox.sweep(), range(4)))  # raises here if a sweep did
-    left = {c.id for c in sandbox.docker_client().containers.list(all=True, sparse=True)}
+        removed = list(pool.map(lambda _: daemon.sweep(), range(4)))  # raises here if a sweep did
+    left = {c.id for c in daemon.docker_client().containers.list(all=True, sparse=True)}
     assert not left & {c.id for c in dead} and sum(removed) <= len(dead)

@@ -9,9 +9,9 @@ import time
 import pytest
 
 import envs
-import sandbox
-import terminus
-from tasks import Task
+from actobs import terminus
+from actobs.sandbox import sandbox
+from actobs.tasks import Task
 
 
 pytestmark = pytest.mark.usefixtures("no_leftovers")

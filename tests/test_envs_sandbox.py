@@ -7,11 +7,10 @@ from pathlib import Path
 
 import pytest
 
-import disk
 import envs
-import sandbox
-import verify
-from tasks import Task, build_task_image, load_task, size_mb
+from actobs import episode
+from actobs.sandbox import disk, sandbox, verify
+from actobs.tasks import Task, build_task_image, load_task, size_mb
 
 HARBOR = Path(__file__).parent / "fixtures" / "harbor"
 
@@ -103,8 +102,8 @@ def test_exit_or_killing_the_terminal_is_the_agents_ending(base_image):
     eps = envs.run_episodes(tasks, policy, max_turns=5, concurrency=4)
     # The episode ends there, as the agent's outcome; the verifier scores what was done.
     assert [(e.task, e.failure, e.reward, e.turns) for e in eps] == [(n, "shell_exited", 1.0, 1) for n in endings]
-    assert all(e.failure not in envs.INFRA_FAILURES and e.messages[-1]["role"] == "assistant" for e in eps)
-    assert envs.INFRA_FAILURES == {"sandbox_error", "image_build_error"}
+    assert all(e.failure not in episode.INFRA_FAILURES and e.messages[-1]["role"] == "assistant" for e in eps)
+    assert episode.INFRA_FAILURES == {"sandbox_error", "image_build_error"}
 
 
 def test_wiping_tmp_does_not_cut_the_terminal(base_image):

@@ -8,13 +8,9 @@ from fractions import Fraction
 import numpy as np
 import pytest
 
-import compare
 import envs
 import evaluate
-import labels
-import taskgen
-import terminus
-import tiny
+from actobs import compare, episode, labels, passk, taskgen, terminus, tiny
 
 
 def exact(n, c, k):
@@ -25,43 +21,43 @@ def test_pass_at_k_is_exact_for_small_n():
     for n in range(1, 33):
         for c in range(n + 1):
             for k in range(1, n + 1):
-                assert evaluate.pass_at_k(n, c, k) == exact(n, c, k), (n, c, k)
+                assert passk.pass_at_k(n, c, k) == exact(n, c, k), (n, c, k)
 
 
 def test_pass_at_k_large_n():
     # Exact where the binomials are past a float's precision (or range), and the product form agrees to rounding.
     for n, c, k in [(2000, 1, 16), (2000, 1999, 16), (10_000, 37, 1000), (500, 250, 250)]:
         assert math.comb(n, k) > 2 ** 53
-        assert evaluate.pass_at_k(n, c, k) == exact(n, c, k)
+        assert passk.pass_at_k(n, c, k) == exact(n, c, k)
         product = 1.0 - float(np.prod(1.0 - k / np.arange(n - c + 1, n + 1))) if n - c >= k else 1.0
-        assert evaluate.pass_at_k(n, c, k) == pytest.approx(product, rel=1e-12, abs=1e-15)
-    assert evaluate.pass_at_k(16, 0, 16) == 0.0 and evaluate.pass_at_k(16, 1, 16) == 1.0
-    assert evaluate.pass_at_k(np.int64(4), np.int64(1), 1) == 0.25
+        assert passk.pass_at_k(n, c, k) == pytest.approx(product, rel=1e-12, abs=1e-15)
+    assert passk.pass_at_k(16, 0, 16) == 0.0 and passk.pass_at_k(16, 1, 16) == 1.0
+    assert passk.pass_at_k(np.int64(4), np.int64(1), 1) == 0.25
 
 
 @pytest.mark.parametrize("n,c,k", [(4, 1, 5), (4, 5, 1), (4, -1, 1), (-1, 0, 1), (4, 1, 0), (4, 1, -2)])
 def test_pass_at_k_rejects_bad_input(n, c, k):
     with pytest.raises(ValueError, match="pass@"):
-        evaluate.pass_at_k(n, c, k)
+        passk.pass_at_k(n, c, k)
 
 
 def test_pass_at_k_rejects_non_integers():
     with pytest.raises(TypeError):
-        evaluate.pass_at_k(4.0, 1, 1)
+        passk.pass_at_k(4.0, 1, 1)
 
 
 def test_mean_pass_at_k_skips_tasks_with_too_few_attempts():
-    assert evaluate.mean_pass_at_k([(4, 2), (4, 0)], 2) == (pytest.approx((5 / 6 + 0) / 2), 2)
-    assert evaluate.mean_pass_at_k([(4, 2), (1, 1)], 2) == (5 / 6, 1)
-    assert evaluate.mean_pass_at_k([(1, 1)], 2) == (None, 0)
+    assert passk.mean_pass_at_k([(4, 2), (4, 0)], 2) == (pytest.approx((5 / 6 + 0) / 2), 2)
+    assert passk.mean_pass_at_k([(4, 2), (1, 1)], 2) == (5 / 6, 1)
+    assert passk.mean_pass_at_k([(1, 1)], 2) == (None, 0)
 
 
 def test_rise_z_known_answers():
     # 10/40 -> 20/40: pooled 30/80 = 0.375, se = sqrt(0.375 * 0.625 * (2 / 40)) = 0.10825..., z = 0.25 / se
-    assert evaluate.rise_z((10, 40), (20, 40)) == pytest.approx(0.25 / math.sqrt(0.375 * 0.625 / 20))
-    assert evaluate.rise_z((20, 40), (10, 40)) == pytest.approx(-evaluate.rise_z((10, 40), (20, 40)))  # one-sided
-    assert evaluate.rise_z((5, 20), (10, 40)) == 0.0  # the same rate
-    assert evaluate.rise_z((0, 16), (0, 128)) == evaluate.rise_z((16, 16), (128, 128)) == 0.0  # nothing to compare
+    assert passk.rise_z((10, 40), (20, 40)) == pytest.approx(0.25 / math.sqrt(0.375 * 0.625 / 20))
+    assert passk.rise_z((20, 40), (10, 40)) == pytest.approx(-passk.rise_z((10, 40), (20, 40)))  # one-sided
+    assert passk.rise_z((5, 20), (10, 40)) == 0.0  # the same rate
+    assert passk.rise_z((0, 16), (0, 128)) == passk.rise_z((16, 16), (128, 128)) == 0.0  # nothing to compare
 
 
 def test_draw_noise_separates_the_task_draw_from_the_attempts():
@@ -103,7 +99,7 @@ def results(tasks, attempts=4):
     return out
 
 
-INFRA = sorted(envs.INFRA_FAILURES)[0]
+INFRA = sorted(episode.INFRA_FAILURES)[0]
 
 
 def test_summary_and_table_known_answers():
@@ -113,17 +109,17 @@ def test_summary_and_table_known_answers():
         "f2": ("find_copy", [1, (1, INFRA), (0, "parse_errors"), 0, 1]),  # infra attempt excluded: n = 4, c = 2
         "w1": ("word_count", [1, 1, 1, 1]),  # c = 4
     })
-    s = evaluate.summarize(res["tasks"], [1, 2, 4])
+    s = passk.summarize(res["tasks"], [1, 2, 4])
     assert s["pass@k"][1] == pytest.approx((0.5 + 0 + 0.5 + 1) / 4)
     assert s["pass@k"][2] == pytest.approx((5 / 6 + 0 + 5 / 6 + 1) / 4)
     assert s["pass@k"][4] == pytest.approx(3 / 4)
     assert (s["solved"], s["attempts"], s["excluded"]) == (3, 16, 1)
     assert s["failures"] == {"max_turns": 1, "parse_errors": 1} and s["infra"] == {INFRA: 1}
 
-    rows = {label: tasks for label, tasks in evaluate.groups(res)}
+    rows = {label: tasks for label, tasks in passk.groups(res)}
     assert list(rows) == ["all", "archive (held-out)", "seen kinds", "find_copy", "word_count"]
     assert set(rows["seen kinds"]) == {"f1", "f2", "w1"}
-    assert evaluate.summarize(rows["find_copy"], [1])["pass@k"][1] == pytest.approx(0.25)
+    assert passk.summarize(rows["find_copy"], [1])["pass@k"][1] == pytest.approx(0.25)
 
     text = evaluate.table(res)
     print(text)
@@ -136,13 +132,13 @@ def test_summary_and_table_known_answers():
 
 def test_infra_failures_never_count_against_the_agent():
     # A task whose every attempt failed for infrastructure reasons drops out of pass@k; it is not a 0.
-    res = results({"ok": (None, [1, 0]), "broken": (None, [(0, f) for f in sorted(envs.INFRA_FAILURES)][:2])},
+    res = results({"ok": (None, [1, 0]), "broken": (None, [(0, f) for f in sorted(episode.INFRA_FAILURES)][:2])},
                   attempts=2)
-    s = evaluate.summarize(res["tasks"], [1, 2])
+    s = passk.summarize(res["tasks"], [1, 2])
     assert s["pass@k"] == {1: 0.5, 2: 1.0} and s["tasks@k"] == {1: 1, 2: 1}
     assert s["excluded"] == len(res["tasks"]["broken"]["attempts"]) and s["failures"] == {}
     assert "only tasks with at least k valid attempts" in evaluate.table(res)
-    assert [label for label, _ in evaluate.groups(res)] == ["all"]  # no kinds, no per-kind rows
+    assert [label for label, _ in passk.groups(res)] == ["all"]  # no kinds, no per-kind rows
 
 
 def test_second_try_needs_network_and_tampered_are_reported_apart():
@@ -152,9 +148,9 @@ def test_second_try_needs_network_and_tampered_are_reported_apart():
     py[0].update(reward=1.0, first_reward=0.0)  # solved on the second try: counts for the final pass@k only
     go[1]["needs_network"] = "E: Temporary failure resolving 'deb.debian.org'"
     go[3]["tampered"] = ["/usr/local/bin/tr"]  # Harbor's semantics: its reward of 1 stands, and it is counted
-    assert evaluate.summarize(res["tasks"], [1])["pass@k"][1] == pytest.approx((2 / 4 + 1 / 4) / 2)
-    assert evaluate.summarize(res["tasks"], [1], first=True)["pass@k"][1] == pytest.approx((1 / 4 + 1 / 4) / 2)
-    assert evaluate.summarize(res["tasks"], [1])["failures"] == {"needs network": 1, "tampered": 1}
+    assert passk.summarize(res["tasks"], [1])["pass@k"][1] == pytest.approx((2 / 4 + 1 / 4) / 2)
+    assert passk.summarize(res["tasks"], [1], first=True)["pass@k"][1] == pytest.approx((1 / 4 + 1 / 4) / 2)
+    assert passk.summarize(res["tasks"], [1])["failures"] == {"needs network": 1, "tampered": 1}
     lines = evaluate.table(res).splitlines()
     assert [ln.split()[:5] for ln in lines[1:3]] == [["all", "1st", "try", "2", "25.0"], ["all", "2nd", "try", "2", "37.5"]]
     assert [ln.split()[0] for ln in lines[3:7]] == ["go", "go", "python", "python"]
@@ -164,7 +160,7 @@ def test_second_try_needs_network_and_tampered_are_reported_apart():
 
 def test_results_from_before_the_network_options_resume_with_them_off(tmp_path):
     args = evaluate.parse_args(["--model", "m", "--tasks", str(tmp_path), "--out", str(tmp_path / "r.json")])
-    old = {k: v for k, v in evaluate.settings_of(args).items() if k not in evaluate.NEWER_KEYS}
+    old = {k: v for k, v in evaluate.settings_of(args).items() if k not in passk.NEWER_KEYS}
     (tmp_path / "r.json").write_text(json.dumps({"settings": old, "config": {}, "sessions": 1, "tasks": {}}))
     assert evaluate.open_results(tmp_path / "r.json", evaluate.settings_of(args))["sessions"] == 1
     with pytest.raises(SystemExit, match="network differ"):
@@ -179,7 +175,7 @@ def test_results_say_whether_replies_were_constrained(tmp_path):
     on, think, off = (evaluate.settings_of(evaluate.parse_args(base + x)) for x in (["--grammar"],
                                                                                      ["--grammar", "think"], []))
     assert (on["grammar"], think["grammar"], off["grammar"]) == ("reply", "think", None)
-    assert "grammar" in evaluate.RESUME_KEYS
+    assert "grammar" in passk.RESUME_KEYS
     assert "replies constrained by the reply grammar (--grammar reply)" in evaluate.table(
         {"settings": dict(on, attempts=1), "tasks": {}})
     assert "replies unconstrained" in evaluate.table({"settings": {"attempts": 1}, "tasks": {}})
@@ -287,8 +283,8 @@ def test_bootstrap_is_seeded_and_covers_the_true_difference():
     for rep in range(reps):
         p_a = rng.uniform(0.0, 0.8, size=60)
         c_a, c_b = rng.binomial(8, p_a), rng.binomial(8, p_a + 0.1)
-        a = [evaluate.pass_at_k(8, int(c), 1) for c in c_a]
-        b = [evaluate.pass_at_k(8, int(c), 1) for c in c_b]
+        a = [passk.pass_at_k(8, int(c), 1) for c in c_a]
+        b = [passk.pass_at_k(8, int(c), 1) for c in c_b]
         lo, hi = compare.bootstrap_diff(a, b, n_boot=1000, seed=rep)
         hits += lo <= 0.1 <= hi
         if rep == 0:
@@ -308,8 +304,8 @@ def test_bootstrap_within_kinds_covers_the_difference_of_a_split_drawn_per_kind(
     gain = np.array([0.0, 0.1, 0.2, 0.3, 0.4])[kinds]  # (30,)
     for rep in range(reps):
         p_a = rng.uniform(0.0, 0.5, size=30)
-        a = [evaluate.pass_at_k(8, int(c), 1) for c in rng.binomial(8, p_a)]
-        b = [evaluate.pass_at_k(8, int(c), 1) for c in rng.binomial(8, p_a + gain)]
+        a = [passk.pass_at_k(8, int(c), 1) for c in rng.binomial(8, p_a)]
+        b = [passk.pass_at_k(8, int(c), 1) for c in rng.binomial(8, p_a + gain)]
         lo, hi = compare.bootstrap_diff(a, b, n_boot=1000, seed=rep, strata=kinds)
         hits += lo <= 0.2 <= hi
         width += (hi - lo) / reps

@@ -20,14 +20,11 @@ import numpy as np
 import pytest
 import torch
 
-import common
-import engine
-import envs
 import grpo
-import labels
-import sandbox
-import taskgen
-from labels import ACTION, OBS, PROMPT
+from actobs import common, engine, labels, taskgen
+from actobs.episode import Episode
+from actobs.labels import ACTION, OBS, PROMPT
+from actobs.sandbox import daemon
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -373,7 +370,7 @@ def test_a_step_without_signal_makes_no_update(model, tokenizer, synthetic):
 # ---------------------------------------------------------------------------------------------- episodes to examples
 
 def episode(reward, truncated=False, failure=None):
-    return envs.Episode("t", [], reward=reward, failure=failure, token_ids=[5, 6, 7], roles=[PROMPT, ACTION, ACTION],
+    return Episode("t", [], reward=reward, failure=failure, token_ids=[5, 6, 7], roles=[PROMPT, ACTION, ACTION],
                         logprobs=[0.0, -1.0, -1.0], obs_wrapper=[False] * 3, truncated=truncated)
 
 
@@ -412,7 +409,7 @@ def test_a_per_turn_advantage_is_a_change_to_one_function(model, tokenizer, synt
     for conv, reward in zip(synthetic[:3], [1.0, 0.0, 0.0]):
         ids, roles = labels.render(tokenizer, conv, max_len=200)
         ex = {"ids": ids, "roles": roles}
-        eps.append(envs.Episode("t", [], reward=reward, token_ids=ids, roles=roles, obs_wrapper=[False] * len(ids),
+        eps.append(Episode("t", [], reward=reward, token_ids=ids, roles=roles, obs_wrapper=[False] * len(ids),
                                 logprobs=behaviour(model, ex, args.temperature, 0.1)))
 
     def turn_of_each_token(roles):
@@ -565,7 +562,7 @@ def toy_tasks(tmp_path_factory, base_image):
     d = tmp_path_factory.mktemp("rl")
     for kind in ("find_copy", "rename"):
         spec = taskgen.generate(kind, random.Random(3))
-        taskgen.write_harbor(spec, d / spec.name, sandbox.BASE_IMAGE)
+        taskgen.write_harbor(spec, d / spec.name, daemon.BASE_IMAGE)
     return d
 
 
@@ -601,13 +598,13 @@ def test_end_to_end_killed_and_resumed(tmp_path, toy_tasks, vllm_dir, no_leftove
     out = tmp_path / "run"
     proc = run_cli(out, toy_tasks, vllm_dir, wait=False)
     deadline = time.time() + 600
-    while not ((out / "step-000001").exists() and sandbox.my_containers(proc.pid)):
+    while not ((out / "step-000001").exists() and daemon.my_containers(proc.pid)):
         if proc.poll() is not None or time.time() > deadline:
             pytest.fail(proc.stdout.read()[-3000:])
         time.sleep(0.2)
     os.killpg(proc.pid, signal.SIGTERM)
     proc.wait(timeout=120)
-    assert sandbox.my_containers(proc.pid) == [] and not (out / "step-000002").exists()
+    assert daemon.my_containers(proc.pid) == [] and not (out / "step-000002").exists()
     first = (out / "log.jsonl").read_text().splitlines()
     assert [json.loads(r)["step"] for r in first] == [1]
     before = weights(out / "step-000001")
@@ -734,7 +731,7 @@ def test_a_rank_killed_ends_the_run_and_resume_continues_it(tmp_path, toy_tasks,
 
     def rolling_out_step_2():  # step 1's sandboxes are gone before its checkpoint: any now are step 2's
         ranks.update(rank_pids(proc.pid))
-        return len(ranks) == 2 and (out / "step-000001").exists() and sandbox.my_containers(ranks[1])
+        return len(ranks) == 2 and (out / "step-000001").exists() and daemon.my_containers(ranks[1])
     wait_for(proc, rolling_out_step_2)
     os.kill(ranks[1], signal.SIGKILL)
     t = time.time()
@@ -745,12 +742,12 @@ def test_a_rank_killed_ends_the_run_and_resume_continues_it(tmp_path, toy_tasks,
             os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode != 0 and "Signal 9 (SIGKILL)" in text, text[-3000:]
     assert re.search(r"rank\s*: 1 \(local_rank: 1\)\s*exitcode\s*: -9", text), text[-3000:]
-    assert sandbox.my_containers(ranks[0]) == [] and not Path(f"/proc/{ranks[0]}").exists(), f"{time.time() - t:.0f}s"
+    assert daemon.my_containers(ranks[0]) == [] and not Path(f"/proc/{ranks[0]}").exists(), f"{time.time() - t:.0f}s"
     assert not (out / "step-000002").exists() and [r["step"] for r in log_rows(out)] == [1]
     first, before = log_rows(out)[0], checksum(out / "step-000001")
 
     text = run_cli(out, toy_tasks, vllm_dir, *TWO_RANKS, "--resume", ranks=2)
-    assert "resumed at step 1" in text and "world 2" in text and sandbox.my_containers(ranks[1]) == []
+    assert "resumed at step 1" in text and "world 2" in text and daemon.my_containers(ranks[1]) == []
     rows = log_rows(out)
     assert rows[0] == first and [r["step"] for r in rows] == [1, 2] and checksum(out / "step-000001") == before
     r = rows[1]
@@ -771,7 +768,7 @@ def test_a_task_only_one_rank_draws_that_cannot_build(tmp_path, toy_tasks, vllm_
     shutil.copytree(toy_tasks, tasks)
     broken = tasks / "zz-broken"  # sorted last: task index 2
     shutil.copytree(next(toy_tasks.iterdir()), broken)
-    (broken / "environment" / "Dockerfile").write_text(f"FROM {sandbox.BASE_IMAGE}\nRUN exit 3\n")
+    (broken / "environment" / "Dockerfile").write_text(f"FROM {daemon.BASE_IMAGE}\nRUN exit 3\n")
     seed = next(s for s in range(100) if grpo.step_groups(3, 2, 0, s)[1] == 2)  # rank 1's group at step 1
     text = run_cli(tmp_path / "run", tasks, vllm_dir, *TWO_RANKS, "--steps", "1", "--seed", str(seed), "--fsdp",
                    "--ppo-epochs", "2", "--tis-cap", "2", ranks=2)

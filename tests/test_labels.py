@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from tokenizers import AddedToken
 
-import labels
+from actobs import labels
 from conftest import QWEN3_TEMPLATE, nemotron_rows, synthetic_trajectory
 
 P, A, O = labels.PROMPT, labels.ACTION, labels.OBS

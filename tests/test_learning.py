@@ -11,14 +11,13 @@ import random
 
 import pytest
 
-import envs
-import evaluate
-import grpo
-import sandbox
-import sft
-import tiny
 from conftest import ScriptedAsync
-from tasks import load_tasks
+import envs
+import grpo
+import sft
+from actobs import passk, tiny
+from actobs.sandbox import daemon
+from actobs.tasks import load_tasks
 
 pytestmark = [pytest.mark.docker, pytest.mark.vllm, pytest.mark.slow]
 
@@ -63,7 +62,7 @@ def world(tmp_path_factory, base_image):
         (d / "instruction.md").write_text(text.format(", ".join(WORDS)) + "\n")
         (d / "tests" / "test.sh").write_text(f'[ "$(cat /app/answer.txt 2>/dev/null)" = {RIGHT} ] && r=1 || r=0\n'
                                              "echo $r > /logs/verifier/reward.txt\n")
-        (d / "environment" / "Dockerfile").write_text(f"FROM {sandbox.BASE_IMAGE}\nWORKDIR /app\n")
+        (d / "environment" / "Dockerfile").write_text(f"FROM {daemon.BASE_IMAGE}\nWORKDIR /app\n")
         (d / "task.toml").write_text("[verifier]\ntimeout_sec = 30\n\n[agent]\ntimeout_sec = 120\n\n[environment]\nmemory_mb = 256\n")
     tasks = load_tasks(root / "tasks")
     todo = [(t, w) for t in tasks for w in WORDS]
@@ -98,8 +97,8 @@ def test_grpo_raises_the_solve_rate(world, tmp_path, no_leftovers):
     curve = [r["rollout/solve_rate"] for r in rows]
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
     assert mean(curve[:3]) <= 0.4, curve  # the SFT'd policy guesses
-    early, late = evaluate.solved_counts(rows[:3]), evaluate.solved_counts(rows[-8:])
-    assert evaluate.rise_z(early, late) >= 3, curve  # GRPO found the word
+    early, late = passk.solved_counts(rows[:3]), passk.solved_counts(rows[-8:])
+    assert passk.rise_z(early, late) >= 3, curve  # GRPO found the word
     mismatch = [r.get("train/mismatch_abs", 0.0) for r in rows]  # absent on a step that trained nothing
     assert max(mismatch) <= 0.01, mismatch
 

@@ -5,10 +5,8 @@ import numpy as np
 import pytest
 import torch
 
-import common
-import head
-import labels
 import sft
+from actobs import common, head, labels
 from conftest import synthetic_trajectory
 
 P, A, O = labels.PROMPT, labels.ACTION, labels.OBS

@@ -9,12 +9,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-import common
-import labels
+from conftest import nemotron_rows, synthetic_trajectory
 import probes
 import sft
-import terminus
-from conftest import nemotron_rows, synthetic_trajectory
+from actobs import common, geometry, labels, terminus
 
 P, A, O = labels.PROMPT, labels.ACTION, labels.OBS
 
@@ -42,7 +40,7 @@ def test_identical_losses_give_cos_1_and_r_1(model, examples, tokenizer):
     sup = [r != P for r in roles]
     as_act = (ids, [A if s else P for s in sup])  # the same tokens, once as actions, once as observations
     as_obs = (ids, [O if s else P for s in sup])
-    geo = probes.grad_geometry(model, [common.collate([as_act, as_obs], tokenizer.pad_token_id)])
+    geo = geometry.grad_geometry(model, [common.collate([as_act, as_obs], tokenizer.pad_token_id)])
     assert geo["cos"] == pytest.approx(1.0, abs=1e-5) and geo["r"] == pytest.approx(1.0, rel=1e-4)
     assert geo["norm_act"] > 0
 
@@ -53,7 +51,7 @@ def test_geometry_is_lambda_consistent_and_accumulates_over_batches(model, examp
     must be those of the whole held-out set's mean losses."""
     pad = tokenizer.pad_token_id
     one = common.collate(examples[:1], pad)
-    geo = probes.grad_geometry(model, [one])
+    geo = geometry.grad_geometry(model, [one])
     r = torch.tensor(examples[0][1][1:])
     n_a, n_o = int((r == A).sum()), int((r == O).sum())
     for lam in (0.25, 1.0, 3.0):
@@ -71,7 +69,7 @@ def test_geometry_is_lambda_consistent_and_accumulates_over_batches(model, examp
         p.grad = s
     model.train()
     parts = [common.collate(examples[:2], pad), common.collate(examples[2:3], pad), common.collate(examples[3:], pad)]
-    geo = probes.grad_geometry(model, parts)
+    geo = geometry.grad_geometry(model, parts)
     assert geo["norm_act"] == pytest.approx(g_act.norm().item(), rel=1e-4)
     assert geo["norm_obs"] == pytest.approx(g_obs.norm().item(), rel=1e-4)
     assert geo["cos"] == pytest.approx(torch.nn.functional.cosine_similarity(g_act, g_obs, 0).item(), abs=1e-4)
@@ -83,7 +81,7 @@ def test_geometry_is_lambda_consistent_and_accumulates_over_batches(model, examp
 
 def test_geometry_without_observations_is_a_clear_error(model, tokenizer):
     with pytest.raises(ValueError, match="observation"):
-        probes.grad_geometry(model, [common.collate([([1, 2, 3], [P, A, A])], tokenizer.pad_token_id)])
+        geometry.grad_geometry(model, [common.collate([([1, 2, 3], [P, A, A])], tokenizer.pad_token_id)])
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -256,7 +254,7 @@ def test_cli_geometry_writes_jsonl_and_curve(run):
     from transformers import AutoModelForCausalLM  # the CLI's micro-batched value = one whole-set batch
     tok, m = labels.load_tokenizer(run / "step-000002", "native"), AutoModelForCausalLM.from_pretrained(run / "step-000002")
     convs = labels.read_trajectories(run / "heldout.jsonl")[0]
-    whole = probes.grad_geometry(m, [common.collate([labels.render(tok, c, 400) for c in convs], tok.pad_token_id)])
+    whole = geometry.grad_geometry(m, [common.collate([labels.render(tok, c, 400) for c in convs], tok.pad_token_id)])
     assert rows[1]["probe/cos"] == pytest.approx(whole["cos"], abs=1e-4) and rows[1]["probe/r"] == pytest.approx(whole["r"], rel=1e-4)
     assert rows[0]["probe/cos"] != pytest.approx(rows[2]["probe/cos"], abs=1e-3)
 

@@ -1,22 +1,13 @@
 """scripts/report.py and scripts/checks.py: the run folder's settings guard and the output checks that make the quick
 ablation fail CI."""
 import json
-import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
-import compare
 import envs
-import evaluate
-import labels
-import steplog
-import taskgen
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-import checks  # noqa: E402
-import report  # noqa: E402
+from actobs import compare, labels, passk, steplog, taskgen
+from scripts import checks, report
 
 
 def test_flags():
@@ -244,7 +235,7 @@ def synthetic_run(run, sweep=True, before_attempts=None, every=True):
                "tasks": {t: {"kind": kind, "heldout": kind in taskgen.HELDOUT_KINDS,
                              "attempts": [{"attempt": j, "reward": float(r), "failure": None, "turns": 3}
                                           for j, r in enumerate(rewards[t])]} for t, kind in tasks.items()}}
-        res["summary"] = evaluate.summarize(res["tasks"], evaluate.ks_up_to(n))
+        res["summary"] = passk.summarize(res["tasks"], passk.ks_up_to(n))
         (run / "eval" / f"{m}.json").write_text(json.dumps(res))
         (run / "eval" / f"{m}.episodes.jsonl").write_text("".join(json.dumps({"task": t, "attempt": j}) + "\n"
                                                                    for t in tasks for j in range(n)))
@@ -272,7 +263,7 @@ def test_solve_rise_is_over_the_first_and_last_steps_episodes():
            for r, n in [(0.1, 10), (0.2, 10), (0.3, 10), (0.5, 8), (0.5, 8), (0.5, 8), (0.75, 4), (0.8, 10), (0.9, 10)]]
     k, first, last, z = report.solve_rise(log)
     assert (k, first, last) == (3, 0.2, pytest.approx(20 / 24))
-    assert z == pytest.approx(evaluate.rise_z((6, 30), (20, 24))) and z > 3
+    assert z == pytest.approx(passk.rise_z((6, 30), (20, 24))) and z > 3
     assert report.solve_rise(log[:2])[:3] == (1, 0.1, 0.2)  # two steps: the first against the last
     # --redraw 2: the last two steps drew the first two's tasks; those are the steps compared
     for i, r in enumerate(log):

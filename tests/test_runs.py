@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 import torch
 
-import common
 import grpo
 import sft
+from actobs import common
 from conftest import synthetic_trajectory
 
 ROOT = Path(__file__).parent.parent
@@ -30,8 +30,8 @@ def git(cwd, *a):
 
 
 def common_copy(folder):
-    """common.py imported from a copy in `folder`: its code_state describes that folder."""
-    spec = importlib.util.spec_from_file_location("common_copy", folder / "common.py")
+    """actobs/common.py imported from a copy in `folder`: its code_state describes that folder."""
+    spec = importlib.util.spec_from_file_location("common_copy", folder / "actobs" / "common.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -39,8 +39,8 @@ def common_copy(folder):
 
 def test_code_state_is_a_patch_that_replays_the_edit(tmp_path):
     src = tmp_path / "src"
-    src.mkdir()
-    shutil.copy(ROOT / "common.py", src)
+    (src / "actobs").mkdir(parents=True)
+    shutil.copy(ROOT / "actobs" / "common.py", src / "actobs")
     shutil.copy(ROOT / "sft.py", src)
     (src / ".gitignore").write_text("runs/\n")
     git(src, "init", "-q")
@@ -65,13 +65,14 @@ def test_code_state_is_a_patch_that_replays_the_edit(tmp_path):
     shutil.rmtree(src / ".git")  # a copy of the code outside git: each source's hash
     sources = common_copy(src).code_state()
     assert sources["git"] == "" and "diff" not in sources
-    assert set(sources["sources"]) == {"common.py", "sft.py", "idea.py", "runs/ignored.py"}
+    assert set(sources["sources"]) == {"actobs/common.py", "sft.py", "idea.py", "runs/ignored.py"}
     import hashlib
     assert sources["sources"]["idea.py"] == hashlib.sha256(b"LAM = 0.5\n").hexdigest()
 
 
 def test_versions_come_from_metadata_without_importing_vllm():
-    code = "import json, sys, common, sft; print(json.dumps([common.run_config({})['vllm'], 'vllm' in sys.modules]))"
+    code = ("import json, sys, sft; from actobs import common; "
+            "print(json.dumps([common.run_config({})['vllm'], 'vllm' in sys.modules]))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout
     dists = metadata.packages_distributions().get("vllm")
     assert json.loads(out) == [metadata.version(dists[0]) if dists else None, False]
@@ -225,7 +226,7 @@ def test_a_run_sharing_a_process_samples_as_it_does_alone(vllm_dir, tmp_path, ba
     """evaluate.py on two checkpoints in one process, the second after the first's engine: each of the second's
     attempts samples the same first reply (same weights, same seeds) as that checkpoint evaluated alone. The first
     checkpoint's weights are far from the second's, so an engine that kept them would sample other replies."""
-    import taskgen
+    from actobs import taskgen
     from transformers import AutoModelForCausalLM
     other = tmp_path / "other"
     torch.manual_seed(0)

@@ -1,11 +1,11 @@
 """steplog.py's transcripts: which of a step's episodes are written, what a transcript holds, and which files a
-report links. Pure: episodes are stand-ins with the fields envs.Episode has."""
+report links. Pure: episodes are stand-ins with the fields episode.Episode has."""
 import subprocess
+from pathlib import Path
 import sys
 from types import SimpleNamespace
 
-import steplog
-import terminus
+from actobs import steplog, terminus
 
 
 def episode(task, reward, failure=None, replies=("{}",), truncated=False):
@@ -68,5 +68,5 @@ def test_pick_transcripts_takes_the_last_step_with_each_kind(tmp_path):
 
 def test_import_needs_no_torch():
     """scripts/report.py imports steplog for pick_transcripts: no torch (nor vLLM) at import."""
-    code = "import sys, steplog; assert 'torch' not in sys.modules and 'vllm' not in sys.modules"
-    subprocess.run([sys.executable, "-c", code], check=True, cwd=steplog.__file__.rsplit("/", 1)[0])
+    code = "import sys; from actobs import steplog; assert 'torch' not in sys.modules and 'vllm' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(steplog.__file__).parents[1])

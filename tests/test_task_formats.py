@@ -12,8 +12,8 @@ import pytest
 
 import envs
 import evaluate
-import sandbox
-from tasks import Task, load_task
+from actobs.sandbox import sandbox
+from actobs.tasks import Task, load_task
 
 FIXTURES = Path(__file__).parent / "fixtures"
 AIDER, ENDLESS, HARBOR = FIXTURES / "aider", FIXTURES / "endless", FIXTURES / "harbor"

@@ -6,8 +6,7 @@ import random
 
 import pytest
 
-import taskgen
-import terminus
+from actobs import taskgen, terminus
 from conftest import FIXTURES, nemotron_rows, split_observation
 
 GOOD = {"analysis": "a", "plan": "p", "commands": [{"keystrokes": "ls\n", "duration": 0.1}], "task_complete": False}
@@ -180,7 +179,7 @@ def test_the_reply_grammar_admits_the_sft_replies_and_nothing_looser(tokenizer):
     which parses without a warning, and nothing looser: no whitespace of its own, no other key order or
     separators, no '<think>' or '</think>' inside a value (parse_reply would trip on it; a '<' before anything else
     passes, as in a heredoc), no block before the JSON; the think form also admits a <think> block first."""
-    import engine
+    from actobs import engine
     xgr = pytest.importorskip("xgrammar")
     plain, think = (engine.compile_grammar(tokenizer, terminus.reply_grammar(t), len(tokenizer)) for t in (False, True))
 
@@ -230,7 +229,7 @@ def test_close_reply_completes_every_cut_reply_at_its_shortest(tokenizer):
     the cut value closed (an escape's missing digits as 0, a duration's missing decimal as 0), every later part at
     its shortest (no further command, empty strings, task_complete false). A whole reply needs nothing; a text the
     grammar does not begin is refused."""
-    import engine
+    from actobs import engine
     xgr = pytest.importorskip("xgrammar")
     plain, think = (engine.compile_grammar(tokenizer, terminus.reply_grammar(t), len(tokenizer)) for t in (False, True))
 

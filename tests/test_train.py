@@ -12,9 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-import common
-import labels
 import sft
+from actobs import common, labels
 from conftest import nemotron_rows, synthetic_trajectory
 
 ROOT = Path(__file__).parent.parent

@@ -5,7 +5,7 @@ the model's config, and the FLOPs of a token's forward pass through such a decod
 """
 import torch
 
-from labels import PREFIX_TEMPLATE
+from actobs.labels import PREFIX_TEMPLATE
 
 
 QWEN_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"

@@ -19,6 +19,10 @@ import json
 import re
 from pathlib import Path
 
+import numpy as np
+
+from actobs.labels import OBS, message_labels
+
 MAX_OBS_BYTES = 10_000  # observations keep head and tail within this size
 MAX_DURATION = 60.0  # longest wait one command may ask for
 DEFAULT_DURATION = 1.0  # a command's wait when its reply gives none
@@ -480,3 +484,21 @@ def _complement(payload, n):
             out.append((pos, s))
         pos = max(pos, e)
     return out + ([(pos, n)] if pos < n else [])
+
+
+def wrapper_mask(messages, roles, text, off, spans):
+    """(T,) bool: observation tokens of harness text. That is the fixed text of the Terminus-2 templates in an
+    observation's content (wrapper_spans; an observation in no Terminus-2 form is all payload) and the
+    observation's end-of-turn token. A token is wrapper only if all its characters are, so one that a BPE merge
+    makes straddle wrapper and payload is payload: payload keeps every character the environment produced.
+    roles, text, off, spans: as labels.encode_spans returns them."""
+    wrap = np.zeros(len(text) + 1, dtype=np.int64)  # per character
+    for ranges, label in zip(spans, message_labels(messages)):
+        if label == OBS:
+            (s, e), eot = ranges[0], ranges[1:]
+            for a, b in wrapper_spans(text[s:e]) or ():
+                wrap[s + a: s + b] = 1
+            for a, b in eot:
+                wrap[a:b] = 1
+    csum = np.concatenate([[0], np.cumsum(wrap)])
+    return (csum[off[:, 1]] - csum[off[:, 0]] == off[:, 1] - off[:, 0]) & (roles == OBS)

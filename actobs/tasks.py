@@ -13,9 +13,10 @@ import subprocess
 import tomllib
 from pathlib import Path
 
-import taskgen
-from sandbox import BASE_IMAGE, DEFAULT_STORAGE_MB, docker_client, docker_env, image_exists
-from terminus import decode
+from actobs import taskgen
+from actobs.sandbox.daemon import BASE_IMAGE, docker_client, docker_env, image_exists
+from actobs.sandbox.sandbox import DEFAULT_STORAGE_MB
+from actobs.terminus import decode
 
 
 @dataclasses.dataclass

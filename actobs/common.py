@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from labels import PROMPT
+from actobs.labels import PROMPT
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -465,9 +465,9 @@ def barrier():
 def code_state():
     """The code that runs: {"git": the commit, "diff": one patch that `git apply` replays on it, of every
     uncommitted change to a tracked file and every new (untracked, not ignored) .py file}; outside a git checkout
-    {"git": "", "sources": {path: sha256} of the .py files here and one folder down}."""
+    {"git": "", "sources": {path: sha256} of the repository's .py files, down to the package's sub-folders}."""
     import subprocess
-    root = Path(__file__).parent
+    root = Path(__file__).resolve().parents[1]  # the repository: this package's parent
 
     def git(*a):
         return subprocess.run(["git", *a], capture_output=True, text=True, cwd=root).stdout
@@ -478,7 +478,8 @@ def code_state():
     if not commit:
         import hashlib
         return {"git": "", "sources": {str(f.relative_to(root)): hashlib.sha256(f.read_bytes()).hexdigest()
-                                       for f in sorted([*root.glob("*.py"), *root.glob("*/*.py")])}}
+                                       for f in sorted([*root.glob("*.py"), *root.glob("*/*.py"),
+                                                        *root.glob("*/*/*.py")])}}
     new = git("ls-files", "--others", "--exclude-standard", "--", "*.py").splitlines()
     diff = git("diff", "HEAD") + "".join(git("diff", "--no-index", "--", "/dev/null", f) for f in new)
     return {"git": commit, "diff": diff}

@@ -18,9 +18,10 @@ import json
 import os
 import threading
 
-from container_files import get_file, get_files, put_files
-from sandbox import LABEL, STANDIN_TOOLS, SandboxError, docker_client, owner_label
-from terminus import decode, pytest_never_ran
+from actobs.sandbox.container_files import get_file, get_files, put_files
+from actobs.sandbox.daemon import LABEL, SandboxError, docker_client, owner_label
+from actobs.sandbox.images import STANDIN_TOOLS
+from actobs.terminus import decode, pytest_never_ran
 
 VERIFIER_TAIL = 2000  # characters of the verifier's output kept on each episode
 

@@ -3,7 +3,7 @@ The rollout engine that grpo.py trains with and evaluate.py measures with: an in
 that keeps each episode's tokens exactly as sampled (token-in/token-out), the rollout of episodes in sandboxes
 (envs.run_episodes) with that policy, and the weight sync from the trainer into the engine.
 
-An episode's token sequence (envs.Episode: token_ids, roles, logprobs, obs_wrapper, truncated) is the one
+An episode's token sequence (episode.Episode: token_ids, roles, logprobs, obs_wrapper, truncated) is the one
 append-only sequence the policy saw and sampled: the first turn as the chat template renders it, each reply's ids
 as the engine returned them (labels.ACTION, with the log-prob each was sampled with), each observation turn as the
 template renders it after a reply (labels.OBS, its fixed wrapper text marked), never the history re-tokenised.
@@ -28,10 +28,9 @@ from contextlib import contextmanager
 import numpy as np
 import torch
 
-import common
 import envs
-import terminus
-from labels import ACTION, PROMPT, defuse_specials, encode, encode_spans, generation_prompt, wrapper_mask
+from actobs import common, terminus
+from actobs.labels import ACTION, PROMPT, defuse_specials, encode, encode_spans, generation_prompt
 
 
 def kv_cache_bytes(config, *, max_model_len, max_seqs, dtype_bytes):
@@ -151,7 +150,7 @@ def observation_tokens(tok, message, closed):
         k -= 1  # the end-of-turn token, which the cut reply lacks
     roles = roles.copy()
     roles[roles == ACTION] = PROMPT  # the unsampled end-of-turn token of a cut reply
-    wrapper = wrapper_mask(msgs, roles, text, off, spans)
+    wrapper = terminus.wrapper_mask(msgs, roles, text, off, spans)
     head = tok(generation_prompt(tok, msgs), add_special_tokens=False)["input_ids"]
     return (list(ids[k:]) + head, roles[k:].tolist() + [PROMPT] * len(head),
             wrapper[k:].tolist() + [False] * len(head))

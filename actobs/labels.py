@@ -17,8 +17,6 @@ from pathlib import Path
 
 import numpy as np
 
-import terminus
-
 PROMPT, ACTION, OBS = 0, 1, 2  # per-token roles; only ACTION and OBS tokens carry loss
 
 VALID_ROLES = ("system", "user", "assistant", "tool")
@@ -322,21 +320,3 @@ def encode_spans(tokenizer, messages, max_len=None):
     if max_len is not None:
         ids, roles, off = ids[:max_len], roles[:max_len], off[:max_len]
     return list(ids), roles, text, off, spans
-
-
-def wrapper_mask(messages, roles, text, off, spans):
-    """(T,) bool: observation tokens of harness text. That is the fixed text of the Terminus-2 templates in an
-    observation's content (terminus.wrapper_spans; an observation in no Terminus-2 form is all payload) and the
-    observation's end-of-turn token. A token is wrapper only if all its characters are, so one that a BPE merge
-    makes straddle wrapper and payload is payload: payload keeps every character the environment produced.
-    roles, text, off, spans: as encode_spans() returns them."""
-    wrap = np.zeros(len(text) + 1, dtype=np.int64)  # per character
-    for ranges, label in zip(spans, message_labels(messages)):
-        if label == OBS:
-            (s, e), eot = ranges[0], ranges[1:]
-            for a, b in terminus.wrapper_spans(text[s:e]) or ():
-                wrap[s + a: s + b] = 1
-            for a, b in eot:
-                wrap[a:b] = 1
-    csum = np.concatenate([[0], np.cumsum(wrap)])
-    return (csum[off[:, 1]] - csum[off[:, 0]] == off[:, 1] - off[:, 0]) & (roles == OBS)

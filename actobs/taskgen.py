@@ -20,7 +20,7 @@ import re
 import shlex
 from pathlib import Path
 
-import terminus
+from actobs import terminus
 
 # ----------------------------------------------------------------------------------------------------------
 # Task world

@@ -12,6 +12,8 @@ import stat
 import tarfile
 import time
 
+from actobs.sandbox.daemon import SandboxError
+
 # The bounds of a walk of a sandbox's layer (walk_layer): past any of them the layer is not measured, and whoever
 # asked treats the sandbox as over its disk budget (fail closed). A tree deeper than MAX_DEPTH would hold that many
 # folders open at once. A path longer than PATH_MAX names nothing a program finds by its whole name (a loader, an
@@ -31,7 +33,6 @@ def put_files(container, files):
             info.size, info.mode, info.mtime = len(data), mode, int(time.time())
             tar.addfile(info, io.BytesIO(data))
     if not container.put_archive("/", buf.getvalue()):
-        from sandbox import SandboxError
         raise SandboxError("put_archive failed")
 
 

@@ -21,7 +21,8 @@ import threading
 import time
 from pathlib import Path
 
-from container_files import LayerLimit, walk_layer
+from actobs.sandbox.container_files import LayerLimit, walk_layer
+from actobs.sandbox.daemon import BASE_IMAGE, LABEL, SandboxError, docker_client, owner_label
 
 # The watch (Budget._watch_layer): the file system's counters every DISK_POLL_S; a walk of the layer at least every
 # DISK_WALK_MAX_S, WALK_PACE times its CPU time apart (a huge layer costs the watching process at most a sixth of a
@@ -61,7 +62,6 @@ def _size_limit_refused():
     """Why the daemon refuses a per-container size limit, or "" when it takes one (a container is created with
     one and removed, never started)."""
     import docker
-    from sandbox import BASE_IMAGE, LABEL, docker_client, owner_label  # here: sandbox.py imports this module
     try:
         c = docker_client().containers.create(BASE_IMAGE, entrypoint=["true"], labels={LABEL: owner_label()},
                                               network_mode="none", storage_opt={"size": "64M"})
@@ -76,7 +76,6 @@ def _size_limit_refused():
 def quota():
     """The daemon's DiskQuota, found once; or None, said once on stderr with what then holds the budget."""
     global _quota, _seccomp
-    from sandbox import docker_client
     with _quota_lock:
         if _quota is None:
             info = docker_client().info()
@@ -260,7 +259,6 @@ class HostRise:
         self.every, self.path, self.mb, self._done = every, path, 0.0, threading.Event()
 
     def __enter__(self):
-        from sandbox import docker_client
         root = self.path or docker_client().info()["DockerRootDir"]
         free0 = shutil.disk_usage(root).free
 
@@ -315,7 +313,6 @@ class Budget:
             subprocess.run(["btrfs", "qgroup", "limit", "-e", str((self.mb + QUOTA_MARGIN_MB) * 2**20), subvol],
                            check=True, capture_output=True, text=True)
         except (OSError, subprocess.CalledProcessError) as e:
-            from sandbox import SandboxError
             raise SandboxError(f"could not set the disk quota: {getattr(e, 'stderr', '') or e}") from None
         self.qgroup = Path(self.quota.sysfs, f"0_{rootid}")
 
@@ -373,7 +370,6 @@ class Budget:
         reserved for writes not yet committed: the kernel checks the cap against that sum), else the daemon's
         SizeRw (a remote daemon or another driver: slower, and blind to deleted files still held). No inode count:
         btrfs allocates inodes as it goes, within its fixed-size image (.ci/dockerd.sh)."""
-        from sandbox import docker_client
         api = docker_client().api  # the SDK's inspect_container has no `size` parameter: the endpoint, directly
         while not self._closed.wait(DISK_POLL_S):
             if self.qgroup is not None:

@@ -1,226 +1,25 @@
 """
-Docker sandboxes for ActObs: a container with a task's limits (CPUs, memory, processes, disk) and a tmux terminal
-that takes keystrokes and returns observations (Terminus-2 semantics); images are built offline. envs.py builds
-Harbor tasks and runs episodes on it; its CLI builds the images (`python envs.py base-image [--standin]`) and
-removes leftovers (`python envs.py sweep`). A sandbox's files go in and out through container_files.py, which also
-reads what changed in it since its image.
-
-Needs a Docker daemon (DOCKER_HOST); `. .ci/dockerd.sh start` starts a private one. Importing this module does not.
-
-Offline images: where no registry is reachable, a Dockerfile's `FROM ubuntu:24.04` is satisfied by a local
-image with that tag: `python envs.py base-image --standin` debootstraps Debian trixie (Python 3.13, what
-Terminal-Bench 2.0 verifiers ask uv for) with bash, tmux, pip, uv and offline wheels of the verifiers' pytest
-pins, and tags it with STANDIN_TAGS; Docker then builds the Harbor Dockerfiles without pulling.
-
-The terminal needs bash, tmux and coreutils' `timeout` in the image (the base image has them).
+A sandbox: a container with a task's limits (CPUs, memory, processes, disk: disk.py) and a tmux terminal that takes
+keystrokes and returns observations (Terminus-2 semantics); always removed. The terminal needs bash, tmux and
+coreutils' `timeout` in the image. envs.py runs episodes on it; docs/sandboxes.md.
 """
-import hashlib
-import os
 import re
-import shutil
-import socket
-import subprocess
-import sys
-import tempfile
-import threading
 import time
-from pathlib import Path
 
-import disk
-from container_files import changes, overlay_dirs, put_files
-from terminus import MAX_DURATION, OUTPUT_HEADER, SCREEN_HEADER, decode, pane_diff, truncate_output, visible_screen
+from actobs.sandbox import disk
+from actobs.sandbox.container_files import changes, overlay_dirs, put_files
+from actobs.sandbox.daemon import LABEL, SandboxError, docker_client, host_cpus, owner_label
+from actobs.sandbox.images import STANDIN_ONLINE
+from actobs.terminus import (MAX_DURATION, OUTPUT_HEADER, SCREEN_HEADER, decode, pane_diff, truncate_output,
+                             visible_screen)
 
-BASE_IMAGE = "actobs-base:bookworm"
-BASE_PACKAGES = ["tmux", "python3", "procps", "jq"]  # tmux: the terminal; the rest: what generated tasks use
-STANDIN_SUITE = "trixie"  # ships Python 3.13: Terminal-Bench 2.0 verifiers run `uvx -p 3.13 ...`
-# The FROM lines of Terminal-Bench 2.0 tasks, and of Endless Terminals' (ubuntu:22.04)
-STANDIN_TAGS = ["ubuntu:24.04", "python:3.13-slim-bookworm", "ubuntu:22.04"]
-HOST_CAS = "/usr/local/share/ca-certificates"  # the host's extra CA certificates, trusted by the stand-in too
-UV_VERSION = "0.9.7"
-VERIFIER_PINS = ["pytest==8.4.1", "pytest-json-ctrf==0.3.5"]  # what Terminal-Bench 2.0 tests/test.sh install
-DEBIAN_MIRROR = os.environ.get("ACTOBS_DEBIAN_MIRROR")  # unset: debootstrap's own default mirror
-PRIVATE_SOCKET = os.environ.get("ACTOBS_DOCKER_ROOT", "/var/lib/actobs-docker") + "/docker.sock"
-LABEL = "actobs.sandbox"  # every container carries it; value = "<hostname>:<pid>" of the owning process
 SCREEN = (160, 40)  # tmux window (columns, rows)
 DEFAULT_STORAGE_MB = 10240  # disk budget when a task names none (Harbor's default)
-# The stand-in's uv is offline (build_uv_image sets UV_OFFLINE=1); a sandbox given the network lifts that and has uv
-# trust the system's CAs, which in the stand-in include the host's (a TLS-inspecting egress proxy).
-STANDIN_ONLINE = {"UV_OFFLINE": "0", "UV_NATIVE_TLS": "1"}
-STANDIN_TOOLS = ("/root/.local/bin", "/opt/actobs-wheels")  # the stand-in's verifier tool kit: uv, uvx, env, wheels
 STEP_READS = 3  # reads of a terminal step's result file when its exec's output came back incomplete
 # How long a terminal step may run past its duration before it is killed (and its episode lost to the
 # infrastructure): its own tmux calls take milliseconds on an idle host, seconds in a CPU-starved container (dozens of
-# sandboxes on two cores), where 5 s of slack lost up to 60 of a GRPO step's 64 episodes (RESULTS.md, 2026-12-03)
+# sandboxes on two cores)
 STEP_SLACK_S = 60.0
-
-# ----------------------------------------------------------------------------------------------------------
-# Docker client, labels, base image
-
-_client = None
-_client_lock = threading.Lock()
-
-
-def docker_env():
-    """The environment of a docker CLI call and of the SDK's client: this process's, with DOCKER_HOST set to
-    .ci/dockerd.sh's private daemon where no other is named and the default socket is not there."""
-    if "DOCKER_HOST" in os.environ or os.path.exists("/var/run/docker.sock") or not os.path.exists(PRIVATE_SOCKET):
-        return dict(os.environ)
-    return dict(os.environ, DOCKER_HOST=f"unix://{PRIVATE_SOCKET}")
-
-
-def docker_client():
-    """One shared client; its HTTP pool is sized for many concurrent sandboxes (the SDK default is 10)."""
-    global _client
-    with _client_lock:
-        if _client is None:
-            import docker  # imported lazily: importing sandbox.py must not need a daemon
-            env = docker_env()
-            try:
-                _client = docker.from_env(environment=env, max_pool_size=128, timeout=600)
-            except docker.errors.DockerException as e:
-                raise RuntimeError(f"no Docker daemon at {env.get('DOCKER_HOST', 'the default socket')} ({e}); "
-                                   "start one with `. .ci/dockerd.sh start`") from None
-        return _client
-
-
-_cpus, _warned = None, set()
-
-
-def host_cpus(cpus):
-    """cpus capped to what the Docker host has (Docker refuses more), with a warning once per value."""
-    global _cpus
-    if _cpus is None:
-        _cpus = docker_client().info()["NCPU"]
-    if cpus > _cpus and cpus not in _warned:
-        _warned.add(cpus)
-        print(f"warning: a task asks for {cpus:g} CPUs, the Docker host has {_cpus}; using {_cpus}", file=sys.stderr)
-    return min(cpus, _cpus)
-
-
-def owner_label(pid=None):
-    """The LABEL value of the containers process `pid` on this host owns (default: this process)."""
-    return f"{socket.gethostname()}:{pid or os.getpid()}"
-
-
-def sweep():
-    """Remove leftover sandboxes: those whose owning process on this host is gone (killed runs, crashed tests)."""
-    removed = 0
-    import docker
-    # sparse: no inspect per container, which would race with other processes removing theirs
-    for c in docker_client().containers.list(all=True, sparse=True, filters={"label": LABEL}):
-        host, _, pid = (c.attrs.get("Labels") or {}).get(LABEL, "").rpartition(":")
-        if host != socket.gethostname():
-            continue
-        if pid.isdigit() and _pid_alive(int(pid)):
-            continue
-        try:
-            c.remove(force=True)
-            removed += 1
-        except docker.errors.APIError as e:
-            if e.status_code not in (404, 409):  # gone, or another process's sweep is removing it (Conflict)
-                raise
-    return removed
-
-
-def _pid_alive(pid):
-    try:
-        os.kill(pid, 0)
-        return True
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-
-
-def my_containers(pid=None):
-    """Containers owned by process `pid` (default: this process; tests assert this is empty after every episode)."""
-    return docker_client().containers.list(all=True, sparse=True, filters={"label": f"{LABEL}={owner_label(pid)}"})
-
-
-def image_exists(tag):
-    import docker
-    try:
-        docker_client().images.get(tag)
-        return True
-    except docker.errors.ImageNotFound:
-        return False
-
-
-def build_base_image(suite="bookworm", extra_tags=(), rebuild=False, with_uv=False):
-    """debootstrap a minimal Debian `suite` with the packages the terminal and the generated tasks need, import it
-    as actobs-base:SUITE. with_uv: tag the uv layer (build_uv_image) instead, for Harbor verifiers (uvx pytest)."""
-    tag = f"actobs-base:{suite}"
-    if rebuild or not image_exists(tag):
-        if shutil.which("debootstrap") is None:
-            raise SystemExit("debootstrap not found: apt-get install -y debootstrap")
-        with tempfile.TemporaryDirectory(prefix="actobs-rootfs-") as root:
-            t0 = time.time()
-            subprocess.run(["debootstrap", "--variant=minbase", "--include=" + ",".join(BASE_PACKAGES),
-                            suite, root] + ([DEBIAN_MIRROR] if DEBIAN_MIRROR else []),
-                           check=True, stdout=subprocess.DEVNULL)
-            for junk in ("var/cache/apt/archives", "var/lib/apt/lists"):  # keeps the image ~100 MB smaller
-                subprocess.run(["find", f"{root}/{junk}", "-type", "f", "-delete"], check=True)
-            os.chmod(root, 0o755)  # the temporary folder's 0700 would become /'s mode (btrfs keeps it; overlay2 not)
-            tar = subprocess.Popen(["tar", "-C", root, "-c", "."], stdout=subprocess.PIPE)
-            subprocess.run(["docker", "import", "-c", "ENV LANG=C.UTF-8", "-c", 'CMD ["bash"]', "-", tag],
-                           stdin=tar.stdout, check=True, stdout=subprocess.DEVNULL, env=docker_env())
-            if tar.wait() != 0:
-                raise RuntimeError("tar of the debootstrap root failed")
-            print(f"built {tag} in {time.time() - t0:.0f}s")
-    else:
-        print(f"{tag} exists, reused")
-    if with_uv:
-        tag = build_uv_image(tag)
-    for extra in extra_tags or ():
-        docker_client().images.get(tag).tag(extra)
-        print(f"tagged {tag} as {extra}")
-    return tag
-
-
-def build_uv_image(base):
-    """base + pip (no PEP 668 lock, as in python:3.x images) + uv + local wheels of the pytest pins Terminal-Bench
-    verifiers install at verification time, with UV_OFFLINE so their `uvx -p 3.13 -w pytest==... pytest` runs
-    without a network. apt and pip reach Debian and PyPI only here, at build time, never from a sandbox.
-    STANDIN_TOOLS names where uv and the wheels go (verify.py restores them when an agent changed them)."""
-    bindir, wheels = STANDIN_TOOLS
-    dockerfile = (
-        f"FROM {base}\n"
-        # The host's own extra CAs (a TLS-inspecting egress proxy): task builds then reach PyPI as the host does.
-        "COPY ca/ /usr/local/share/ca-certificates/\n"
-        "RUN apt-get update -qq && apt-get install -y -qq --no-install-recommends python3-pip python-is-python3 "
-        "ca-certificates >/dev/null && update-ca-certificates >/dev/null && "
-        "rm -rf /var/lib/apt/lists/* /usr/lib/python3*/EXTERNALLY-MANAGED\n"
-        f"COPY uv uvx {bindir}/\nCOPY wheels {wheels}\n"
-        f"RUN chmod 755 {bindir}/uv {bindir}/uvx && "
-        f"echo 'export PATH=\"$HOME/.local/bin:$PATH\"' > {bindir}/env\n"
-        # Offline, apt's default retries turn a verifier's `apt-get update` into a 7 s wait.
-        "RUN echo 'Acquire::Retries \"0\";' > /etc/apt/apt.conf.d/80actobs-offline\n"
-        f"ENV UV_OFFLINE=1 UV_FIND_LINKS={wheels} UV_PYTHON_DOWNLOADS=never\n"
-        f"RUN {bindir}/uvx {' '.join('--with ' + p for p in VERIFIER_PINS)} pytest --version\n")
-    cas = {p.name: p.read_bytes() for p in sorted(Path(HOST_CAS).glob("*.crt"))}
-    key = dockerfile + UV_VERSION + docker_client().images.get(base).id + repr(cas)
-    tag = f"{base}-uv-{hashlib.sha256(key.encode()).hexdigest()[:12]}"  # a new base or layer -> a new image
-    if image_exists(tag):
-        print(f"{tag} exists, reused")
-        return tag
-    import zipfile
-    with tempfile.TemporaryDirectory(prefix="actobs-uv-") as ctx:
-        pip = [sys.executable, "-m", "pip", "download", "-q", "--only-binary", ":all:"]
-        env = dict(os.environ, PIP_CONSTRAINT="")  # a site-wide constraints file must not move these pins
-        subprocess.run(pip + ["--no-deps", "-d", f"{ctx}/uvwheel", f"uv=={UV_VERSION}"], check=True, env=env)
-        subprocess.run(pip + ["-d", f"{ctx}/wheels"] + VERIFIER_PINS, check=True, env=env)  # pure-Python wheels
-        with zipfile.ZipFile(next(Path(ctx, "uvwheel").glob("*.whl"))) as whl:
-            for name in ("uv", "uvx"):
-                Path(ctx, name).write_bytes(whl.read(f"uv-{UV_VERSION}.data/scripts/{name}"))
-        Path(ctx, "ca").mkdir()
-        for name, data in cas.items():
-            Path(ctx, "ca", name).write_bytes(data)
-        Path(ctx, "Dockerfile").write_text(dockerfile)
-        t0 = time.time()
-        docker_client().images.build(path=ctx, tag=tag, network_mode="host", rm=True, forcerm=True)
-    print(f"built {tag} in {time.time() - t0:.0f}s")
-    return tag
-
 
 # ----------------------------------------------------------------------------------------------------------
 # Sandbox: one container + one tmux terminal inside it
@@ -318,10 +117,6 @@ for i in {1..100}; do
 done
 echo "still running after SIGKILL:$left"; exit 1
 """
-
-
-class SandboxError(RuntimeError):
-    pass
 
 
 class ShellExited(SandboxError):

@@ -10,9 +10,9 @@ import re
 from collections import Counter
 from pathlib import Path
 
-import envs
-import terminus
-from labels import ACTION
+from actobs import terminus
+from actobs.episode import INFRA_FAILURES
+from actobs.labels import ACTION
 
 
 def step_record(step, task_draw, episodes, valid, has_signal, tot, gnorm, gen, times, args, device, checksum=None):
@@ -21,7 +21,7 @@ def step_record(step, task_draw, episodes, valid, has_signal, tot, gnorm, gen, t
     gnorm), the generator's seconds (gen) and the step's (times); checksum: engine.sync_weights' of the weights this
     rank's engine got (None: no update, no sync). -> (the row, what an episode lost to the infrastructure, on any
     rank, said, or None)."""
-    import common  # torch: the trainer's alone (report.py reads the transcripts without it)
+    from actobs import common  # torch: the trainer's alone (report.py reads the transcripts without it)
     ok = valid.flatten().tolist()
     ep_sums = {"episodes": len(episodes), "valid": sum(ok),
                "reward_sum": sum(e.reward for e, v in zip(episodes, ok) if v),
@@ -35,7 +35,7 @@ def step_record(step, task_draw, episodes, valid, has_signal, tot, gnorm, gen, t
     # per rank: the failures by kind (whichever kinds envs reports), an infrastructure failure's message, its own
     # mean |mismatch| and weights' checksum
     mine = tot.get("act_tokens", 0)
-    lost = next((f"{e.task}: {e.failure}: {e.error[:300]}" for e in episodes if e.failure in envs.INFRA_FAILURES), None)
+    lost = next((f"{e.task}: {e.failure}: {e.error[:300]}" for e in episodes if e.failure in INFRA_FAILURES), None)
     ranks = common.all_gather({"failures": Counter(e.failure for e in episodes if e.failure), "lost": lost,
                                "weights": checksum, "mismatch": tot["mismatch_abs_sum"] / mine if mine else None})
     failures = sum((r["failures"] for r in ranks), Counter())
@@ -44,7 +44,7 @@ def step_record(step, task_draw, episodes, valid, has_signal, tot, gnorm, gen, t
     na, nv, turns = sums.get("act_tokens", 0), max(sums["valid"], 1), max(sums["turns"], 1)
     rec = {"step": step + 1, "rollout/task_draw": task_draw + 1,  # whose tasks
            "rollout/reward_mean": sums["reward_sum"] / nv, "rollout/solve_rate": sums["solved"] / nv,
-           "rollout/episodes_valid": int(sums["valid"]),  # the solve rate's denominator (evaluate.solved_counts)
+           "rollout/episodes_valid": int(sums["valid"]),  # the solve rate's denominator (passk.solved_counts)
            "rollout/groups_drawn": sums["groups"], "rollout/groups_with_signal": sums["signal"],
            "rollout/groups_zero_variance": sums["groups"] - sums["signal"],
            "rollout/infra_excluded": sums["episodes"] - sums["valid"],
@@ -109,7 +109,7 @@ def chosen_episodes(episodes, group_size):
     first group that has both (its advantages' two signs side by side), else the first of each; fewer where the
     step has none of a kind."""
     solved = [i for i, e in enumerate(episodes) if e.reward >= 1.0]
-    failed = [i for i, e in enumerate(episodes) if e.reward < 1.0 and e.failure not in envs.INFRA_FAILURES]
+    failed = [i for i, e in enumerate(episodes) if e.reward < 1.0 and e.failure not in INFRA_FAILURES]
     pairs = [(s, f) for s in solved for f in failed if s // group_size == f // group_size]
     return list(pairs[0]) if pairs else solved[:1] + failed[:1]
 

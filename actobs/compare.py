@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from evaluate import RESUME_KEYS, groups, ks_up_to, pass_at_k, pct, task_counts
+from actobs.passk import RESUME_KEYS, groups, ks_up_to, pass_at_k, pct, task_counts
 
 
 def per_task(results, k):
