@@ -47,7 +47,7 @@ export PYTHONUNBUFFERED=1  # each stage's lines as they come, also into a file (
 # ---- settings: full, then what --quick shrinks ------------------------------------------------------------
 SEED=${SEED:-0}
 # SFT arms; the first is the baseline of every comparison in the report. The main job is the paper's comparison
-# (ActionSFT against ActObs), sized to fit 2 hours on 2 AVX2 cores in fp32 (94 minutes, RESULTS.md); --all adds
+# (ActionSFT against ActObs), sized to fit 2 hours on 2 AVX2 cores in fp32 (measured: RESULTS.md); --all adds
 # Obs→Act: one observation-only epoch, then one action-only epoch: in the full run the same passes over the data and
 # steps as the other arms (sft.py counts --epochs per phase)
 ARMS=(actionsft actobs)
@@ -65,23 +65,18 @@ SFT=(--lr 2e-3 --warmup-ratio 0.05 --min-lr-ratio 0.1 --batch-size 4 --epochs 2 
 # RL and evaluation roll out with the same limits; the expert needs ~5 turns of ~80 tokens, but its csv_summary script
 # reply is up to ~330 (`report.py limits` checks the corpus against these). One engine step decodes a token for every
 # live episode, so 32 sandboxes at once cost little more per step than 8. --micro-tokens 1: the update forwards one
-# episode a pass; grpo.py's default pads episodes into micro-batches, which on CPU took 1.4-3.2x the update's time
-# (bench/grpo_micro.py). lr 1e-4 with a k3 KL to the SFT policy (0.05): at lr 1e-5 the policies ended 4e-6 to 1e-4
-# (KL) from their SFT checkpoints, a GRPO that moved nothing; at 1e-4 a run of 4 x 8 on 32 tasks ends near 7e-3
-# after 16 steps (RESULTS.md, 2026-12-03, g1); at 3e-4 and above the policy's JSON replies break within 8 steps, with
-# every lever tried to hold them (RESULTS.md, 2026-12-05 session 12); 8 steps are what the 120 minutes leave.
-# --scale-std: the same curves as without, and the one held-out gain whose interval excludes 0 (RESULTS.md,
-# 2026-12-04, session 8). --redraw 2: the last two steps draw the first two's tasks, so the report's first-vs-last
-# solve rate compares the same tasks; two draws of 8 tasks alone move that z by ~1.7 standard deviations
-# (bench/draw_noise.py, RESULTS.md 2026-12-05)
+# episode a pass (padded micro-batches take 1.4-3.2x the update's time on CPU: bench/grpo_micro.py). lr 1e-4 with a
+# k3 KL to the SFT policy (0.05): lr 1e-5 moves the policy nowhere, 3e-4 and above break its JSON replies within
+# 8 steps (RESULTS.md has the runs); 8 steps are what the time budget leaves. --redraw 2: the last two steps draw the
+# first two's tasks, so the report's first-vs-last solve rate compares the same tasks (the draw alone moves that z by
+# ~1.7 standard deviations: bench/draw_noise.py)
 GRPO=(--steps 8 --tasks-per-step 4 --group-size 8 --lr 1e-4 --kl-coef 0.05 --scale-std --redraw 2 --max-turns 10
       --max-new-tokens 384 --max-len 4096 --concurrency 32 --micro-tokens 1 --save-every 4 --keep 1)        # grpo.py
 # 36 evaluation tasks (4 of each kind) x 4 attempts: more tasks rather than more attempts, as the pass@1 interval is
 # bounded by how much tasks differ more than by the attempts on each (8 attempts: pass@8, ~7 more minutes an arm)
 EVAL=(--attempts 4 --max-turns 10 --max-new-tokens 384 --max-len 4096 --concurrency 64)  # evaluate.py, all models
 # The GRPO'd policies are the comparison at pass@n; the SFT checkpoints are compared at pass@1-2 (that they look
-# alike, and what GRPO did to each), and the base only shows that it solves ~nothing (none of 288 attempts in the
-# 2026-12-02 full run of RESULTS.md, none of 72 in 2026-12-04's, each to the turn limit): they get 2 attempts and 1
+# alike, and what GRPO did to each), and the base only shows that it solves ~nothing: they get 2 attempts and 1
 EVAL_SFT=(--attempts 2)
 EVAL_BASE=(--attempts 1)
 PROBE=(--n 32 --max-len 3072)                                                             # probes.py

@@ -358,7 +358,7 @@ def _csv_summary(m, obs):
 def _permissions(m, obs):
     # The look lists the two globs, so ls prints each file as the full path the chmod then types: a name is copied
     # after the same "/app/bin/" it follows in the listing. From `ls -l /app/bin` (bare names after a time stamp)
-    # the policies copied no name at all: P(name) at the act step was chance over the word list (RESULTS.md).
+    # the policies copied no name at all: P(name) at the act step was chance over the word list.
     look = ("I have to see the current modes first.", "List the scripts and keys with ls -l.",
             ["ls -l /app/bin/*.sh /app/secrets/*.key\n"])
     scripts, keys = (_lines(obs, rf"^-\S+ .* (/app/{d}/\S+\.{x})$") for d, x in (("bin", "sh"), ("secrets", "key")))

@@ -1,6 +1,6 @@
 """
 Calibration: how much of a GRPO run's learning measure is the task draw. report.py's rise compares the solve rate of
-a run's first steps with its last steps' (a one-sided two-proportion z, passk.rise_z; issue 33 asks z >= 3), but
+a run's first steps with its last steps' (a one-sided two-proportion z, passk.rise_z; a learning claim asks z >= 3), but
 each step draws its own tasks, and the tasks differ far more than the attempts on one task do. This takes per-task
 solve rates from an evaluation (an SFT checkpoint on the evaluation split: the kinds and spread of the RL split) and
 simulates runs that learn nothing, drawing the first and last steps' tasks as grpo.py does, one task of each kind,
@@ -8,7 +8,7 @@ or the same tasks twice: every z it prints is noise, so its spread is what a z h
 
     python -m bench.draw_noise runs/ablation/eval/actobs.json     # ablation.sh's GRPO: 2 of 8 steps, 4 tasks x 8
 
-Measured on the 2026-12-05 seed-1 full run's SFT evaluations (RESULTS.md): under grpo.py's draw z has a standard
+Measured on a seed-1 full run's SFT evaluations (RESULTS.md): under grpo.py's draw z has a standard
 deviation of ~1.7 with no learning and exceeds 3 in ~4 % of runs; drawing one task of each kind leaves ~1.2-1.4;
 the last steps drawing the first steps' tasks again ~0.85 (the pooled rate's variance then overstates the
 difference's).

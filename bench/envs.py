@@ -10,7 +10,7 @@ ratio of each against the first; then on each, `--writers` sandboxes of 256 MB a
 
 With --limits, the same rounds on one daemon treated as one without a disk quota (disk.py), alternately with its
 per-file limits (ulimit fsize and core, the seccomp profile) and the watch's count of deleted files still held, and
-without them (the watch of the layer's folders alone, as before issue 53), in paired rounds whose order alternates:
+without them (the watch of the layer's folders alone), in paired rounds whose order alternates:
 each round's wall ratio, and their median.
 
     python envs.py base-image && python -m bench.envs

@@ -1,12 +1,12 @@
 """
 Benchmark how ablation.sh should run several evaluations on a CPU: in one evaluate.py process one after another (its
 `:::` runs, as ablation.sh's `together` does), or split over two processes at once. An evaluation's engine serves
-on one thread and is bound by its per-step overhead, not by the sandboxes (RESULTS.md, 2026-12-01), so a second
+on one thread and is bound by its per-step overhead, not by the sandboxes (RESULTS.md), so a second
 engine may use what the first leaves of the cores. The rounds interleave the two ways on the same checkpoints,
 tasks and seeds; the walls are whole commands (process start-up included: ablation.sh pays it), and the rewards
 of the two ways are compared attempt by attempt.
 
-Measured on 2 idle cores (RESULTS.md, 2026-12-05): two GRPO'd policies of the full run, 36 tasks x 2 attempts each,
+Measured on 2 idle cores (RESULTS.md): two GRPO'd policies of the full run, 36 tasks x 2 attempts each,
 two rounds: two processes at once took 1.09x the wall of one after another (1.17, 1.01), so ablation.sh keeps one
 evaluation at a time. The engines share the cores with their sandboxes; neither waits on the other enough to leave
 a core idle.

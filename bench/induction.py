@@ -9,7 +9,7 @@ of the trained length and of longer ones every --every steps, then the first ste
     python -m bench.induction --layers 2 --kv-heads 4 --vocab 512 --schedule 64:0 --steps 750
     python -m bench.induction --lr 3e-3 --weight-decay 0.01 --betas 0.9 0.999 --dtype bf16   # the old settings
 
-Settings that formed the circuit on this CPU (RESULTS.md has the runs, 2026-12-03 and 2026-12-05): AdamW lr 1e-3,
+Settings that formed the circuit on a 2-core CPU (RESULTS.md has the runs): AdamW lr 1e-3,
 betas (0.9, 0.95), no weight decay, 50 warm-up steps, clip 1.0, 2,048 tokens a step in short rows. 2 layers / 4 KV
 heads on rows of 64, fp32: ~500 steps; the base model's shape (4 layers, 2 KV heads) on rows of 64: ~750 in fp32,
 600-700 in bf16 (`--dtype bf16 --schedule 64:0`: 0.82 at step 700, at 0.75x fp32's step time); the schedule

@@ -99,7 +99,7 @@ def plan_gib(stage, cfg, P, args, dtype_bytes):
     GRPO's ranks add the reference policy and the engine's weights in the compute dtype and the engine's KV cache
     (engine.py's size); on a CPU the engine holds its (V, H) head twice: the embedding's weights and oneDNN's packed
     copy for the logits (vLLM's VocabParallelEmbedding keeps both; its linear layers keep only the packed one).
-    The 2026-12-06 rehearsal (RESULTS.md) measured 0.6-1.7 GiB a process above the plan without these two terms."""
+    Without these two terms the plan fell 0.6-1.7 GiB a process short of the measured peak (RESULTS.md)."""
     from actobs import engine
     from transformers import Qwen3Config
     V, H, L, T, W = cfg["vocab_size"], cfg["hidden_size"], cfg["num_hidden_layers"], args.len, args.ranks

@@ -1,6 +1,6 @@
 """
 Benchmark how sft.py should cut a CPU step into forward passes (--micro-tokens): the 4 trajectories of a step
-padded into one batch (--micro-tokens 8192, the full run's setting until 2026-12-02), or one trajectory per pass
+padded into one batch (--micro-tokens 8192), or one trajectory per pass
 (--micro-tokens 1: no padding). Both ways train the same steps of the base model's architecture (a random init) on
 synthetic trajectories whose lengths spread like the corpus's (~700-1,750 tokens); the rounds interleave the ways,
 and the ratio is of their summed step times in this same run (log.jsonl, the first step left out: warm-up).

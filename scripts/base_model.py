@@ -86,7 +86,7 @@ def get_parser():
     p.add_argument("--max-len", type=int, default=2048, help="tokens kept of a session")
     p.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32"], help="compute dtype of every phase; "
                    "auto = bf16 on CUDA, and on a CPU where bf16 measures faster than fp32 (common.resolve_dtype), "
-                   "else fp32: the circuit forms in either (RESULTS.md, 2026-12-05)")
+                   "else fp32: the circuit forms in either (RESULTS.md)")
     return p
 
 
@@ -398,7 +398,7 @@ def pretrain(args, data):
     if args.refresh_steps:
         # The sessions keep about half of the random-id copy circuit (0.97 -> 0.45 on rows of 128). A short phase of
         # rows and sessions together brings it back without costing the sessions' copies, which rows alone halve
-        # (RESULTS.md, 2026-12-04).
+        # (RESULTS.md).
         t0 = time.time()
         tok, model = labels.load_tokenizer(run / "final"), common.load_model(run / "final", "cpu")
         torch.manual_seed(args.seed)
