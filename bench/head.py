@@ -230,8 +230,9 @@ def main(argv=None):
         shutil.rmtree(tmp, ignore_errors=True)
     if args.part in ("head", "both"):
         subprocess.run([sys.executable, "-m", "bench.head", "--part", "peak", "--dtype", args.dtype,
-                        "--hidden", str(args.hidden), "--vocab", *map(str, args.vocab), "--tokens", *map(str, args.tokens),
-                        "--sft-len", *map(str, args.sft_len)], check=True, cwd=Path(__file__).resolve().parents[1])
+                        "--hidden", str(args.hidden), "--vocab", *map(str, args.vocab),
+                        "--tokens", *map(str, args.tokens), "--sft-len", *map(str, args.sft_len)],
+                       check=True, cwd=Path(__file__).resolve().parents[1])
 
 
 if __name__ == "__main__":

@@ -23,11 +23,13 @@ from bench.train import long_trajectory, random_model_dir
 
 
 def get_parser():
-    p = argparse.ArgumentParser(description="machine-wide SFT steps/s: arms one after another on all threads, or at once on one thread each")
+    p = argparse.ArgumentParser(description="machine-wide SFT steps/s: arms one after another on all threads, "
+                                            "or at once on one thread each")
     p.add_argument("--arms", type=int, default=2, help="SFT runs per way")
     p.add_argument("--steps", type=int, default=8, help="optimizer steps per SFT run")
     p.add_argument("--rounds", type=int, default=2, help="interleaved rounds of both ways")
-    p.add_argument("--chars", type=int, default=6000, help="characters per trajectory (the corpus's episodes: ~1,500 tokens)")
+    p.add_argument("--chars", type=int, default=6000,
+                   help="characters per trajectory (the corpus's episodes: ~1,500 tokens)")
     return p
 
 
@@ -64,7 +66,8 @@ def main(argv=None):
     model_dir = random_model_dir(out, convs, tiny.tiny_config(4096, 256, 4, 4, 2))
     total = {"serial": 0.0, "parallel": 0.0}
     for r in range(args.rounds):
-        run = lambda name, threads: (sft_run(model_dir, out / "data.jsonl", out / name, args.steps, threads), out / name)
+        run = lambda name, threads: (sft_run(model_dir, out / "data.jsonl", out / name, args.steps, threads),
+                                     out / name)
         serial = sum(sum(train_seconds([run(f"s{r}-{a}", cores)])) for a in range(args.arms))  # one after another
         parallel = max(train_seconds([run(f"p{r}-{a}", 1) for a in range(args.arms)]))  # at once
         total["serial"] += serial

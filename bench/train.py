@@ -23,7 +23,8 @@ QWEN3_4B = dict(hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, 
                 num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=True,
                 rope_theta=1000000, max_position_embeddings=40960, rms_norm_eps=1e-6)
 TINY = dict(hidden_size=128, intermediate_size=384, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, head_dim=32, vocab_size=4096, tie_word_embeddings=True, max_position_embeddings=32768)
+            num_key_value_heads=2, head_dim=32, vocab_size=4096, tie_word_embeddings=True,
+            max_position_embeddings=32768)
 
 
 def get_parser():
@@ -44,8 +45,10 @@ def long_trajectory(rng, n_chars):
         cmd = f"grep -rn pattern{rng.randint(0, 999)} /srv/data/{rng.randint(0, 99)}"
         msgs.append({"role": "assistant", "content": json.dumps({"analysis": "look", "plan": cmd, "commands": [
             {"keystrokes": cmd + "\n", "duration": 0.1}], "task_complete": False})})
-        out = "\n".join(f"/srv/data/f{rng.randint(0, 9999)}.log:{rng.randint(1, 500)}: value={rng.random():.6f}" for _ in range(40))
-        msgs.append({"role": "user", "content": terminus.OUTPUT_HEADER + f"root@box:/app# {cmd}\n{out}\nroot@box:/app# "})
+        out = "\n".join(f"/srv/data/f{rng.randint(0, 9999)}.log:{rng.randint(1, 500)}: value={rng.random():.6f}"
+                        for _ in range(40))
+        msgs.append({"role": "user",
+                     "content": terminus.OUTPUT_HEADER + f"root@box:/app# {cmd}\n{out}\nroot@box:/app# "})
     return msgs
 
 
@@ -70,8 +73,9 @@ def main(argv=None):
     out.mkdir(parents=True, exist_ok=True)
     cfg = dict(QWEN3_4B if args.config == "qwen3-4b" else TINY)
     model_dir = random_model_dir(out, convs, Qwen3Config(**cfg))
-    sft.main(["--model", str(model_dir), "--data", str(out / "data.jsonl"), "--out", str(out / "run"), "--max-len", str(args.seq_len),
-              "--micro-tokens", str(args.seq_len), "--batch-size", str(args.batch_size), "--val-size", "1",
+    sft.main(["--model", str(model_dir), "--data", str(out / "data.jsonl"), "--out", str(out / "run"),
+              "--max-len", str(args.seq_len), "--micro-tokens", str(args.seq_len),
+              "--batch-size", str(args.batch_size), "--val-size", "1",
               "--grad-ckpt", "--warmup-ratio", "0", "--eval-every", "0", "--save-every", "0",
               "--stop-after", str(args.steps), "--lr", "1e-5"])
     rows = [json.loads(x) for x in (out / "run" / "log.jsonl").read_text().splitlines()]

@@ -45,7 +45,8 @@ BEFORE = {"refresh_steps": 0, "dtype": "bf16"}
 
 
 def get_parser():
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--out", required=True, type=Path, help="build dir: sessions.jsonl, pretrain/, model/")
     p.add_argument("--seed", type=int, default=0, help="seeds the trees, the commands, the init and the data order")
     # data
@@ -236,10 +237,10 @@ def schedule_length(schedule, step):
 def train_copy(model, vocab, steps, schedule, tokens=2048, lr=1e-3, betas=(0.9, 0.95), weight_decay=0.0, warmup=50,
                dtype=None, seed=0, every=0, probe_lengths=(128,), rows=rotations, also=None, log=print):
     """Copy practice: train `model` in place for `steps` AdamW steps on `rows` (`rotations` or `repeats`) of `vocab`
-    ids, `tokens` a step (rows of the schedule's length: short rows first, where the circuit forms soonest), linear warm-up then
-    constant lr, gradient clip 1.0; `dtype` an autocast dtype or None (fp32). `also`: None, or a function of no
-    arguments that returns another loss to add to every step's (session_loss: the refresh). Every `every` steps (and
-    at the end) logs the held-out copy accuracy on rows of `probe_lengths` -> [(step, {length: accuracy})].
+    ids, `tokens` a step (rows of the schedule's length: short rows first, where the circuit forms soonest), linear
+    warm-up then constant lr, gradient clip 1.0; `dtype` an autocast dtype or None (fp32). `also`: None, or a function
+    of no arguments that returns another loss to add to every step's (session_loss: the refresh). Every `every` steps
+    (and at the end) logs the held-out copy accuracy on rows of `probe_lengths` -> [(step, {length: accuracy})].
 
     The defaults are the settings the measured runs formed the circuit with (bench/induction.py's docstring): a
     larger lr or weight decay (which pulls Qwen3's q/k norm gains towards 0, blunting the attention that finds the
@@ -310,7 +311,8 @@ def main(argv=None):
     args = get_parser().parse_args(argv)
     out = args.out
     out.mkdir(parents=True, exist_ok=True)
-    settings = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k not in ("out", "concurrency")}
+    settings = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()
+                if k not in ("out", "concurrency")}
     if (out / "settings.json").exists():
         old = json.loads((out / "settings.json").read_text())
         # a setting added after the build was made: the value such builds had (BEFORE), else its default
@@ -348,8 +350,8 @@ def main(argv=None):
         "copy_accuracy": copy, "repeat_accuracy": repeat, "rotation_accuracy": rotation,
         "copy_practice": json.loads(curve.read_text()) if curve.exists() else []}, indent=2))
     print("copy accuracy (greedy, held-out sessions): " + " | ".join(
-        f"{s} {c['all']['exact']:.1%} of {c['all']['n']} (after the first token {c['all']['rest']:.1%}; once determined "
-        f"{c['all']['determined']:.1%} of {c['all']['det_n']}; short "
+        f"{s} {c['all']['exact']:.1%} of {c['all']['n']} (after the first token {c['all']['rest']:.1%}; "
+        f"once determined {c['all']['determined']:.1%} of {c['all']['det_n']}; short "
         f"{c['short']['exact']:.1%}, long {c['long']['exact']:.1%})" for s, c in copy.items())
           + f" | random ids on rows of 128: a repeated segment {repeat:.1%}, a rotated half {rotation:.1%}"
           f" -> {out / 'metrics.json'}")

@@ -34,7 +34,8 @@ def flags(args):
 
 def checkpoint(run, model):
     """The checkpoint an evaluated model's results must name."""
-    return run / "base" / "model" if model == "base" else run / ("actionsft-grpo" if model == TSTAR else model) / "final"
+    return (run / "base" / "model" if model == "base"
+            else run / ("actionsft-grpo" if model == TSTAR else model) / "final")
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -135,7 +136,8 @@ def check_grpo(run, name, init, steps, echo_coef, problems):
         problems.append(f"{d / 'log.jsonl'}: steps {[r.get('step') for r in log]}, expected 1..{steps}")
     for r in log:
         if not (finite(r.get("rollout/reward_mean")) and 0 <= r["rollout/reward_mean"] <= 1):
-            problems.append(f"{d / 'log.jsonl'} step {r.get('step')}: rollout/reward_mean {r.get('rollout/reward_mean')!r}")
+            problems.append(f"{d / 'log.jsonl'} step {r.get('step')}: "
+                            f"rollout/reward_mean {r.get('rollout/reward_mean')!r}")
         # a step that trained nothing (train/optimizer_steps 0: no group with signal) logs no training metrics
         trained = r.get("train/optimizer_steps", 1) > 0
         bad = [k for k in ("train/entropy", "train/kl_init", "train/kl_init_k3", "train/loss")

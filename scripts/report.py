@@ -5,11 +5,11 @@ The ablation's run folder (ablation.sh): its settings, a check of every stage's 
     python -m scripts.report limits RUN                                             # ablation.sh, after the corpus
     python -m scripts.report build RUN                                              # ablation.sh, at the end
 
-`settings` writes RUN/settings.json (each stage's flags, the seed, the mode, the git commit, the compute dtype) and refuses a
-folder that holds a run with other settings, so a resumed run never mixes two; what it takes is more: the settings
-of a stage the run did not have, the comparisons of `--all` (the Obs→Act arm, ECHO, T*) and more λ-sweep arms
-(`bash ablation.sh --all` or `--sweep` on a finished run), whose stages then run alone. `limits` stops a run whose GRPO or
-evaluation limits would cut the expert's own replies or episodes (in the base model's tokens). `build` checks
+`settings` writes RUN/settings.json (each stage's flags, the seed, the mode, the git commit, the compute dtype) and
+refuses a folder that holds a run with other settings, so a resumed run never mixes two; what it takes is more: the
+settings of a stage the run did not have, the comparisons of `--all` (the Obs→Act arm, ECHO, T*) and more λ-sweep
+arms (`bash ablation.sh --all` or `--sweep` on a finished run), whose stages then run alone. `limits` stops a run whose
+GRPO or evaluation limits would cut the expert's own replies or episodes (in the base model's tokens). `build` checks
 that every stage left well-formed output (files exist and parse, one GRPO log row per step, every task attempted
 n times and every attempt's transcript kept, pass@k in [0, 1] and non-decreasing in k, finite probe numbers,
 the ECHO run trained with its --echo-coef, the T* evaluation ran at the probe's T*; ECHO and T* where the run
@@ -28,7 +28,8 @@ from actobs import compare, labels, passk, steplog, taskgen
 from scripts.checks import (ECHO, TSTAR, check_corpus, check_eval, check_grpo, check_model, check_probes, check_sft,
                             check_tstar, checkpoint, finite, flags, read_json, read_jsonl)
 
-LABELS = {"actionsft": "ActionSFT (λ=0)", "actobs": "ActObs (λ=1)", "obs-then-act": "Obs→Act"}  # else the arm's name
+LABELS = {"actionsft": "ActionSFT (λ=0)", "actobs": "ActObs (λ=1)",
+          "obs-then-act": "Obs→Act"}  # else the arm's name
 SWEEP_KEY = "sweep_arms"  # the one setting a resumed run may change: it may add λ-sweep arms
 
 
@@ -92,8 +93,9 @@ def write_settings(run, pairs):
                          and not added(old["stages"], settings, k))
         if changed:
             raise SystemExit(f"{run} holds a run with other settings ({', '.join(changed)} differ): remove it, or "
-                             "set RUN_DIR to another folder" + (f" (it has the λ-sweep arms {old['stages'][SWEEP_KEY]}: "
-                             "pass ablation.sh --sweep=... with them)" if SWEEP_KEY in changed else "")
+                             "set RUN_DIR to another folder"
+                             + (f" (it has the λ-sweep arms {old['stages'][SWEEP_KEY]}: "
+                                "pass ablation.sh --sweep=... with them)" if SWEEP_KEY in changed else "")
                              + (" (it has the comparisons of --all: pass it)" if old["stages"].get("tstar")
                                 and not settings.get("tstar") else ""))
         if old["stages"] != settings:  # more stages or λ-sweep arms: the run now has them
@@ -180,9 +182,11 @@ def plot_runs(path, panels, series):
 
 
 def probe_table(probes, run, names):
-    short = lambda p: Path(p).resolve().relative_to(run.resolve()).parts[0] if Path(p).resolve().is_relative_to(run.resolve()) else p
+    short = lambda p: (Path(p).resolve().relative_to(run.resolve()).parts[0]
+                       if Path(p).resolve().is_relative_to(run.resolve()) else p)
     name = lambda p: names.get(short(p), str(p))
-    lines = ["| model | obs NLL | wrapper | payload | KL(ckpt ‖ base) | command entropy, positions 1 / 2 / 3 / 4-7 / 8+ |",
+    lines = ["| model | obs NLL | wrapper | payload | KL(ckpt ‖ base) | "
+             "command entropy, positions 1 / 2 / 3 / 4-7 / 8+ |",
              "|---|---|---|---|---|---|"]
     for p, v in probes.get("obs_nll", {}).items():
         kl = probes.get("kl", {}).get(p, {}).get("kl")
@@ -289,7 +293,8 @@ def rl_table(grpo, names):
     """One row per GRPO run: reward, the solve rate's rise (solve_rise), signal, and its rl_time; then which kept the
     most entropy and which ended closest to its SFT checkpoint."""
     lines = ["| GRPO run | steps (trained) | reward first → last | solve rate, first → last steps (z) | "
-             "groups with signal (sum) | entropy first / mean / last | KL from the SFT checkpoint at the end, k1 / k3 |",
+             "groups with signal (sum) | entropy first / mean / last | "
+             "KL from the SFT checkpoint at the end, k1 / k3 |",
              "|---|---|---|---|---|---|---|"]
     rl = {m: rl_time(g) for m, g in grpo.items()}
     for m, g in grpo.items():
@@ -298,7 +303,8 @@ def rl_table(grpo, names):
                      f"{g[-1]['rollout/reward_mean']:.3f} | {first:.3f} → {last:.3f}, {k} each ({z:+.1f}) | "
                      f"{sum(r['rollout/groups_with_signal'] for r in g):.0f} | "
                      + (f"{t['entropy_first']:.3f} / {t['entropy_mean']:.3f} / {t['entropy_last']:.3f} | "
-                        f"{t['kl_end']:.2e} / {t['kl_k3_end']:.2e} |" if t["trained_steps"] else "no step trained | — |"))
+                        f"{t['kl_end']:.2e} / {t['kl_k3_end']:.2e} |" if t["trained_steps"]
+                        else "no step trained | — |"))
     trained = {m: t for m, t in rl.items() if t["trained_steps"]}
     if trained:
         most = max(trained, key=lambda m: trained[m]["entropy_mean"])
@@ -340,8 +346,8 @@ def check_limits(run, st, problems):
     for stage in ("grpo", "eval"):
         f = flags(st[stage])
         if reply > int(f["--max-new-tokens"]):
-            problems.append(f"{stage}: --max-new-tokens {f['--max-new-tokens']} is less than the expert's longest reply, "
-                            f"{reply} tokens ({reply_task}): such replies are cut and cannot parse")
+            problems.append(f"{stage}: --max-new-tokens {f['--max-new-tokens']} is less than the expert's longest "
+                            f"reply, {reply} tokens ({reply_task}): such replies are cut and cannot parse")
         if episode > int(f["--max-len"]):
             problems.append(f"{stage}: --max-len {f['--max-len']} is less than the expert's longest episode, {episode} "
                             f"tokens ({episode_task})")
@@ -390,11 +396,13 @@ def build(run):
     points = sweep_points(st) if sweep_arms else []
     swept = compare_within_kinds([(names[m], results[m]) for _, m in points]) if points else None
     compare.plot_compare(compare.compare([(names[m], r) for m, r in results.items()]), run / "pass_at_k.png")
-    plot_runs(run / "grpo_curves.png", [("rollout/reward_mean", "mean reward"), ("train/entropy", "action-token entropy"),
+    plot_runs(run / "grpo_curves.png", [("rollout/reward_mean", "mean reward"),
+                                        ("train/entropy", "action-token entropy"),
                                         ("train/kl_init", "KL from the SFT checkpoint")],
               {names[m]: g for m, g in grpo.items()})
     arm_label = arm_labels(st)
-    plot_runs(run / "geometry.png", [("probe/cos", "cos(g_act, g_obs) during SFT"), ("probe/r", "r = |g_obs| / |g_act|")],
+    plot_runs(run / "geometry.png", [("probe/cos", "cos(g_act, g_obs) during SFT"),
+                                     ("probe/r", "r = |g_obs| / |g_act|")],
               {arm_label[a]: g for a, g in geo.items()})
     if swept:
         plot_sweep(run / "lambda_sweep.png", swept, [lam for lam, _ in points])
@@ -409,14 +417,14 @@ def build(run):
           f"{grammar_words(st['grpo'])}, in the evaluations {grammar_words(st['eval'])}. Settings of every stage: "
           "settings.json; each run dir has its own config.json.", "",
           f"Resolution: on these {after['rows'][0]['tasks']} tasks × {attempts} attempts, the paired bootstrap 95% "
-          f"interval of the pass@1 difference {names[grpod[1]]} − {names[grpod[0]]}, tasks resampled within each kind "
-          f"(the split is drawn as a fixed count per kind), is [{100 * lo:+.1f}, {100 * hi:+.1f}] points: "
+          f"interval of the pass@1 difference {names[grpod[1]]} − {names[grpod[0]]}, tasks resampled within each "
+          f"kind (the split is drawn as a fixed count per kind), is [{100 * lo:+.1f}, {100 * hi:+.1f}] points: "
           f"**half-width {100 * half:.1f} points** ({100 * pooled:.1f} resampling tasks across kinds; the paper's "
           "effects: 1–4 points).", "",
           f"## pass@k on the evaluation split ({len(ev)} tasks, attempts a task as the table gives; held-out kind: "
           f"{', '.join(taskgen.HELDOUT_KINDS)})", "", overview(results, names), "",
-          "pass@k in %, unbiased estimator over tasks; excluded = attempts lost to infrastructure failures (not counted). "
-          "Plot: pass_at_k.png.", "",
+          "pass@k in %, unbiased estimator over tasks; excluded = attempts lost to infrastructure failures "
+          "(not counted). Plot: pass_at_k.png.", "",
           f"## After the same GRPO ({names[grpod[0]]} is the baseline [0]"
           + (f"; ECHO: GRPO from {names['actionsft']} with `{st['echo']}`)" if st["echo"] else ")"),
           "", "```", after_txt, "```", ""]
@@ -429,8 +437,8 @@ def build(run):
                "```", ""]
     md += ["A difference whose 95% interval contains 0 is no evidence of a difference: report it as a null result.", ""]
     if swept:
-        md += [f"## The λ trade-off: SFT with λ × the observation loss, then the same GRPO ({names[points[0][1]]} is "
-               "the baseline [0])", "", sweep_table(swept, [lam for lam, _ in points]), "",
+        md += ["## The λ trade-off: SFT with λ × the observation loss, then the same GRPO "
+               f"({names[points[0][1]]} is the baseline [0])", "", sweep_table(swept, [lam for lam, _ in points]), "",
                "Points and paired bootstrap 95% intervals over tasks. The paper: a larger λ "
                "raises the pass@8 advantage and lowers pass@1's.", "", "![λ sweep](lambda_sweep.png)", ""]
     md += ["## GRPO runs: entropy and KL from the SFT checkpoint during RL (each run's curves.png and log.jsonl)", "",
@@ -443,13 +451,15 @@ def build(run):
                   f"{g[0]['probe/r']:.3f} → {g[-1]['probe/r']:.3f} |")
     md += ["", "## Probes of the SFT checkpoints on held-out trajectories (probes/*.json and *.png)", "",
            probe_table(probes, run, names), "",
-           "## Wall time per stage (seconds, summed over the sessions of a resumed run)", "", "| stage | seconds |", "|---|---|"]
+           "## Wall time per stage (seconds, summed over the sessions of a resumed run)", "",
+           "| stage | seconds |", "|---|---|"]
     md += [f"| {k} | {v} |" for k, v in total.items()] + [f"| **total** | {sum(total.values())} |", ""]
     (run / "REPORT.md").write_text("\n".join(md))
     (run / "report.json").write_text(json.dumps({"after_grpo": after, "before_grpo": before, "grpo_effect": effect,
                                                  "pass1_halfwidth": half, "pass1_halfwidth_pooled": pooled,
                                                  "tstar": tstar, "rl_time": rl,
-                                                 "lambda_sweep": swept and {"lambdas": [lam for lam, _ in points], **swept},
+                                                 "lambda_sweep": swept and {"lambdas": [lam for lam, _ in points],
+                                                                            **swept},
                                                  "summary": {m: r["summary"] for m, r in results.items()},
                                                  "stage_seconds": total}, indent=1))
     return []

@@ -26,7 +26,8 @@ FACTS = {  # key -> (draw a value, ways the instruction says it); the key word i
              ("The service listens on port {v}.", "Use port {v} from now on.", "port: {v}")),
     "limit": (lambda r: str(r.choice([r.randint(2, 99), r.randint(100, 99999)])),
               ("The limit is {v}.", "Set the limit to {v}.", "limit: {v}")),
-    "host": (lambda r: f"{r.choice(WORDS)}-{r.choice(WORDS)}{r.choice(['', '-' + str(r.randint(1, 99))])}.{r.choice(TLDS)}",
+    "host": (lambda r: f"{r.choice(WORDS)}-{r.choice(WORDS)}"
+                       f"{r.choice(['', '-' + str(r.randint(1, 99))])}.{r.choice(TLDS)}",
              ("The server host is now {v}.", "Point the host settings at {v}.", "host: {v}")),
     "backup": (lambda r: r.choice(["/tmp", "/srv", "/var/tmp", "/opt"]) + f"/{r.choice(WORDS)}_{r.randint(1, 999)}",
                ("Keep backup copies in {v}.", "The backup folder is {v}.", "backup: {v}")),
@@ -75,8 +76,10 @@ def _file(rng, ext):
         val = {"id": lambda: str(rng.randint(1, 999)), "name": lambda: rng.choice(WORDS),
                "qty": lambda: str(rng.randint(0, 50)), "price": lambda: f"{rng.uniform(0.5, 99):.2f}",
                "city": lambda: rng.choice(["oslo", "lima", "kyiv", "pune", "rome"]),
-               "score": lambda: str(rng.randint(0, 100)), "day": lambda: f"2024-0{rng.randint(1, 9)}-{rng.randint(10, 28)}"}
-        return ",".join(cols) + "\n" + "".join(",".join(val[c]() for c in cols) + "\n" for _ in range(rng.randint(2, 15)))
+               "score": lambda: str(rng.randint(0, 100)),
+               "day": lambda: f"2024-0{rng.randint(1, 9)}-{rng.randint(10, 28)}"}
+        return ",".join(cols) + "\n" + "".join(",".join(val[c]() for c in cols) + "\n"
+                                                for _ in range(rng.randint(2, 15)))
     if ext == "json":
         obj = {rng.choice(WORDS): rng.choice([rng.randint(0, 500), rng.choice(WORDS), True, [rng.randint(1, 9)] * 2])
                for _ in range(rng.randint(1, 6))}
@@ -87,18 +90,21 @@ def _file(rng, ext):
         return head + "".join(f"{rng.choice(WORDS)}{sep}{rng.choice([str(rng.randint(1, 9000)), rng.choice(WORDS)])}\n"
                               for _ in range(rng.randint(2, 8)))
     if ext == "log":
-        return "".join(f"2024-0{rng.randint(1, 9)}-{rng.randint(10, 28)} {rng.randint(0, 23):02d}:{rng.randint(0, 59):02d} "
+        return "".join(f"2024-0{rng.randint(1, 9)}-{rng.randint(10, 28)} "
+                       f"{rng.randint(0, 23):02d}:{rng.randint(0, 59):02d} "
                        f"{rng.choice(['INFO', 'INFO', 'WARN', 'ERROR', 'DEBUG'])} {rng.choice(WORDS)}: "
                        f"id={_hex(rng, rng.randint(5, 10))} {_text(rng, 1)}"
                        for _ in range(rng.randint(3, 20)))
     if ext in GENERATED:  # generated values: nothing but copying an earlier sight of them predicts them
         return "".join({"keys": lambda: f"{_hex(rng, rng.choice([16, 24, 32]))}\n",
                         "sha256": lambda: f"{_hex(rng, 64)}  {_stem(rng)}.{rng.choice(['tar.gz', 'bin', 'txt'])}\n",
-                        "env": lambda: f"{rng.choice(WORDS).upper()}_{rng.choice(['KEY', 'TOKEN', 'ID'])}={_hex(rng, rng.randint(8, 20))}\n"}[ext]()
+                        "env": lambda: f"{rng.choice(WORDS).upper()}_{rng.choice(['KEY', 'TOKEN', 'ID'])}="
+                                       f"{_hex(rng, rng.randint(8, 20))}\n"}[ext]()
                        for _ in range(rng.randint(2, 6)))
     if ext == "py":
         w = rng.choice(WORDS)
-        return f"import sys\n\n\ndef {w}(n):\n    return n * {rng.randint(2, 9)}\n\n\nprint({w}({rng.randint(1, 20)}))\n"
+        return (f"import sys\n\n\ndef {w}(n):\n    return n * {rng.randint(2, 9)}\n\n\n"
+                f"print({w}({rng.randint(1, 20)}))\n")
     return f"#!/bin/sh\necho {rng.choice(WORDS)} {rng.randint(1, 99)}\n"  # sh
 
 
@@ -112,7 +118,8 @@ def _stem(rng):
         return f"{rng.choice(WORDS)}_{rng.randint(1, 99)}"
     if r < 0.75:
         return f"{rng.choice(WORDS)}-{_hex(rng, rng.randint(3, 6))}"
-    return "".join(rng.choice("bcdfghjklmnprstvwz" if k % 2 == 0 else "aeiou0123456789") for k in range(rng.randint(4, 8)))
+    return "".join(rng.choice("bcdfghjklmnprstvwz" if k % 2 == 0 else "aeiou0123456789")
+                   for k in range(rng.randint(4, 8)))
 
 
 def random_tree(rng, facts=()):
@@ -149,8 +156,9 @@ def session_tree(seed, i):
 def tree_ids(tree):
     """The random ids the tree's files hold (log lines' id=..., keys, checksums, env values): values an output shows
     and a command may quote."""
-    return sorted({m for _, t, _ in tree for m in re.findall(r"\bid=([0-9a-f]+)|^([0-9a-f]{16,64})\b|^[A-Z_]+=([0-9a-f]+)$",
-                                                              t, re.M) for m in m if m})
+    return sorted({m for _, t, _ in tree
+                   for m in re.findall(r"\bid=([0-9a-f]+)|^([0-9a-f]{16,64})\b|^[A-Z_]+=([0-9a-f]+)$", t, re.M)
+                   for m in m if m})
 
 
 def copy_chats(seed, n):
@@ -197,10 +205,12 @@ def _command(rng, tree, seen):
     choices = [
         f"cat {f}", f"head -n {n} {f}", f"tail -n {n} {f}", f"wc -l {f}", f"wc -w {f}", f"wc -c {d}/*",
         f"md5sum {f}", f"sha1sum {d}/* | head -n {n}", f"cksum {f}", f"ls -i {d}",
-        f"ls {d}", f"ls -l {d}", f"ls -lh {f}", f"stat -c '%a %s %n' {f}", f"file {f}" if rng.random() < 0.2 else f"du -sh {d}",
+        f"ls {d}", f"ls -l {d}", f"ls -lh {f}", f"stat -c '%a %s %n' {f}",
+        f"file {f}" if rng.random() < 0.2 else f"du -sh {d}",
         f"grep -n {word} {f}", f"grep -c {word} {f}", f"grep -rl {word} {d}", f"grep -rn {word} {rng.choice(dirs)}",
         f"grep -i {word.upper()} {f}", f"grep -v {word} {f} | head -n {n}", f"grep -oiw {word} {f} | wc -l",
-        f"sort {f} | head -n {n}", f"sort -r {f} | uniq | tail -n 3", f"cat {f} | tr ' ' '\\n' | sort | uniq -c | sort -rn | head -n 5",
+        f"sort {f} | head -n {n}", f"sort -r {f} | uniq | tail -n 3",
+        f"cat {f} | tr ' ' '\\n' | sort | uniq -c | sort -rn | head -n 5",
         f"nl {f} | head", f"sed -n '2,{n + 2}p' {f}", f"awk '{{print NF}}' {f} | head -n 5",
         f"find {d} -name '*.{ext}'", f"find {rng.choice(dirs)} -type f | wc -l", f"find {d} -newer {f}",
         f"cp {f} {f}.bak", f"cp {f} /tmp/", f"mkdir -p {d}/{word}", f"mv {f} {d}/{word}_{n}.{ext}",
@@ -217,9 +227,11 @@ def _command(rng, tree, seen):
         f"grep {word} {d}/nothere.txt", "python3 -c 'import nosuchmod'",
     ]
     if ext == "csv":
-        choices += [f"head -n 1 {f}", f"cut -d, -f1 {f} | sort | uniq -c", f"awk -F, 'NR>1 {{n++}} END {{print n}}' {f}",
+        choices += [f"head -n 1 {f}", f"cut -d, -f1 {f} | sort | uniq -c",
+                    f"awk -F, 'NR>1 {{n++}} END {{print n}}' {f}",
                     f"awk -F, 'NR>1 {{print $2}}' {f} | sort | head -n 3", f"column -s, -t < {f} | head",
-                    f"python3 -c \"import csv; r=list(csv.DictReader(open({f!r}))); print(len(r), list(r[0]) if r else [])\""]
+                    f"python3 -c \"import csv; r=list(csv.DictReader(open({f!r}))); "
+                    "print(len(r), list(r[0]) if r else [])\""]
     if ext == "json":
         choices += [f"jq . {f}", f"jq 'keys' {f}", f"python3 -m json.tool {f}",
                     f"python3 -c \"import json; print(sorted(json.load(open({f!r}))))\""]
@@ -247,8 +259,9 @@ def _quoting_command(rng, tree, seen, facts, ids):
     d, root = os.path.dirname(f), f.split("/")[1]
     if ids and (not facts or rng.random() < 0.35):
         v = rng.choice(ids)
-        return rng.choice([f"grep -n {v} {f}", f"grep -rl {v} /{root}", f"grep -rn id={v} {d}", f"echo {v} >> /tmp/ids.txt",
-                           f"grep -c {v} {f}", f"sed -i '/{v}/d' {f}", f"grep -B1 -A1 {v} {f}"])
+        return rng.choice([f"grep -n {v} {f}", f"grep -rl {v} /{root}", f"grep -rn id={v} {d}",
+                           f"echo {v} >> /tmp/ids.txt", f"grep -c {v} {f}", f"sed -i '/{v}/d' {f}",
+                           f"grep -B1 -A1 {v} {f}"])
     key, v = rng.choice(facts)
     configs = [p for p, t, _ in tree if re.search(rf"^{key}\b", t, re.M)]
     keyed = [f"echo '{key} = {v}' >> {f}", f'echo "{key}: {v}" > /tmp/{key}.txt', f"printf '{key}=%s\\n' {v} >> {f}",
@@ -257,12 +270,14 @@ def _quoting_command(rng, tree, seen, facts, ids):
         c = rng.choice(configs)
         sep = ": " if c.endswith(".yaml") else " = "
         keyed += [f"sed -i 's/^{key}{sep}.*/{key}{sep}{v}/' {c} && grep -n {key} {c}"] * 3
-    plain = [f"grep -rn {v} /{root}", f"grep -rl {v} {d}", f"echo {v} >> {f}", f"echo {v} > /tmp/{rng.choice(WORDS)}.txt"]
+    plain = [f"grep -rn {v} /{root}", f"grep -rl {v} {d}", f"echo {v} >> {f}",
+             f"echo {v} > /tmp/{rng.choice(WORDS)}.txt"]
     if key == "backup":
         plain += [f"mkdir -p {v} && cp {f} {v}/ && ls {v}", f"mkdir -p {v}", f"cp {f} {v}/", f"ls -l {v}",
                   f"tar -czf {v}.tar.gz -C {d} . && ls -l {v}.tar.gz"]
     if key == "host":
-        old = rng.choice(re.findall(r"^host\s*[=:]\s*(\S+)$", "".join(t for _, t, _ in tree), re.M) or [rng.choice(WORDS)])
+        old = rng.choice(re.findall(r"^host\s*[=:]\s*(\S+)$", "".join(t for _, t, _ in tree), re.M)
+                         or [rng.choice(WORDS)])
         plain += [f"sed -i 's/{old}/{v}/g' {f}", f"grep -rl {old} /{root} | xargs sed -i 's/{old}/{v}/g'",
                   f"ping -c 1 {v}", f"getent hosts {v} || echo unknown {v}"]
     if key in ("port", "limit"):
@@ -291,7 +306,8 @@ def user_policy(n_commands):
         ids = sorted({v for v in tree_ids(tree) if v in shown} | set(re.findall(r"^([0-9a-f]{32,40})  ", shown, re.M)))
         rng = random.Random(f"{seed}/cmd/{i}/{turn}")
         # Most commands after the first look quote a value: one of the instruction's facts or an id on screen.
-        cmds = [_quoting_command(rng, tree, seen, facts, ids) if turn and rng.random() < 0.6 else _command(rng, tree, seen)
+        cmds = [_quoting_command(rng, tree, seen, facts, ids) if turn and rng.random() < 0.6
+                else _command(rng, tree, seen)
                 for _ in range(rng.choice([1, 1, 1, 2, 3]))]
         return json.dumps({"analysis": "", "plan": "", "task_complete": False,
                            "commands": [{"keystrokes": c + "\n", "duration": 2.0} for c in cmds]})
