@@ -354,7 +354,45 @@ def check_limits(run, st, problems):
     return reply, episode
 
 
+def write_plots(run, names, arm_label, results, grpo, geo, points, swept):
+    """The report's plots: pass_at_k.png (every evaluated checkpoint), grpo_curves.png (reward, entropy and KL from
+    the SFT checkpoint per GRPO run), geometry.png (cos(g_act, g_obs) and r during SFT per arm) and, with a λ sweep,
+    lambda_sweep.png."""
+    compare.plot_compare(compare.compare([(names[m], r) for m, r in results.items()]), run / "pass_at_k.png")
+    plot_runs(run / "grpo_curves.png", [("rollout/reward_mean", "mean reward"),
+                                        ("train/entropy", "action-token entropy"),
+                                        ("train/kl_init", "KL from the SFT checkpoint")],
+              {names[m]: g for m, g in grpo.items()})
+    plot_runs(run / "geometry.png", [("probe/cos", "cos(g_act, g_obs) during SFT"),
+                                     ("probe/r", "r = |g_obs| / |g_act|")],
+              {arm_label[a]: g for a, g in geo.items()})
+    if swept:
+        plot_sweep(run / "lambda_sweep.png", swept, [lam for lam, _ in points])
+
+
+def geometry_table(geo, arm_label):
+    """One row per SFT arm: cos(g_act, g_obs) and r = |g_obs| / |g_act|, at the first and the last probed step."""
+    lines = ["| arm | cos(g_act, g_obs) first → last | r = ‖g_obs‖/‖g_act‖ first → last |", "|---|---|---|"]
+    for a, g in geo.items():
+        g = sorted(g, key=lambda r: r["step"])
+        lines.append(f"| {arm_label[a]} | {g[0]['probe/cos']:.3f} → {g[-1]['probe/cos']:.3f} | "
+                     f"{g[0]['probe/r']:.3f} → {g[-1]['probe/r']:.3f} |")
+    return "\n".join(lines)
+
+
+def time_table(times):
+    """{stage: seconds} from times.jsonl, summed over the sessions of a resumed run, and its table with the total."""
+    total = {}
+    for t in times:
+        total[t["stage"]] = total.get(t["stage"], 0) + t["seconds"]
+    lines = ["| stage | seconds |", "|---|---|"]
+    lines += [f"| {k} | {v} |" for k, v in total.items()] + [f"| **total** | {sum(total.values())} |"]
+    return total, "\n".join(lines)
+
+
 def build(run):
+    """Check every stage's output (one line per problem, returned); with none, write REPORT.md, report.json and the
+    plots, and return []."""
     problems = []
     settings = read_json(run / "settings.json", problems)
     if settings is None:
@@ -395,21 +433,10 @@ def build(run):
     pooled = halfwidth(compare.compare([(names[m], results[m]) for m in grpod[:2]]))[2]  # tasks resampled across kinds
     points = sweep_points(st) if sweep_arms else []
     swept = compare_within_kinds([(names[m], results[m]) for _, m in points]) if points else None
-    compare.plot_compare(compare.compare([(names[m], r) for m, r in results.items()]), run / "pass_at_k.png")
-    plot_runs(run / "grpo_curves.png", [("rollout/reward_mean", "mean reward"),
-                                        ("train/entropy", "action-token entropy"),
-                                        ("train/kl_init", "KL from the SFT checkpoint")],
-              {names[m]: g for m, g in grpo.items()})
     arm_label = arm_labels(st)
-    plot_runs(run / "geometry.png", [("probe/cos", "cos(g_act, g_obs) during SFT"),
-                                     ("probe/r", "r = |g_obs| / |g_act|")],
-              {arm_label[a]: g for a, g in geo.items()})
-    if swept:
-        plot_sweep(run / "lambda_sweep.png", swept, [lam for lam, _ in points])
+    write_plots(run, names, arm_label, results, grpo, geo, points, swept)
     rl, rl_txt = rl_table(grpo, names)
-    total = {}
-    for t in times:
-        total[t["stage"]] = total.get(t["stage"], 0) + t["seconds"]
+    total, time_txt = time_table(times)
 
     md = [f"# ActObs CPU ablation: {settings['stages'].get('mode', '?')} run", "",
           f"Commit {settings['git'][:10]}, started {settings['started']}, seed {st.get('seed')}, compute dtype "
@@ -444,16 +471,10 @@ def build(run):
     md += ["## GRPO runs: entropy and KL from the SFT checkpoint during RL (each run's curves.png and log.jsonl)", "",
            rl_txt, "", transcript_links(run, names, grpo), "", "![GRPO curves](grpo_curves.png)", "",
            "## Gradient geometry during SFT (geometry.png; each arm's probe_geometry.png)", "",
-           "| arm | cos(g_act, g_obs) first → last | r = ‖g_obs‖/‖g_act‖ first → last |", "|---|---|---|"]
-    for a, g in geo.items():
-        g = sorted(g, key=lambda r: r["step"])
-        md.append(f"| {arm_label[a]} | {g[0]['probe/cos']:.3f} → {g[-1]['probe/cos']:.3f} | "
-                  f"{g[0]['probe/r']:.3f} → {g[-1]['probe/r']:.3f} |")
-    md += ["", "## Probes of the SFT checkpoints on held-out trajectories (probes/*.json and *.png)", "",
+           geometry_table(geo, arm_label), "",
+           "## Probes of the SFT checkpoints on held-out trajectories (probes/*.json and *.png)", "",
            probe_table(probes, run, names), "",
-           "## Wall time per stage (seconds, summed over the sessions of a resumed run)", "",
-           "| stage | seconds |", "|---|---|"]
-    md += [f"| {k} | {v} |" for k, v in total.items()] + [f"| **total** | {sum(total.values())} |", ""]
+           "## Wall time per stage (seconds, summed over the sessions of a resumed run)", "", time_txt, ""]
     (run / "REPORT.md").write_text("\n".join(md))
     (run / "report.json").write_text(json.dumps({"after_grpo": after, "before_grpo": before, "grpo_effect": effect,
                                                  "pass1_halfwidth": half, "pass1_halfwidth_pooled": pooled,
