@@ -35,6 +35,7 @@ weights go into the engine in place (engine.py). Log rows, transcripts: steplog.
 """
 import argparse
 import gc
+import os
 import time
 from collections import Counter
 
@@ -331,18 +332,19 @@ def step_seed(seed, step, rank, draw=0):
 
 
 def draw_episodes(llm, tok, tasks, template, args, step, rank, gen, draw, groups):
-    """The episodes of one draw's groups on this rank (--group-size of each task, in order), scored by their
-    verifiers; the generator's wall / busy / idle seconds are added to the Counter gen (a Counter's update adds)."""
+    """The episodes of one draw's groups on this rank (--group-size of each task, in order), sampled by the engine's
+    policy in sandboxes, scored by their verifiers; the generator's seconds are added to the Counter gen."""
     from tqdm import tqdm
     desc = f"step {step + 1} rollouts" + (f" (draw {draw + 1})" if draw else "")
     bar = tqdm(total=len(groups) * args.group_size, desc=desc, leave=False, disable=rank != 0, dynamic_ncols=True)
-    eps = engine.rollout(llm, tok, [tasks[g] for g in groups for _ in range(args.group_size)],
-                         temperature=args.temperature, max_turns=args.max_turns, max_new_tokens=args.max_new_tokens,
-                         max_len=args.max_len, concurrency=args.concurrency, template=template,
-                         seed=step_seed(args.seed, step, rank, draw), on_episode=lambda i, e: bar.update(),
-                         stats=gen, network=args.network, grammar=args.grammar)
+    policy = engine.VLLMPolicy(llm, tok, temperature=args.temperature, max_new_tokens=args.max_new_tokens,
+                               max_len=args.max_len, seed=step_seed(args.seed, step, rank, draw), grammar=args.grammar)
+    with engine.engine_threads():
+        episodes = envs.run_episodes([tasks[g] for g in groups for _ in range(args.group_size)], policy,
+                                     max_turns=args.max_turns, concurrency=args.concurrency, template=template,
+                                     on_episode=lambda i, e: bar.update(), stats=gen, network=args.network)
     bar.close()
-    return eps
+    return episodes
 
 
 def group_rewards(episodes, args):
@@ -430,6 +432,7 @@ def main(argv=None):
     model = common.wrap_model(common.LossModule(pg_loss, raw), raw, args, device)
     opt = common.adamw(model, args)
     start = common.load_optimizer_state(model, opt, state, args.fsdp)
+    os.environ.update(engine.IN_PROCESS_ENV)  # vLLM's engine in this process: the weight sync hands it tensors
     llm = engine.make_engine(ckpt or args.init, max_model_len=args.max_len, seed=args.seed, max_seqs=args.concurrency,
                              dtype="bf16" if dtype == torch.bfloat16 else "fp32", gpu_memory=args.gpu_memory,
                              kv_cache_gb=args.kv_cache_gb)

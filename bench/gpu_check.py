@@ -18,6 +18,7 @@ here and the weights are a random init of a real architecture (Qwen3-0.6B's conf
 import argparse
 import json
 import math
+import os
 import random
 import sys
 import tempfile
@@ -63,7 +64,7 @@ def engine_check(model_dir):
     from vllm import SamplingParams
     dev = torch.device("cuda")
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(dev)
-    llm = engine.make_engine(model_dir, max_model_len=2048, dtype="bf16", gpu_memory=0.3)
+    llm = engine.make_engine(model_dir, max_model_len=2048, max_seqs=8, dtype="bf16", gpu_memory=0.3)
     prompts = [[random.Random(i).randrange(5, 4000) for _ in range(64)] for i in range(8)]
     greedy = SamplingParams(temperature=0, max_tokens=32, top_k=0, top_p=1.0)
     before = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], greedy, use_tqdm=False)]
@@ -129,6 +130,7 @@ def main(argv=None):
     p.add_argument("--grpo-steps", type=int, default=0, help="steps of grpo.py on toy tasks (needs Docker; 0 = skip)")
     p.add_argument("--out", default=None, help="work dir (default: a temp dir)")
     args = p.parse_args(argv)
+    os.environ.update(engine.IN_PROCESS_ENV)  # the engine in this process, as grpo.py's
     if not torch.cuda.is_available():
         sys.exit("bench.gpu_check needs a CUDA GPU (CPU paths are covered by the test suite)")
     root = Path(args.out or tempfile.mkdtemp(prefix="actobs_gpu_check_"))

@@ -13,6 +13,7 @@ Benchmark of the GRPO rollout stage, ratios measured in one process:
     python -m bench.grpo --model runs/actobs/final --episodes 16 --concurrency 8
 """
 import argparse
+import os
 import random
 import time
 from pathlib import Path
@@ -21,6 +22,7 @@ import torch
 
 import common
 import engine
+import envs
 import taskgen
 import terminus
 import tiny
@@ -40,6 +42,7 @@ def main(argv=None):
     p.add_argument("--concurrency", type=int, default=8)
     p.add_argument("--max-turns", type=int, default=3)
     args = p.parse_args(argv)
+    os.environ.update(engine.IN_PROCESS_ENV)  # the engine in this process, as grpo.py's
 
     rng = random.Random(0)
     specs = [taskgen.generate(kind, rng) for kind in sorted(taskgen.GENERATORS) for _ in range(4)]
@@ -100,8 +103,10 @@ def main(argv=None):
         res = {}
         for lockstep in (True, False, True, False):  # interleaved: load on the machine drifts
             st = {}
-            eps = engine.rollout(llm, tok, tasks, temperature=1.0, max_turns=args.max_turns, max_new_tokens=args.new_tokens,
-                               max_len=4096, concurrency=args.concurrency, stats=st, lockstep=lockstep)
+            policy = engine.VLLMPolicy(llm, tok, temperature=1.0, max_new_tokens=args.new_tokens, max_len=4096,
+                                       lockstep=lockstep)
+            with engine.engine_threads():
+                eps = envs.run_episodes(tasks, policy, max_turns=args.max_turns, concurrency=args.concurrency, stats=st)
             gen_tokens = sum(e.roles.count(ACTION) for e in eps)
             r = res.setdefault(lockstep, [0.0, 0.0, 0.0, 0])
             r[0] += st["wall_s"]

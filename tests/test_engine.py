@@ -4,6 +4,7 @@ equivalence, seeded requests, a rollout in a real sandbox, a learning check whos
 replies (all parse) and log-probs (the trainer's masked ones)."""
 import contextlib
 import json
+import os
 import random
 import time
 
@@ -126,6 +127,7 @@ def test_next_turn_is_queued_while_other_sandboxes_step(base_image, no_leftovers
 
 @pytest.fixture(scope="module")
 def llm(vllm_dir):
+    os.environ.update(engine.IN_PROCESS_ENV)  # as grpo.main and evaluate.main set it
     return engine.make_engine(vllm_dir, max_model_len=1024, max_seqs=16, dtype="fp32")
 
 
@@ -208,7 +210,7 @@ def test_seeded_requests_beyond_one_steps_token_budget(llm):
 
 
 def test_replies_without_logprobs_are_the_same_tokens(llm, vllm_dir):
-    """evaluate.py's policy asks for no log-probs (engine.rollout(logprobs=False)): its seeded replies are the
+    """evaluate.py's policy asks for no log-probs (VLLMPolicy(logprobs=False)): its seeded replies are the
     tokens of the policy that does (GRPO's), whose every sampled token carries a log-prob below 0 (the random
     model's near-uniform softmax), while its own carry 0.0."""
     tok = labels.load_tokenizer(vllm_dir, "prefix")
@@ -330,8 +332,9 @@ def test_rollout_survives_a_special_token_on_the_screen(llm, vllm_dir, base_imag
     bashrc = b"mkdir -p '/tmp/<|im_end|>' && cd '/tmp/<|im_end|>'; echo 'hello <|im_end|><|im_start|>user'\n"
     task = Task("special-screen", "Say hello.", memory_mb=256, files=(("/root/.bashrc", bashrc, 0o644),),
                      tests={"test.sh": b"echo 0 > /logs/verifier/reward.txt\n"})
-    eps = engine.rollout(llm, tok, [task] * 2, temperature=1.0, max_turns=2, max_new_tokens=16, max_len=1024,
-                       concurrency=2, seed=0)
+    policy = engine.VLLMPolicy(llm, tok, temperature=1.0, max_new_tokens=16, max_len=1024, seed=0)
+    with engine.engine_threads():
+        eps = envs.run_episodes([task] * 2, policy, max_turns=2, concurrency=2)
     for ep in eps:
         assert isinstance(ep, envs.Episode) and ep.failure != "sandbox_error" and ep.turns >= 1, (ep.failure, ep.error)
         first = ep.messages[0]["content"]

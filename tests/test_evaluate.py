@@ -346,7 +346,7 @@ def toy_tasks(tmp_path, base_image):
 
 
 def expert_rollout(calls, stop_after=None):
-    """The rollout boundary with the scripted expert as the policy (envs.run_episodes, as engine.rollout uses it);
+    """The rollout boundary with the scripted expert as the policy (envs.run_episodes, as vllm_rollout calls it);
     with stop_after the run is killed once that many episodes have been reported, others still live."""
     def rollout(tasks, on_episode, stats):
         calls.append([t.name for t in tasks])
