@@ -315,8 +315,8 @@ def bandit_step(llm, model, opt, args, prompts, target, sign, n):
     adv, _ = grpo.group_advantages(sign * r)
     for ex, a in zip(examples, adv.flatten().tolist()):
         ex["adv"] = [a] * len(ex["ids"])
-    loss, _ = grpo.pg_loss(model, grpo.collate(examples, 0), args, grpo.loss_coefs(args), len(examples), len(examples),
-                           0)
+    norm = grpo.Normalisers(act_tokens=len(examples), seqs=len(examples), echo_seqs=0)
+    loss, _ = grpo.pg_loss(model, grpo.collate(examples, 0), grpo.objective(args), norm)
     loss.backward()
     opt.step()
     opt.zero_grad()
