@@ -1,6 +1,6 @@
 """
 What sft.py and grpo.py share, plain functions a stage calls: batches by token budget, distributed set-up (torchrun:
-DDP or FSDP2), the start of a run and its resume, autocast, the optimizer step, atomic checkpoints, the run
+DDP or FSDP2), the start of a run and its resume rule, autocast, the optimizer step, atomic checkpoints, the run
 record (config.json, log.jsonl, optional W&B) and the scripts' entry point (several runs in one process).
 """
 import dataclasses
@@ -118,9 +118,10 @@ class Run:
     print0: Callable  # print on rank 0, nothing on the others
 
 
-def start_run(args, resume_keys):
-    """A training run's start: the process group (torchrun), --out made, the checkpoint to go on from (resume_point).
-    -> Run, or None when the run in --out is finished (final/ exists): nothing to do."""
+def start_run(args, free_on_resume):
+    """A training run's start: the process group (torchrun), --out made, the checkpoint to go on from (resume_point,
+    which checks every flag but those in free_on_resume). -> Run, or None when the run in --out is finished (final/
+    exists): nothing to do."""
     from transformers.utils import logging as hf_logging
     hf_logging.disable_progress_bar()  # one line per step is the log; no per-save bars
     distributed, rank, world, device = init_distributed()
@@ -129,7 +130,7 @@ def start_run(args, resume_keys):
         raise ValueError("--fsdp shards across ranks: launch with torchrun")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    ckpt, state, finished = resume_point(out, args, resume_keys, world)
+    ckpt, state, finished = resume_point(out, args, free_on_resume, world)
     if finished:
         print0(f"{out} is finished (final/ exists); nothing to resume")
         close_distributed()
@@ -343,14 +344,14 @@ def checkpoint_dirs(out):
                    and (p / "trainer_state.pt").exists()), key=lambda p: int(p.name.split("-")[1]))
 
 
-EXECUTION, RUN = "execution", "run"  # a stage's flag groups that do not change what its run computes
+RUN_FLAGS = ("out", "save_every", "keep", "resume", "wandb")  # add_run_flags': free to change on --resume
 
 
 def add_run_flags(parser, files, save_every):
-    """The RUN flag group of a training stage (where its run writes, how often; resumed the same way by both
-    stages): --out (config.json, log.jsonl, `files`, step-N/ checkpoints, final/), --save-every, --keep, --resume,
-    --wandb. -> the group, for a stage's own run flags."""
-    g = parser.add_argument_group(RUN)
+    """The "run" flag group of a training stage (where its run writes, how often; both stages let --resume change
+    them: RUN_FLAGS): --out (config.json, log.jsonl, `files`, step-N/ checkpoints, final/), --save-every, --keep,
+    --resume, --wandb. -> the group, for a stage's own run flags."""
+    g = parser.add_argument_group("run")
     g.add_argument("--out", required=True, help=f"run dir: config.json, log.jsonl, {files}step-N/ checkpoints, final/")
     g.add_argument("--save-every", type=int, default=save_every, help="checkpoint every N steps (0 = only at the end)")
     g.add_argument("--keep", type=int, default=2, help="step checkpoints kept on disk (final/ is always kept)")
@@ -360,17 +361,11 @@ def add_run_flags(parser, files, save_every):
     return g
 
 
-def resume_keys(parser):
-    """The flags a resumed run must keep: those of every flag group of `parser` but EXECUTION (how the run
-    computes: sharding, precision, micro-batches, concurrency) and RUN (where it writes, how often)."""
-    groups = parser._action_groups[2:]  # after argparse's own: positionals and options (-h)
-    return tuple(a.dest for g in groups if g.title not in (EXECUTION, RUN) for a in g._group_actions)
-
-
-def resume_point(out, args, resume_keys, world):
+def resume_point(out, args, free_on_resume, world):
     """-> (newest complete checkpoint dir or None, its trainer state or None, finished). Never mixes two runs in
-    one dir: a fresh start needs an unused out; --resume continues the newest checkpoint only with the same
-    settings in resume_keys and as many ranks as wrote it; finished: final/ exists, nothing to resume."""
+    one dir: a fresh start needs an unused out; --resume continues the newest checkpoint only with every flag as it
+    was but those a stage declares free_on_resume (how the run computes, where it writes), and as many ranks as
+    wrote it; finished: final/ exists, nothing to resume."""
     ckpts = checkpoint_dirs(out)
     if not args.resume and (ckpts or (out / "final").exists() or (out / "log.jsonl").exists()):
         raise ValueError(f"{out} already holds a run: pass --resume to continue it, or choose another --out")
@@ -380,7 +375,7 @@ def resume_point(out, args, resume_keys, world):
         return None, None, False
     state = torch.load(ckpts[-1] / "trainer_state.pt", map_location="cpu", mmap=True, weights_only=False)
     changed = [f"--{k.replace('_', '-')} {state['args'].get(k)!r} -> {v!r}" for k, v in vars(args).items()
-               if k in resume_keys and state["args"].get(k) != v]
+               if k not in free_on_resume and state["args"].get(k) != v]
     if changed:
         raise ValueError(f"--resume from {ckpts[-1]} with other settings than it was trained with: "
                          f"{', '.join(changed)}")

@@ -96,7 +96,7 @@ def get_parser():
     g.add_argument("--adam-eps", type=float, default=1e-8, help="AdamW epsilon")
     g.add_argument("--grad-clip", type=float, default=1.0, help="max global grad norm (0 = off)")
     g.add_argument("--seed", type=int, default=0)
-    g = p.add_argument_group(common.EXECUTION, "how the run computes, not what: free to change on --resume")
+    g = p.add_argument_group("execution", "how the run computes, not what: free to change on --resume")
     g.add_argument("--concurrency", type=int, default=64, help="sandboxes live at once per rank")
     g.add_argument("--micro-tokens", type=int, default=32768, help="token budget of a micro-batch (rows x length)")
     g.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32"], help="autocast and engine dtype; "
@@ -109,6 +109,11 @@ def get_parser():
     common.add_run_flags(p, "curves.png, ", save_every=10)
     return p
 
+
+# What --resume lets change: how the run computes and where it writes. Every other flag must be the checkpoint's
+# (common.resume_point), a new one too unless it is added here.
+FREE_ON_RESUME = ("concurrency", "micro_tokens", "dtype", "grad_ckpt", "fsdp", "gpu_memory", "kv_cache_gb",
+                  *common.RUN_FLAGS)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -479,9 +484,6 @@ def group_examples(episodes, adv, trains):
 # ----------------------------------------------------------------------------------------------------------
 # The run
 
-RESUME_KEYS = common.resume_keys(get_parser())  # the flags that fix what the run computes
-
-
 def main(argv=None):
     args = get_parser().parse_args(argv)
 
@@ -493,7 +495,7 @@ def main(argv=None):
     if args.dynamic_sampling % args.tasks_per_step:
         raise ValueError(f"--dynamic-sampling {args.dynamic_sampling} must be a multiple of --tasks-per-step "
                          f"{args.tasks_per_step} (0 = off)")
-    run = common.start_run(args, RESUME_KEYS)
+    run = common.start_run(args, FREE_ON_RESUME)
     if run is None:
         return
     rank, world, device, print0 = run.rank, run.world, run.device, run.print0

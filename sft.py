@@ -63,7 +63,7 @@ def get_parser():
     g.add_argument("--adam-eps", type=float, default=1e-8, help="AdamW epsilon")
     g.add_argument("--grad-clip", type=float, default=1.0, help="max global grad norm (0 = off)")
     g.add_argument("--seed", type=int, default=0, help="seeds the init of --model tiny, the split and the data order")
-    g = p.add_argument_group(common.EXECUTION, "how the run computes, not what: free to change on --resume")
+    g = p.add_argument_group("execution", "how the run computes, not what: free to change on --resume")
     g.add_argument("--skip-bad", action="store_true", help="skip (and count) malformed rows instead of stopping")
     g.add_argument("--micro-tokens", type=int, default=32768, help="token budget of one micro-batch per rank "
                    "(padded batch x length); on CPU 1 (a pass per trajectory, no padding) is faster: "
@@ -82,6 +82,12 @@ def get_parser():
     g.add_argument("--stop-after", type=int, default=0, help="stop (with a checkpoint) once the run reaches this "
                    "step, keeping the full run's schedule; for time-sliced jobs")
     return p
+
+
+# What --resume lets change: how the run computes, where it writes and what it logs. Every other flag must be the
+# checkpoint's (common.resume_point), a new one too unless it is added here.
+FREE_ON_RESUME = ("skip_bad", "micro_tokens", "dtype", "grad_ckpt", "fsdp", *common.RUN_FLAGS, "eval_every",
+                  "probe_every", "stop_after")
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -174,7 +180,6 @@ def run_micro_batches(model, examples, args, pad_id, lam, w_act, n_traj, device,
 
 
 STAT_KEYS = ("loss", "act_nll_sum", "act_tokens", "obs_nll_sum", "obs_tokens", "n_traj", "tokens")
-RESUME_KEYS = common.resume_keys(get_parser())  # the flags that fix what the run computes
 
 
 def reduce_stats(tot, device):
@@ -196,7 +201,7 @@ def main(argv=None):
                            "under torchrun, run `probes.py geometry` on the step checkpoints")):
         if bad_flag:
             raise ValueError(msg)
-    run = common.start_run(args, RESUME_KEYS)
+    run = common.start_run(args, FREE_ON_RESUME)
     if run is None:
         return
     rank, world, device = run.rank, run.world, run.device

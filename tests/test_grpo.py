@@ -572,7 +572,7 @@ def test_examples_under_a_grammar_carry_its_masks_and_forced_tokens():
     assert grpo.loss_tokens(ex) == 1
     plain = examples_of([episode(1.0), episode(0.0)], args_for("--group-size", "2"))[0][0][0]
     assert "masks" not in plain and "forced" not in plain and grpo.loss_tokens(plain) == 2
-    assert "grammar" in grpo.RESUME_KEYS and args_for("--grammar").grammar == "reply"
+    assert "grammar" not in grpo.FREE_ON_RESUME and args_for("--grammar").grammar == "reply"
 
 
 # ---------------------------------------------------------------------------------------------- end to end

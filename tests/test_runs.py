@@ -84,7 +84,7 @@ def test_adam_settings_are_flags_of_both_stages():
     s = sft.get_parser().parse_args(["--data", "d", "--model", "m", "--out", "o"])
     g = grpo.get_parser().parse_args(["--init", "m", "--tasks", "t", "--out", "o"])
     assert (s.adam_betas, s.adam_eps, g.adam_betas, g.adam_eps) == ([0.9, 0.95], 1e-8, [0.9, 0.999], 1e-8)
-    assert {"adam_betas", "adam_eps"} <= set(sft.RESUME_KEYS) & set(grpo.RESUME_KEYS)
+    assert not {"adam_betas", "adam_eps"} & (set(sft.FREE_ON_RESUME) | set(grpo.FREE_ON_RESUME))  # --resume keeps them
     g = grpo.get_parser().parse_args(["--init", "m", "--tasks", "t", "--out", "o", "--adam-betas", "0.8", "0.9",
                                       "--adam-eps", "1e-6", "--lr", "0.5", "--weight-decay", "0.1"])
     opt = common.adamw(torch.nn.Linear(2, 2), g)
@@ -173,10 +173,31 @@ def test_grpo_checkpoint_holds_no_rng_state_and_resumes_on_as_many_ranks(model, 
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
     common.save_checkpoint(tmp_path / "step-000003", model, model, tokenizer, opt, 3, args, 0, rng=False)
     assert not list((tmp_path / "step-000003").glob("rng-*"))
-    ckpt, state, finished = common.resume_point(tmp_path, args, ("lr", "seed"), 1)
+    ckpt, state, finished = common.resume_point(tmp_path, args, ("fsdp", "resume"), 1)
     assert (ckpt, state["step"], finished) == (tmp_path / "step-000003", 3, False)
     with pytest.raises(ValueError, match="written by 1 ranks; resume with as many"):
-        common.resume_point(tmp_path, args, ("lr", "seed"), 2)
+        common.resume_point(tmp_path, args, ("fsdp", "resume"), 2)
+
+
+@pytest.mark.parametrize("stage, required", [(sft, ["--data", "d", "--model", "m"]), (grpo, ["--init", "m", "--tasks", "t"])])
+def test_resume_refuses_a_changed_flag_unless_the_stage_declares_it_free(stage, required, tmp_path):
+    """The resume rule sits beside each stage's parser: FREE_ON_RESUME, the flags of how a run computes and where it
+    writes (its --help groups "execution" and "run", exactly); every other flag must be the checkpoint's. So a flag
+    added and declared nowhere is kept safely: resuming with another value of it is refused, the same value goes on."""
+    parser = stage.get_parser()
+    parser.add_argument("--new-flag", type=int, default=1)  # a new flag, declared neither free nor kept
+    argv = [*required, "--out", str(tmp_path)]
+    ckpt = tmp_path / "step-000001"
+    ckpt.mkdir()
+    torch.save({"args": vars(parser.parse_args(argv)), "step": 1, "world": 1}, ckpt / "trainer_state.pt")
+    with pytest.raises(ValueError, match="--new-flag 1 -> 2"):
+        common.resume_point(tmp_path, parser.parse_args([*argv, "--resume", "--new-flag", "2"]), stage.FREE_ON_RESUME, 1)
+    with pytest.raises(ValueError, match="--lr"):
+        common.resume_point(tmp_path, parser.parse_args([*argv, "--resume", "--lr", "0.5"]), stage.FREE_ON_RESUME, 1)
+    free = parser.parse_args([*argv, "--resume", "--micro-tokens", "7", "--keep", "5", "--dtype", "fp32"])
+    assert common.resume_point(tmp_path, free, stage.FREE_ON_RESUME, 1)[0] == ckpt
+    groups = {g.title: [a.dest for a in g._group_actions] for g in parser._action_groups}
+    assert sorted(groups["execution"] + groups["run"]) == sorted(stage.FREE_ON_RESUME)
 
 
 # ----------------------------------------------------------------------------------------------------------
