@@ -168,18 +168,10 @@ def split_runs(argv):
 
 def run_cli(main):
     """Run main() as a script, once per run: `python grpo.py ARGS ::: ARGS ...` runs main(ARGS) for each argument
-    list in order, in this process. A process pays seconds importing torch, transformers and vLLM before any work
-    (RESULTS.md, 2026-12-02 session 5); runs of one script in one process pay it once. Each run is what it is
-    alone: main() sets up all its state (models, seeds, its own engine) from its own arguments (tests/test_runs.py:
-    the same samples). A run that fails stops the ones after it (exit status non-zero); re-running resumes. Under
-    torchrun one run a process: each run would join the process group again.
-
-    Everything is written, flushed and closed when main() returns (checkpoints and results atomically), so the
-    process then exits without the interpreter's shutdown, which costs seconds more (vLLM's exit hooks, the
-    teardown of torch's modules). Under torchrun the shutdown is also unsafe: FSDP2's modules keep the process
-    group alive past destroy_process_group (deleting the model and running gc does not free it), so gloo's threads
-    still run while the interpreter tears down, and one of them touching Python then aborts, now and then, a run
-    that has already written everything (a rank exits with -6)."""
+    list in order, in this process, so the seconds of importing torch, transformers and vLLM are paid once. Each run
+    is what it is alone: main() sets up all its state (models, seeds, its own engine) from its own arguments
+    (tests/test_runs.py: the same samples). A run that fails stops the ones after it (exit status non-zero);
+    re-running resumes. Under torchrun one run a process: each run would join the process group again."""
     # a terminated run unwinds like an exception (as Ctrl-C does): run_episodes removes its sandboxes on the way out
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     runs = split_runs(sys.argv[1:])
@@ -189,9 +181,14 @@ def run_cli(main):
         if len(runs) > 1:
             print(f"== run {i + 1}/{len(runs)}: {' '.join(run)}", flush=True)
         main(run)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    if under_torchrun():
+        # A rank leaves without the interpreter's shutdown (its atexit hooks too): FSDP2's modules keep the process
+        # group alive past destroy_process_group, so gloo's threads still run while the interpreter tears down, and
+        # one of them touching Python then aborts, now and then, a rank that has written everything (exit -6).
+        # main() has written, flushed and closed what it writes by now.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 def printer(rank):

@@ -224,8 +224,8 @@ def compare_files(tmp_path):
 
 
 def test_runs_in_one_process_run_in_order_and_stop_at_the_first_failure(tmp_path):
-    """Through the CLI, stdout a pipe: every run's output is flushed before the process leaves without the
-    interpreter's shutdown, and a failing run stops the ones after it with a non-zero status."""
+    """Through the CLI, stdout a pipe: every run's output comes out, in order, and a failing run stops the ones after
+    it with a non-zero status."""
     a, b = compare_files(tmp_path)
     png = [tmp_path / f"{i}.png" for i in range(3)]
     cli = [sys.executable, str(ROOT / "evaluate.py")]
