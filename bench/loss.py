@@ -26,12 +26,14 @@ import tiny
 
 
 def get_parser():
-    p = argparse.ArgumentParser(description="the chunked head in the SFT and GRPO losses vs naive full-logits losses: time and peak memory")
+    p = argparse.ArgumentParser(description="the chunked head in the SFT and GRPO losses vs naive full-logits losses: "
+                                "time and peak memory")
     p.add_argument("--tokens", type=int, nargs="+", default=[4096, 16384], help="sequence lengths to measure")
     p.add_argument("--vocab", type=int, default=151936, help="vocabulary size (Qwen3's by default)")
     p.add_argument("--hidden", type=int, default=64, help="hidden size of the tiny model")
     p.add_argument("--repeats", type=int, default=3, help="timed passes per method (median reported)")
-    p.add_argument("--chunk", type=int, default=None, help="rows per chunk of the chunked loss (default: head.CHUNK_BYTES of logits)")
+    p.add_argument("--chunk", type=int, default=None,
+                   help="rows per chunk of the chunked loss (default: head.CHUNK_BYTES of logits)")
     return p
 
 
@@ -108,9 +110,11 @@ def main(argv=None):
     cfg = tiny.tiny_config(args.vocab, args.hidden, 2, 4, 2, max_position_embeddings=max(args.tokens))
     model = Qwen3ForCausalLM(cfg).to(device)
     pg_args = grpo.get_parser().parse_args(["--init", "-", "--tasks", "-", "--out", "-", "--temperature", "0.7"])
-    print(f"device {device} | vocab {args.vocab} | hidden {args.hidden} | {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M params"
+    print(f"device {device} | vocab {args.vocab} | hidden {args.hidden} | "
+          f"{sum(p.numel() for p in model.parameters()) / 1e6:.1f}M params"
           f" | head.CHUNK_BYTES {head.CHUNK_BYTES / 2**30:.2f} GB")
-    print(f"{'loss':>5} | {'tokens':>6} | {'naive s':>8} | {'ours s':>8} | {'time ratio':>10} | {'naive GB':>8} | {'ours GB':>8} | "
+    print(f"{'loss':>5} | {'tokens':>6} | {'naive s':>8} | {'ours s':>8} | {'time ratio':>10} | {'naive GB':>8} | "
+          f"{'ours GB':>8} | "
           f"{'mem ratio':>9} | loss diff")
     for T in args.tokens:
         ids = torch.randint(0, args.vocab, (1, T), device=device)
@@ -118,7 +122,8 @@ def main(argv=None):
         roles[0, 0] = labels.PROMPT
         batch = {"input_ids": ids, "roles": roles, "attention_mask": torch.ones_like(ids)}
         with torch.no_grad():  # behaviour log-probs 0.3 nats off the policy's, advantages of both signs
-            behav = torch.log_softmax(model(input_ids=ids).logits.float() / 0.7, -1)[:, :-1].gather(-1, ids[:, 1:, None])
+            behav = torch.log_softmax(model(input_ids=ids).logits.float() / 0.7, -1)[:, :-1]
+            behav = behav.gather(-1, ids[:, 1:, None])
         rl = dict(batch, behav=torch.cat([torch.zeros(1, 1, device=device), behav.squeeze(-1) + 0.3], 1),
                   adv=torch.randn(1, T, device=device), wrapper=torch.zeros_like(ids, dtype=torch.bool))
         need = 3 * T * args.vocab * 4  # fp32 logits, their log-softmax and its gradient
@@ -140,10 +145,12 @@ def main(argv=None):
             to, mo = statistics.median(t_o), max(m_o)
             if run_naive:
                 tn, mn = statistics.median(t_n), max(m_n)
-                print(f"{name:>5} | {T:>6} | {tn:>8.3f} | {to:>8.3f} | {to / tn:>9.2f}x | {mn / 2**30:>8.2f} | {mo / 2**30:>8.2f} | "
+                print(f"{name:>5} | {T:>6} | {tn:>8.3f} | {to:>8.3f} | {to / tn:>9.2f}x | {mn / 2**30:>8.2f} | "
+                      f"{mo / 2**30:>8.2f} | "
                       f"{mo / mn:>8.3f}x | {abs(l_o - l_n):.1e}")
             else:
-                print(f"{name:>5} | {T:>6} | {'-':>8} | {to:>8.3f} | {'-':>10} | {'-':>8} | {mo / 2**30:>8.2f} | {'-':>9} | "
+                print(f"{name:>5} | {T:>6} | {'-':>8} | {to:>8.3f} | {'-':>10} | {'-':>8} | {mo / 2**30:>8.2f} | "
+                      f"{'-':>9} | "
                       f"naive skipped: needs ~{need / 2**30:.0f} GB, {free / 2**30:.0f} GB free")
         # the head alone, forward + backward, against what head.token_logprobs' docstring states
         h = torch.randn(T, args.hidden, device=device, requires_grad=True)

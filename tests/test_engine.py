@@ -155,7 +155,8 @@ def hf_model(path, seed=None):
 def test_kv_cache_bytes_known_answer():
     """Qwen3-0.6B's shape (28 layers, 8 key/value heads of 128) in bf16 holds 112 KiB of K and V per token."""
     from transformers import Qwen3Config
-    config = Qwen3Config(num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128, hidden_size=1024)
+    config = Qwen3Config(num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+                         hidden_size=1024)
     assert engine.kv_cache_bytes(config, max_model_len=4096 - 256, max_seqs=2, dtype_bytes=2) == 2 * 4096 * 112 * 1024
 
 
@@ -184,9 +185,10 @@ def test_weight_sync_matches_hf(llm, vllm_dir):
         sd["model.layers.0.mlp.down_proj.weight"])) + 1.0, abs=1e-6)  # x + 1 rounds in fp32
     assert 0 < trainer_s < time.perf_counter() - t
     prompt = list(range(5, 25))
-    out = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0, max_tokens=24, logprobs=0, top_k=0),
-                          use_tqdm=False)[0].outputs[0]
-    hf = model.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False, eos_token_id=None, pad_token_id=0)[0, 20:]
+    greedy = SamplingParams(temperature=0, max_tokens=24, logprobs=0, top_k=0)
+    out = llm.generate([{"prompt_token_ids": prompt}], greedy, use_tqdm=False)[0].outputs[0]
+    hf = model.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False, eos_token_id=None,
+                        pad_token_id=0)[0, 20:]
     assert list(out.token_ids) == hf.tolist()
     with torch.no_grad():
         lp = torch.log_softmax(model(torch.tensor([prompt + hf.tolist()])).logits[0, 19:-1], -1)
@@ -310,7 +312,8 @@ def bandit_step(llm, model, opt, args, prompts, target, sign, n):
             hit = float(c.token_ids[0] in target)
             rewards.append(hit)
             examples.append({"ids": p + [c.token_ids[0]], "roles": [PROMPT] * len(p) + [ACTION],
-                             "behav": [0.0] * len(p) + [c.logprobs[0][c.token_ids[0]].logprob], "wrapper": [False] * (len(p) + 1)})
+                             "behav": [0.0] * len(p) + [c.logprobs[0][c.token_ids[0]].logprob],
+                             "wrapper": [False] * (len(p) + 1)})
     r = torch.tensor(rewards).view(len(prompts), n)
     adv, _ = grpo.group_advantages(sign * r)
     for ex, a in zip(examples, adv.flatten().tolist()):

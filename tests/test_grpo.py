@@ -92,7 +92,8 @@ def reference_loss(model, examples, args, n_tok, n_seq, n_echo):
         else:
             ratio, w = (lp_t - behav).exp(), torch.ones_like(lp_t)
         s = torch.minimum(ratio * a, ratio.clamp(1 - low, 1 + high) * a)
-        norm = {"token": 1 / n_tok, "sequence": 1 / (act.sum() * n_seq), "constant": 1 / (args.max_len * n_seq)}[args.loss_norm]
+        norm = {"token": 1 / n_tok, "sequence": 1 / (act.sum() * n_seq),
+                "constant": 1 / (args.max_len * n_seq)}[args.loss_norm]
         total = total - (norm * w * s)[act].sum()
         if args.kl_coef:
             d = torch.tensor(ex["ref"][1:]) - lp_t
@@ -294,7 +295,8 @@ def test_reference_tells_the_modes_apart(model, tokenizer, synthetic):
         if case == "kl":  # and the KL's sign: a penalty of the opposite sign gives another gradient
             assert not torch.allclose(g, grad(["--kl-coef", "-0.3"], shifts, with_extra), rtol=1e-2, atol=1e-6)
         if case == "clip-higher":  # and the bounds swapped
-            assert not torch.allclose(g, grad(["--clip-low", "0.5", "--clip-high", "0.1"], shifts, None), rtol=1e-2, atol=1e-6)
+            swapped = grad(["--clip-low", "0.5", "--clip-high", "0.1"], shifts, None)
+            assert not torch.allclose(g, swapped, rtol=1e-2, atol=1e-6)
 
 
 def forward_rows(module):
@@ -403,8 +405,8 @@ def examples_of(episodes, args):
 
 def test_overlong_episodes_kept_masked_or_penalised():
     # group 0: rewards 1 0 1, the last cut by the context; group 1: 0 0 0, the last cut; group 2: an infra failure
-    eps = [episode(1.0), episode(0.0), episode(1.0, truncated=True), episode(0.0), episode(0.0), episode(0.0, truncated=True),
-           episode(1.0), episode(0.0), episode(0.0, failure="sandbox_error")]
+    eps = [episode(1.0), episode(0.0), episode(1.0, truncated=True), episode(0.0), episode(0.0),
+           episode(0.0, truncated=True), episode(1.0), episode(0.0), episode(0.0, failure="sandbox_error")]
     adv = lambda groups: [[round(ex["adv"][0], 6) for ex in g] for g in groups]  # noqa: E731
     r = lambda rows: [[round(x, 6) for x in g] for g in rows]  # noqa: E731
     groups, signal, valid = examples_of(eps, args_for("--group-size", "3"))
@@ -459,7 +461,8 @@ def test_a_per_turn_advantage_is_a_change_to_one_function(model, tokenizer, synt
     reference_steps(theirs, model, want, args, torch.optim.SGD(theirs.parameters(), lr=0.1), 1)
     for a, b, c in zip(per_turn.parameters(), theirs.parameters(), outcome.parameters()):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
-    assert any(not torch.allclose(a, c, rtol=1e-3, atol=1e-6) for a, c in zip(per_turn.parameters(), outcome.parameters()))
+    assert any(not torch.allclose(a, c, rtol=1e-3, atol=1e-6)
+               for a, c in zip(per_turn.parameters(), outcome.parameters()))
 
 
 def test_a_new_loss_term_reaches_groups_without_signal(model, tokenizer, synthetic, monkeypatch):

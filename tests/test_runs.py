@@ -124,11 +124,14 @@ def test_sft_run_records_its_config_and_mirrors_its_log_to_wandb(tiny_dir, tmp_p
             "0.9", "--adam-eps", "1e-7", "--wandb", "actobs-test"]
     sft.main(argv)
     cfg = json.loads((out / "config.json").read_text())
-    assert cfg["args"]["adam_betas"] == [0.8, 0.9] and cfg["args"]["adam_eps"] == 1e-7 and cfg["args"]["wandb"] == "actobs-test"
-    assert cfg["git"] == subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    assert cfg["args"]["adam_betas"] == [0.8, 0.9] and cfg["args"]["adam_eps"] == 1e-7
+    assert cfg["args"]["wandb"] == "actobs-test"
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    assert cfg["git"] == head
     assert "diff" in cfg and cfg["torch"] == torch.__version__
     state = torch.load(out / "step-000001" / "trainer_state.pt", weights_only=False)
-    assert state["optimizer"]["param_groups"][0]["betas"] == (0.8, 0.9) and state["optimizer"]["param_groups"][0]["eps"] == 1e-7
+    group = state["optimizer"]["param_groups"][0]
+    assert group["betas"] == (0.8, 0.9) and group["eps"] == 1e-7
     with pytest.raises(ValueError, match=r"--adam-betas \[0.8, 0.9\] -> \[0.9, 0.95\]"):
         sft.main([a for a in argv if a not in ("--adam-betas", "0.8", "0.9")] + ["--resume"])
 
@@ -179,7 +182,8 @@ def test_grpo_checkpoint_holds_no_rng_state_and_resumes_on_as_many_ranks(model, 
         common.resume_point(tmp_path, args, ("fsdp", "resume"), 2)
 
 
-@pytest.mark.parametrize("stage, required", [(sft, ["--data", "d", "--model", "m"]), (grpo, ["--init", "m", "--tasks", "t"])])
+@pytest.mark.parametrize("stage, required", [(sft, ["--data", "d", "--model", "m"]),
+                                             (grpo, ["--init", "m", "--tasks", "t"])])
 def test_resume_refuses_a_changed_flag_unless_the_stage_declares_it_free(stage, required, tmp_path):
     """The resume rule sits beside each stage's parser: FREE_ON_RESUME, the flags of how a run computes and where it
     writes (its --help groups "execution" and "run", exactly); every other flag must be the checkpoint's. So a flag
@@ -191,7 +195,8 @@ def test_resume_refuses_a_changed_flag_unless_the_stage_declares_it_free(stage, 
     ckpt.mkdir()
     torch.save({"args": vars(parser.parse_args(argv)), "step": 1, "world": 1}, ckpt / "trainer_state.pt")
     with pytest.raises(ValueError, match="--new-flag 1 -> 2"):
-        common.resume_point(tmp_path, parser.parse_args([*argv, "--resume", "--new-flag", "2"]), stage.FREE_ON_RESUME, 1)
+        common.resume_point(tmp_path, parser.parse_args([*argv, "--resume", "--new-flag", "2"]), stage.FREE_ON_RESUME,
+                            1)
     with pytest.raises(ValueError, match="--lr"):
         common.resume_point(tmp_path, parser.parse_args([*argv, "--resume", "--lr", "0.5"]), stage.FREE_ON_RESUME, 1)
     free = parser.parse_args([*argv, "--resume", "--micro-tokens", "7", "--keep", "5", "--dtype", "fp32"])
@@ -264,7 +269,8 @@ def test_a_run_sharing_a_process_samples_as_it_does_alone(vllm_dir, tmp_path, ba
 
     def run(model, name):
         return ["--model", str(model), "--tasks", str(tasks), "--attempts", "2", "--max-turns", "1",
-                "--max-new-tokens", "16", "--max-len", "2048", "--concurrency", "4", "--out", str(tmp_path / f"{name}.json"),
+                "--max-new-tokens", "16", "--max-len", "2048", "--concurrency", "4",
+                "--out", str(tmp_path / f"{name}.json"),
                 "--transcripts", str(tmp_path / f"{name}.jsonl")]
     cli = [sys.executable, str(ROOT / "evaluate.py")]
     for argv in (run(other, "first") + [":::"] + run(vllm_dir, "shared"), run(vllm_dir, "alone")):
