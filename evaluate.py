@@ -1,6 +1,7 @@
 """
 pass@k of a checkpoint on terminal tasks: every task attempted n times in real sandboxes with the same vLLM
-rollout grpo.py trains with (engine.rollout), then pass@k, distinct tasks solved and failures, by task kind.
+rollout grpo.py trains with (envs.run_episodes with engine.VLLMPolicy), then pass@k, distinct tasks solved and
+failures, by task kind.
 
     # toy world (CPU): the held-out split written by `python envs.py corpus --out data/corpus ...`
     python evaluate.py --model runs/actobs/final --tasks data/corpus/eval --attempts 4 --max-turns 12 \\
@@ -30,6 +31,7 @@ from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import envs
 from actobs import compare, episode, labels, taskgen, terminus
 from actobs.passk import NEWER_KEYS, RESUME_KEYS, constrained, groups, ks_up_to, pct, summarize
 from actobs.tasks import KIND_FIELDS, load_task
@@ -242,14 +244,14 @@ def vllm_rollout(args, session):
     def rollout(tasks, on_episode, stats):
         # Each episode samples with a seed from (seed, its index in `tasks`): a resumed session gets another seed,
         # so its first attempts do not replay the random streams of the first session's.
-        episodes = engine.rollout(llm, tokenizer, tasks, temperature=args.temperature, max_turns=args.max_turns,
-                                  max_new_tokens=args.max_new_tokens, max_len=args.max_len,
-                                  concurrency=args.concurrency, template=template, seed=args.seed + session,
-                                  on_episode=on_episode, stats=stats, network=args.network,
-                                  keep_agent=args.keep_agent_processes, second_try=args.second_try,
-                                  strict=False,  # Harbor's semantics: tampering is counted, not scored
-                                  logprobs=False,  # nothing trains on them
-                                  grammar=args.grammar)
+        policy = engine.VLLMPolicy(llm, tokenizer, temperature=args.temperature, max_new_tokens=args.max_new_tokens,
+                                   max_len=args.max_len, seed=args.seed + session, grammar=args.grammar,
+                                   logprobs=False)  # nothing trains on them
+        with engine.engine_threads():
+            episodes = envs.run_episodes(tasks, policy, max_turns=args.max_turns, concurrency=args.concurrency,
+                                         template=template, on_episode=on_episode, stats=stats, network=args.network,
+                                         keep_agent=args.keep_agent_processes, second_try=args.second_try,
+                                         strict=False)  # Harbor's semantics: tampering is counted, not scored
         mc = llm.llm_engine.model_config  # what time_breakdown's FLOP bound needs, at the engine's threads
         with engine.engine_threads():
             stats.update(config=mc.hf_text_config.to_dict(), dtype=str(mc.dtype).removeprefix("torch."),
@@ -261,7 +263,7 @@ def vllm_rollout(args, session):
 def evaluate(args, rollout=None):
     """Run the attempts the results file does not have yet. rollout(tasks, on_episode, stats) -> episodes, calling
     on_episode(i, episode) as each finishes and filling stats as envs.run_episodes does (time_breakdown reads
-    them); default: engine.rollout on args.model. The session's time breakdown goes in its configs entry."""
+    them); default: vllm_rollout's, on args.model. The session's time breakdown goes in its configs entry."""
     t_begin = time.time()
     args.out.parent.mkdir(parents=True, exist_ok=True)
     results = open_results(args.out, settings_of(args))
@@ -335,7 +337,10 @@ def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["compare"]:
         return compare.main(argv[1:])
-    return evaluate(parse_args(argv))
+    args = parse_args(argv)
+    from actobs import engine  # torch: only when a run starts
+    os.environ.update(engine.IN_PROCESS_ENV)  # vLLM's engine in this process, as grpo.py's
+    return evaluate(args)
 
 
 if __name__ == "__main__":

@@ -1,46 +1,38 @@
 """
-ActObs GRPO: multi-turn RL of a terminal agent with rollouts from a vLLM engine in the same process, in real
-Docker sandboxes (envs.py), token-in/token-out, with an optional observation-prediction term (ECHO).
+Multi-turn GRPO of a terminal agent: episodes sampled by an in-process vLLM engine in Docker sandboxes, the clipped
+policy gradient with an optional KL and ECHO term.
+
+Each step rolls out --group-size episodes of each of --tasks-per-step tasks (envs.py, engine.py), rewards them by
+their verifiers, takes --ppo-epochs optimizer steps on the loss below and loads the new weights into the engine:
+
+    L = -sum_{i in ACTION} n_i w_i min(rho_i A, clip(rho_i, 1 - eps_low, 1 + eps_high) A)
+        + kl * sum_{i in ACTION} n_i k3_i + echo * mean_seq[ sum_{i in OBS(seq)} NLL_i / |OBS(seq)| ]
+    A = r - mean(r_group), rho_i = pi(a_i) / pi_behaviour(a_i)
+
+pg_loss_full writes it out on full logits, pg_loss computes it chunked; its terms and flags, the memory plan:
+docs/training.md. Log rows and transcripts: steplog.py.
 
 CPU toy run (tasks from `python envs.py corpus --out data/corpus`, an SFT checkpoint from sft.py):
     python grpo.py --init runs/actobs/final --tasks data/corpus/rl --out runs/grpo-actobs \
         --steps 20 --tasks-per-step 4 --group-size 4 --lr 1e-5 --max-len 4096 --max-new-tokens 512
 1 GPU, the paper's settings (the flag defaults: lr 1e-6, 135 steps, 32 tasks x 16 episodes, binary reward):
     python grpo.py --init runs/q4b-actobs/final --tasks tasks/rl --out runs/q4b-actobs-grpo
-8 GPUs (each rank: its own engine, 4 of the 32 groups; FSDP2 shards a 4B model, docs/training.md's memory plan):
+8 GPUs (each rank: its own engine and 4 of the 32 groups; FSDP2 shards the model):
     torchrun --standalone --nproc_per_node 8 grpo.py --init runs/q4b-actobs/final --tasks tasks/rl \
-        --fsdp --grad-ckpt --micro-tokens 16384 --out ...
-Resume: the same command plus --resume. Several runs, one process: `python grpo.py ARGS ::: ARGS ...` (run_cli).
-
-One step (main): roll out --group-size episodes of each of --tasks-per-step tasks (up to --concurrency sandboxes
-at once), reward each by its task's verifier, and take --ppo-epochs optimizer steps on
-
-    A_i = r_i - mean(r_group)                          (/ (std(r_group) + 1e-6) with --scale-std; population std)
-    L   = -sum_{i in ACTION} n_i * w_i * min(rho_i A, clip(rho_i, 1-eps_low, 1+eps_high) A)
-          + echo * mean_seq[ sum_{i in OBS(seq)} NLL_i / |OBS(seq)| ]  + kl * sum_{i in ACTION} n_i * k3_i
-
-with rho_i = pi(a_i) / pi_behaviour(a_i) (the vLLM log-prob the token was sampled with), all log-probs at the
-sampling temperature (logits / T, top-p 1, top-k off) and, with --grammar, of the distribution masked to the tokens
-the reply's grammar allowed, renormalised (the ratio, the KL and the entropy alike; ACTION then leaves out the
-forced tokens, those the grammar allowed alone: they carry no loss); eps_low = eps_high = --clip unless --clip-low /
---clip-high say otherwise (DAPO's clip-higher); n_i = 1 / (action tokens in the step) for `--loss-norm token`,
-1 / (|ACTION(seq)| * sequences in the step) for `sequence`, 1 / (--max-len * sequences) for `constant` (Dr. GRPO).
-k3_i = e^(ref_i - logp_i) - (ref_i - logp_i) - 1, ref: the initial policy's log-prob. With --tis-cap C, rho_i is
-against the trainer's log-prob before the step's first update and w_i = min(pi_old / pi_behaviour, C) corrects the
-trainer/vLLM mismatch; else w_i = 1. Infrastructure failures (episode.INFRA_FAILURES) are out of their group's mean and
-of the loss; the normalisers count every other episode, groups without signal included (an episode the loss adds
-nothing on, may_skip, is not forwarded; a step with none left makes no optimizer step). An episode cut at --max-len
-keeps its verifier's reward, is masked out of the loss, or is penalised (--overlong). After every optimizer step the
-weights go into the engine in place (engine.py). Log rows, transcripts: steplog.py; GPU memory: docs/training.md.
+        --fsdp --grad-ckpt --micro-tokens 16384 --out runs/q4b-actobs-grpo
+Resume: the same command plus --resume. Several runs, one process: `python grpo.py ARGS ::: ARGS ...`.
 """
 import argparse
+import dataclasses
+import functools
 import gc
+import os
 import time
-from collections import Counter
 
 import numpy as np
 import torch
 
+import envs
 from actobs import common, engine, episode, head, steplog, terminus
 from actobs.labels import ACTION, OBS, PROMPT, load_tokenizer
 from actobs.tasks import load_tasks
@@ -99,7 +91,7 @@ def get_parser():
     g.add_argument("--adam-eps", type=float, default=1e-8, help="AdamW epsilon")
     g.add_argument("--grad-clip", type=float, default=1.0, help="max global grad norm (0 = off)")
     g.add_argument("--seed", type=int, default=0)
-    g = p.add_argument_group(common.EXECUTION, "how the run computes, not what: free to change on --resume")
+    g = p.add_argument_group("execution", "how the run computes, not what: free to change on --resume")
     g.add_argument("--concurrency", type=int, default=64, help="sandboxes live at once per rank")
     g.add_argument("--micro-tokens", type=int, default=32768, help="token budget of a micro-batch (rows x length)")
     g.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32"], help="autocast and engine dtype; "
@@ -113,13 +105,48 @@ def get_parser():
     return p
 
 
+# What --resume lets change: how the run computes and where it writes. Every other flag must be the checkpoint's
+# (common.resume_point), a new one too unless it is added here.
+FREE_ON_RESUME = ("concurrency", "micro_tokens", "dtype", "grad_ckpt", "fsdp", "gpu_memory", "kv_cache_gb",
+                  *common.RUN_FLAGS)
+
+
 # ----------------------------------------------------------------------------------------------------------
 # The objective
 
+@dataclasses.dataclass(frozen=True)
+class Objective:
+    """The loss's settings, from the flags (objective()): what pg_loss_full states and pg_loss computes."""
+    weights: dict  # each term's coefficient, {"pg": 1, "kl": --kl-coef, "echo": --echo-coef}; may_skip reads them
+    temperature: float  # the action tokens' log-probs are of logits / T, the distribution they were sampled from
+    clip_low: float  # eps_low, eps_high: rho is clipped to [1 - eps_low, 1 + eps_high]
+    clip_high: float
+    tis_cap: float  # > 0: rho against the trainer before the step's first update, times min(pi_old / pi_behav, cap)
+    loss_norm: str  # n_i: "token", "sequence" or "constant"
+    max_len: int  # constant's n_i = 1 / (max_len * sequences)
+    echo_payload_only: bool  # ECHO on the environment's own text only
+
+
+def objective(args):
+    """The Objective of the run's flags. A new term: its coefficient in weights, its value in pg_loss_full and
+    token_objective (may_skip reads the weights, so the term reaches groups without signal)."""
+    return Objective(weights={"pg": 1.0, "kl": args.kl_coef, "echo": args.echo_coef}, temperature=args.temperature,
+                     clip_low=args.clip if args.clip_low is None else args.clip_low,
+                     clip_high=args.clip if args.clip_high is None else args.clip_high, tis_cap=args.tis_cap,
+                     loss_norm=args.loss_norm, max_len=args.max_len, echo_payload_only=args.echo_payload_only)
+
+
+@dataclasses.dataclass(frozen=True)
+class Normalisers:
+    """The step's counts the loss divides by, over every rank (train_batch)."""
+    act_tokens: float  # action tokens that carry loss (loss_tokens) in the step, at least 1
+    seqs: float  # the step's examples, at least 1
+    echo_seqs: float  # the examples with ECHO tokens (the loss divides by at least 1)
+
+
 def collate(examples, pad_id):
-    """Episodes (dicts of per-token lists: ids, roles, wrapper, adv, behav, [old, ref], and under a grammar
-    forced, with the masks and mask_ids) -> right-padded (B, T) tensors (PROMPT on padding, so padding never
-    carries loss), and under a grammar mask_table and mask_row (engine.mask_batch)."""
+    """Examples (dicts of per-token lists: ids, roles, wrapper, adv, behav, [old, ref]; under a grammar forced, masks,
+    mask_ids) -> right-padded (B, T) tensors, PROMPT on padding; under a grammar mask_table, mask_row (engine's)."""
     out = common.collate([(e["ids"], e["roles"]) for e in examples], pad_id)  # input_ids, roles, attention_mask
     out.update(engine.mask_batch(examples, out["input_ids"].shape))
     for key, dtype in (("wrapper", torch.bool), ("forced", torch.bool), ("adv", torch.float32),
@@ -132,27 +159,10 @@ def collate(examples, pad_id):
 
 
 def echo_mask(roles, wrapper, payload_only):
-    """roles, wrapper (..., T) -> (..., T-1) bool: the positions whose next token carries the ECHO loss, OBS
-    tokens (only the environment's own text when payload_only)."""
+    """roles, wrapper (..., T) -> (..., T-1) bool: the positions whose next token carries ECHO: OBS (payload_only:
+    the environment's own text alone)."""
     m = roles[..., 1:] == OBS
     return m & ~wrapper[..., 1:] if payload_only else m
-
-
-def selected_rows(model, batch, temperature, echo):
-    """Hidden states of the positions that carry loss: those predicting ACTION tokens (scaled by 1/T: the head gives
-    logits / T) but the forced ones (a grammar allowed them alone) and, where echo, OBS tokens (at T = 1: the model's
-    own prediction of the environment). -> (rows (N, H), targets (N,), is_act (N,), row (N,) sequence, sel (B, T-1))."""
-    ids, roles = batch["input_ids"], batch["roles"]  # (B, T)
-    hidden = model.base_model(input_ids=ids, attention_mask=batch["attention_mask"],
-                              use_cache=False).last_hidden_state  # (B, T, H)
-    is_act = roles[:, 1:] == ACTION  # (B, T-1): the role of the token each position predicts
-    if "forced" in batch:
-        is_act &= ~batch["forced"][:, 1:]
-    sel = is_act | (roles[:, 1:] == OBS) & echo
-    h, act = hidden[:, :-1][sel], is_act[sel]  # (N, H), (N,)
-    scale = torch.where(act, 1.0 / temperature, 1.0).to(h.dtype)
-    row = torch.arange(len(ids), device=ids.device)[:, None].expand_as(sel)[sel]
-    return h * scale[:, None], ids[:, 1:][sel], act, row, sel
 
 
 def loss_tokens(example):
@@ -161,144 +171,218 @@ def loss_tokens(example):
     return sum(r == ACTION and not f for r, f in zip(example["roles"][1:], forced[1:]))
 
 
-def clip_range(args):
-    """-> (1 - eps_low, 1 + eps_high): the interval the importance ratio is clipped to."""
-    low = args.clip if args.clip_low is None else args.clip_low
-    high = args.clip if args.clip_high is None else args.clip_high
-    return 1 - low, 1 + high
-
-
-def loss_coefs(args):
-    """The weight of each term of the loss (the module docstring's L): the policy gradient's, the KL's, ECHO's.
-    pg_loss sums its terms with these and may_skip reads them, so a term added to both reaches every example."""
-    return {"pg": 1.0, "kl": args.kl_coef, "echo": args.echo_coef}
-
-
-def may_skip(example, coefs):
-    """Whether pg_loss adds nothing on `example`, so it need not be forwarded: its advantage is 0 at every token
+def may_skip(example, obj):
+    """Whether the loss adds nothing on `example`, so it need not be forwarded: its advantage is 0 at every token
     (a group without signal: the policy-gradient term is 0) and every other term weighs 0."""
-    return not any(example["adv"]) and not any(c for term, c in coefs.items() if term != "pg")
+    return not any(example["adv"]) and not any(c for term, c in obj.weights.items() if term != "pg")
 
 
-def pg_loss(model, batch, args, coefs, n_tok, n_seq, n_echo):
-    """-> (this micro-batch's part of the step's loss, stats of sums): the objective of the module docstring, a sum
-    of per-token terms, each a function of its own token's log-prob, so head.token_loss forms the head's gradients
-    in the forward pass (the chunked head: the (N, V) logits never exist). coefs: loss_coefs, each term's weight.
-    n_tok, n_seq, n_echo: the normalisers, the step's action tokens, sequences and sequences with ECHO tokens."""
-    echo = echo_mask(batch["roles"], batch["wrapper"], args.echo_payload_only) & (coefs["echo"] != 0)  # (B, T-1)
-    h, targets, act, row, sel = selected_rows(model, batch, args.temperature, echo)
-    a_row, o_row = row[act], row[~act]
+def pg_loss_full(lm, batch, obj, norm):
+    """The module docstring's L on one micro-batch, on full logits, term by term: the spec that pg_loss computes
+    chunked (tests/test_grpo.py holds the two equal). lm: the policy (a Hugging Face causal LM), batch: collate's,
+    obj: Objective, norm: the step's Normalisers. -> this micro-batch's part of the step's loss (autograd)."""
+    ids, roles = batch["input_ids"], batch["roles"]  # (B, T)
+    logits = lm(input_ids=ids, attention_mask=batch["attention_mask"]).logits[:, :-1].float()  # (B, T-1, V)
+    targets = ids[:, 1:, None]  # (B, T-1, 1): the token each position predicts
+    # The action tokens' log-probs at the sampling temperature; under a grammar those of the distribution masked to
+    # the tokens the grammar allowed at each, renormalised (what vLLM sampled from)
+    scaled = logits / obj.temperature  # (B, T-1, V)
+    if "mask_table" in batch:
+        allowed = torch.from_numpy(np.unpackbits(batch["mask_table"].cpu().numpy(), axis=1, bitorder="little"))
+        allowed = allowed.to(ids.device).bool()[batch["mask_row"][:, 1:], :scaled.shape[-1]]  # (B, T-1, V)
+        scaled = scaled.masked_fill(~allowed, float("-inf"))
+    logp = torch.log_softmax(scaled, -1).gather(-1, targets).squeeze(-1)  # (B, T-1)
+    act = roles[:, 1:] == ACTION  # (B, T-1): the tokens the policy sampled...
+    if "forced" in batch:
+        act = act & ~batch["forced"][:, 1:]  # ...but those the grammar allowed alone (probability 1): no loss
+    seq = torch.arange(len(ids), device=ids.device)[:, None].expand_as(act)[act]  # (n,) each action token's sequence
+    lp, behav, adv = logp[act], batch["behav"][:, 1:][act], batch["adv"][:, 1:][act]  # (n,) each
+    # rho against the behaviour policy (the log-prob vLLM sampled with); with --tis-cap against the trainer before
+    # the step's first update (old; this policy at the first epoch), weighted by the truncated IS weight w
+    old = batch["old"][:, 1:][act] if "old" in batch else lp.detach()  # (n,)
+    if obj.tis_cap > 0:
+        rho, w = (lp - old).exp(), (old - behav).exp().clamp(max=obj.tis_cap)
+    else:
+        rho, w = (lp - behav).exp(), torch.ones_like(lp)
+    surrogate = torch.minimum(rho * adv, rho.clamp(1 - obj.clip_low, 1 + obj.clip_high) * adv)  # (n,)
+    if obj.loss_norm == "token":  # n_i: 1 / (the step's action tokens)
+        n = 1.0 / norm.act_tokens
+    elif obj.loss_norm == "sequence":  # 1 / (|ACTION(seq)| * the step's sequences)
+        n = 1.0 / (act.sum(1)[seq] * norm.seqs)  # (n,)
+    else:  # constant (Dr. GRPO): 1 / (--max-len * the step's sequences), however long the sequence
+        n = 1.0 / (obj.max_len * norm.seqs)
+    pg = -(n * w * surrogate).sum()
+    # the k3 estimate of the KL to the initial policy, whose log-probs are ref: e^d - d - 1, d = ref - logp
+    d = batch["ref"][:, 1:][act] - lp if "ref" in batch else torch.zeros_like(lp)  # (n,)
+    kl = (n * (d.exp() - d - 1)).sum()
+    # ECHO: the observation tokens' NLL at T = 1 (the model's own prediction of the environment, unmasked), a mean
+    # per sequence, summed over the sequences and divided by the step's sequences that have such tokens
+    obs = echo_mask(roles, batch["wrapper"], obj.echo_payload_only)  # (B, T-1)
+    nll = -torch.log_softmax(logits, -1).gather(-1, targets).squeeze(-1)  # (B, T-1)
+    echo = ((nll * obs).sum(1) / obs.sum(1).clamp(min=1)).sum() / max(norm.echo_seqs, 1)
+    return obj.weights["pg"] * pg + obj.weights["kl"] * kl + obj.weights["echo"] * echo
 
-    def at_rows(key):  # a (B, T) per-token field at the selected positions, (N,)
-        return batch[key][:, 1:][sel]
-    adv, behav = at_rows("adv"), at_rows("behav")
-    old = at_rows("old") if "old" in batch else None  # None: the trainer before this step's first update is this one
-    ref = at_rows("ref") if "ref" in batch else None
-    w = torch.zeros(len(targets), device=h.device)  # (N,): n_i on action rows, ECHO's weight on observation rows
-    if args.loss_norm == "token":
-        w[act] = 1.0 / n_tok
-    elif args.loss_norm == "sequence":
-        w[act] = 1.0 / (torch.bincount(a_row, minlength=len(sel)).float()[a_row] * n_seq)
-    else:  # constant (Dr. GRPO): every action token weighs the same, however long its sequence
-        w[act] = 1.0 / (args.max_len * n_seq)
-    w[~act] = coefs["echo"] / (torch.bincount(o_row, minlength=len(sel)).float()[o_row] * max(n_echo, 1))
 
-    def act_parts(lp, i):  # the objective's parts at action rows i (indices into the N rows), lp their log-probs
-        o = old[i] if old is not None else lp.detach()
-        if args.tis_cap > 0:
-            ratio, w_is = (lp - o).exp(), (o - behav[i]).exp().clamp(max=args.tis_cap)
-        else:
-            ratio, w_is = (lp - behav[i]).exp(), torch.ones_like(o)
-        unclipped, clipped = ratio * adv[i], ratio.clamp(*clip_range(args)) * adv[i]
-        d_ref = ref[i] - lp if ref is not None else torch.zeros_like(lp)  # log pi_init - log pi
-        k3 = d_ref.exp() - d_ref - 1
-        flows = unclipped <= clipped  # the min takes the unclipped branch: the gradient flows through the ratio
-        return {"pg": -coefs["pg"] * w[i] * w_is * torch.minimum(unclipped, clipped), "kl": coefs["kl"] * w[i] * k3,
-                "k3": k3, "d_ref": d_ref, "w_is": w_is, "old": o, "flows": flows}
+# The same loss, chunked: head.token_loss forms the head's gradients in its forward pass from each row's term, so the
+# (N, V) logits never exist at Qwen's 151,936-token vocabulary. Each row's term is token_objective's.
 
-    def terms(lp, rows):  # (c,) the loss of rows `rows`, each row's from its own log-prob
-        a = act[rows]
-        t = torch.zeros_like(lp)
-        p = act_parts(lp[a], a.nonzero().squeeze(1) + rows.start)
-        t[a] = p["pg"] + p["kl"]
-        t[~a] = -w[rows][~a] * lp[~a]
+@dataclasses.dataclass
+class Rows:
+    """The positions of a micro-batch that carry loss (selected_rows): N of its (B, T-1) predictions."""
+    h: torch.Tensor  # (N, H) hidden states, action rows scaled by 1 / T (the head then gives logits / T)
+    targets: torch.Tensor  # (N,) the token each row predicts
+    act: torch.Tensor  # (N,) bool: an action row (else an ECHO row, at T = 1)
+    seq: torch.Tensor  # (N,) its sequence in the batch
+    sel: torch.Tensor  # (B, T-1) bool: the positions selected
+    adv: torch.Tensor  # (N,) the batch's per-token fields at the rows: the advantage,
+    behav: torch.Tensor  # the log-prob vLLM sampled the token with,
+    old: torch.Tensor | None  # the trainer's before the step's first update (None: the row's own, detached),
+    ref: torch.Tensor | None  # the initial policy's (None: no KL)
+
+
+def selected_rows(lm, batch, temperature, echo):
+    """The positions that carry loss: those predicting ACTION tokens (hidden states scaled by 1/T: the head gives
+    logits / T) but the forced ones (a grammar allowed them alone) and, where echo (B, T-1), OBS tokens (at T = 1:
+    the model's own prediction of the environment). -> Rows."""
+    ids, roles = batch["input_ids"], batch["roles"]  # (B, T)
+    hidden = lm.base_model(input_ids=ids, attention_mask=batch["attention_mask"],
+                           use_cache=False).last_hidden_state  # (B, T, H)
+    is_act = roles[:, 1:] == ACTION  # (B, T-1): the role of the token each position predicts
+    if "forced" in batch:
+        is_act &= ~batch["forced"][:, 1:]
+    sel = is_act | (roles[:, 1:] == OBS) & echo
+    h, act = hidden[:, :-1][sel], is_act[sel]  # (N, H), (N,)
+    scale = torch.where(act, 1.0 / temperature, 1.0).to(h.dtype)
+    seq = torch.arange(len(ids), device=ids.device)[:, None].expand_as(sel)[sel]
+    at = {k: batch[k][:, 1:][sel] if k in batch else None for k in ("adv", "behav", "old", "ref")}  # (N,) each
+    return Rows(h=h * scale[:, None], targets=ids[:, 1:][sel], act=act, seq=seq, sel=sel, **at)
+
+
+def token_objective(lp, rows, r, w, obj, parts=False):
+    """head.token_loss's terms: the loss of rows `rows` (a slice of r's N rows) from their log-probs lp (c,), each
+    row's a function of its own log-prob. Action rows: pg_loss_full's clipped objective and KL; ECHO rows: their
+    NLL. w (N,): n_i on action rows, ECHO's weight on the others. -> (c,); with parts also the action rows' pieces."""
+    a = r.act[rows]  # (c,) bool
+    lp_a = lp[a]  # (n,) the action rows' log-probs at T
+    adv, behav, w_a = r.adv[rows][a], r.behav[rows][a], w[rows][a]  # (n,) each
+    old = r.old[rows][a] if r.old is not None else lp_a.detach()
+    if obj.tis_cap > 0:
+        ratio, w_is = (lp_a - old).exp(), (old - behav).exp().clamp(max=obj.tis_cap)
+    else:
+        ratio, w_is = (lp_a - behav).exp(), torch.ones_like(old)
+    unclipped, clipped = ratio * adv, ratio.clamp(1 - obj.clip_low, 1 + obj.clip_high) * adv  # (n,)
+    d_ref = r.ref[rows][a] - lp_a if r.ref is not None else torch.zeros_like(lp_a)  # log pi_init - log pi
+    k3 = d_ref.exp() - d_ref - 1
+    pg = -obj.weights["pg"] * w_a * w_is * torch.minimum(unclipped, clipped)  # (n,)
+    t = torch.zeros_like(lp)
+    t[a] = pg + obj.weights["kl"] * w_a * k3
+    t[~a] = -w[rows][~a] * lp[~a]  # ECHO
+    if not parts:
         return t
-    W = model.get_output_embeddings().weight
-    loss, logp_all, ent = head.token_loss(h, W, targets, terms, entropy=True,  # (), (N,) at T or 1, (N,)
-                                            allowed=engine.allowed_rows(batch, sel))
-    p, obs_logp = act_parts(logp_all[act], act.nonzero().squeeze(1)), logp_all[~act]  # the stats, detached
-    pg, echo_term = p["pg"].sum(), -(w[~act] * obs_logp).sum()
-    stats = {"loss": loss.item(), "pg_loss": pg.item(), "echo_loss": echo_term.item(), "act_tokens": int(act.sum()),
-             "entropy_sum": float(ent[act].sum()), "kl_init_sum": float(-p["d_ref"].sum()),
-             "kl_init_k3_sum": float(p["k3"].sum()), "mismatch_sum": float((behav[act] - p["old"]).sum()),
-             "mismatch_abs_sum": float((behav[act] - p["old"]).abs().sum()),
-             "clipped_sum": float((~p["flows"] & (adv[act] != 0)).sum()), "tis_w_sum": float(p["w_is"].sum()),
+    # flows: the min takes the unclipped branch, so the gradient flows through the ratio
+    return t, {"pg": pg, "k3": k3, "d_ref": d_ref, "w_is": w_is, "old": old, "flows": unclipped <= clipped}
+
+
+def pg_loss(lm, batch, obj, norm):
+    """pg_loss_full's loss through the chunked head: a sum of token_objective's per-token terms, so head.token_loss
+    forms the head's gradients in the forward pass. -> (the loss, stats of sums: the terms, entropy, KL, mismatch
+    between the engine's and the trainer's log-probs, clipping)."""
+    echo = echo_mask(batch["roles"], batch["wrapper"], obj.echo_payload_only) & (obj.weights["echo"] != 0)  # (B, T-1)
+    r = selected_rows(lm, batch, obj.temperature, echo)
+    act, a_seq, o_seq = r.act, r.seq[r.act], r.seq[~r.act]
+    w = torch.zeros(len(r.targets), device=r.h.device)  # (N,): n_i on action rows, ECHO's weight on the others
+    if obj.loss_norm == "token":
+        w[act] = 1.0 / norm.act_tokens
+    elif obj.loss_norm == "sequence":
+        w[act] = 1.0 / (torch.bincount(a_seq, minlength=len(r.sel)).float()[a_seq] * norm.seqs)
+    else:  # constant (Dr. GRPO): every action token weighs the same, however long its sequence
+        w[act] = 1.0 / (obj.max_len * norm.seqs)
+    w[~act] = obj.weights["echo"] / (torch.bincount(o_seq, minlength=len(r.sel)).float()[o_seq]
+                                     * max(norm.echo_seqs, 1))
+    terms = functools.partial(token_objective, r=r, w=w, obj=obj)
+    loss, logp, ent = head.token_loss(r.h, lm.get_output_embeddings().weight, r.targets, terms, entropy=True,
+                                      allowed=engine.allowed_rows(batch, r.sel))  # (), (N,) at T or 1, (N,)
+    _, p = token_objective(logp, slice(0, len(logp)), r, w, obj, parts=True)  # the stats, detached
+    obs_logp = logp[~act]
+    stats = {"loss": loss.item(), "pg_loss": p["pg"].sum().item(), "echo_loss": (-(w[~act] * obs_logp).sum()).item(),
+             "act_tokens": int(act.sum()), "entropy_sum": float(ent[act].sum()),
+             "kl_init_sum": float(-p["d_ref"].sum()), "kl_init_k3_sum": float(p["k3"].sum()),
+             "mismatch_sum": float((r.behav[act] - p["old"]).sum()),
+             "mismatch_abs_sum": float((r.behav[act] - p["old"]).abs().sum()),
+             "clipped_sum": float((~p["flows"] & (r.adv[act] != 0)).sum()), "tis_w_sum": float(p["w_is"].sum()),
              "obs_tokens": len(obs_logp), "obs_nll_sum": float(-obs_logp.sum())}
     return loss, stats
 
 
-def action_logprobs(model, batch, args):
-    """-> (B, T-1) the log-prob (at T) of each next token that is an action under `model`, 0 elsewhere."""
-    no_echo = torch.zeros_like(batch["wrapper"][:, 1:])  # (B, T-1)
-    h, targets, act, row, sel = selected_rows(model, batch, args.temperature, no_echo)
-    logp, _ = head.token_logprobs(h, model.get_output_embeddings().weight, targets,
-                                    allowed=engine.allowed_rows(batch, sel))
-    full = torch.zeros(sel.shape, dtype=torch.float32, device=logp.device)
-    full[sel] = logp
+def action_logprobs(lm, batch, temperature):
+    """-> (B, T-1) the log-prob (at T) of each next token that is an action under `lm`, 0 elsewhere."""
+    r = selected_rows(lm, batch, temperature, torch.zeros_like(batch["wrapper"][:, 1:]))  # no ECHO rows
+    logp, _ = head.token_logprobs(r.h, lm.get_output_embeddings().weight, r.targets,
+                                  allowed=engine.allowed_rows(batch, r.sel))
+    full = torch.zeros(r.sel.shape, dtype=torch.float32, device=logp.device)
+    full[r.sel] = logp
     return full
 
 
-def empty_example(pad_id):
-    """A 1-token example that carries no loss: a rank without examples left forwards it, so that every rank runs as
-    many forward passes (the collectives of DDP and FSDP2 require it)."""
-    return {"ids": [pad_id], "roles": [PROMPT], "behav": [0.0], "wrapper": [False], "adv": [0.0]}
+def micro_batch(examples, group, pad_id, device):
+    """The collated micro-batch of examples[i] for i in group, on device. Of an empty group, a 1-token example that
+    carries no loss: a rank with no examples left still runs as many forwards as the others (DDP's and FSDP2's
+    collectives require it)."""
+    empty = {"ids": [pad_id], "roles": [PROMPT], "behav": [0.0], "wrapper": [False], "adv": [0.0]}
+    return {k: v.to(device) for k, v in collate([examples[i] for i in group] or [empty], pad_id).items()}
 
 
 @torch.no_grad()
-def policy_logprobs(model, examples, args, pad_id, device, ctx, trainer=False):
-    """Per-token log-probs (at T) of each example's tokens under `model` (a list per example, 0 where a token is not
-    an action), e.g. the initial policy's for the KL, or with trainer=True the trainer's before a multi-epoch step:
-    `model` is then the wrapped common.LossModule, whose forward gathers FSDP2's shards, and every rank runs as
-    many forwards, one on an empty example where it has none."""
+def policy_logprobs(scorer, examples, args, pad_id, device, ctx, trainer=False):
+    """Per-token log-probs (at T) of each example's tokens (a list per example, 0 where a token is not an action)
+    under `scorer`: an HF model (the initial policy, for the KL), or with trainer=True the wrapped LossModule (the
+    trainer before a multi-epoch step: its forward gathers FSDP2's shards; every rank runs as many)."""
     lengths = [len(e["ids"]) for e in examples]
     out = []
     for g in (common.rank_micro_batches(lengths, args.micro_tokens, device) if trainer else
               common.micro_batches(lengths, args.micro_tokens)):
-        rows = [examples[i] for i in g] or [empty_example(pad_id)]
-        batch = {k: v.to(device) for k, v in collate(rows, pad_id).items()}
+        batch = micro_batch(examples, g, pad_id, device)
         with ctx:
-            full = model(batch, args, fn=action_logprobs) if trainer else action_logprobs(model, batch, args)
+            full = (scorer(batch, args.temperature, fn=action_logprobs) if trainer else
+                    action_logprobs(scorer, batch, args.temperature))
         for j, i in enumerate(g):
             out.append((i, [0.0] + full[j, : len(examples[i]["ids"]) - 1].tolist()))
     return [lp for _, lp in sorted(out)]
 
 
-def train_batch(model, ref, opt, examples, args, pad_id, device, ctx, step, log):
-    """--ppo-epochs optimizer steps of `model` (common.LossModule of pg_loss around the policy) on this rank's
-    examples; ref: the initial policy. -> (stats summed over the first epoch's micro-batches, grad norm of the
-    last update or None). The normalisers count every example of every rank; those pg_loss adds nothing on
-    (may_skip) are not forwarded. With none left on any rank nothing runs, no optimizer step either: Adam's moments
-    would move the weights on the memory of earlier gradients (and weight decay shrink them) with a gradient of 0."""
-    coefs = loss_coefs(args)
+def train_batch(wrapped, init_lm, opt, examples, args, pad_id, device, ctx, step, log):
+    """--ppo-epochs optimizer steps of `wrapped` (common.LossModule around the policy, under DDP / FSDP2) on this
+    rank's examples; init_lm: the initial policy. -> (stats summed over the first epoch's micro-batches, the last
+    grad norm or None). The normalisers count every example of every rank; those the loss adds nothing on are not
+    forwarded (may_skip). With none left on any rank, no optimizer step either: Adam's moments would move the
+    weights with a gradient of 0."""
+    obj = objective(args)
     n_echo = sum(bool(echo_mask(torch.tensor(ex["roles"]), torch.tensor(ex["wrapper"]), args.echo_payload_only).any())
-                 for ex in examples) if coefs["echo"] != 0 else 0
+                 for ex in examples) if obj.weights["echo"] != 0 else 0
     n_tok, n_seq, n_echo = common.all_reduce([sum(map(loss_tokens, examples)), len(examples), n_echo], device)
-    examples = [ex for ex in examples if not may_skip(ex, coefs)]
+    norm = Normalisers(act_tokens=max(n_tok, 1), seqs=max(n_seq, 1), echo_seqs=n_echo)
+    examples = [ex for ex in examples if not may_skip(ex, obj)]
     if common.all_reduce([len(examples)], device)[0] == 0:
         return {"episodes_trained": 0}, None
-    for ex, lp in zip(examples, policy_logprobs(ref, examples, args, pad_id, device, ctx) if examples else []):
+    for ex, lp in zip(examples, policy_logprobs(init_lm, examples, args, pad_id, device, ctx) if examples else []):
         ex["ref"] = lp
     if args.ppo_epochs > 1 and args.tis_cap > 0:  # the trainer before the step's first update, on every rank
-        for ex, lp in zip(examples, policy_logprobs(model, examples, args, pad_id, device, ctx, trainer=True)):
+        for ex, lp in zip(examples, policy_logprobs(wrapped, examples, args, pad_id, device, ctx, trainer=True)):
             ex["old"] = lp
-    tot = {"episodes_trained": len(examples)}
+    # micro-batches by token budget, as many on every rank; the loss is already normalised over the step and every
+    # rank, and DDP averages gradients over ranks: each backward is of loss * world
+    world, tot = common.world_size(), {"episodes_trained": len(examples)}
+    groups = common.rank_micro_batches([len(ex["ids"]) for ex in examples], args.micro_tokens, device)
     for epoch in range(args.ppo_epochs):
-        st = common.micro_batch_passes(model, [len(ex["ids"]) for ex in examples],
-                                       lambda g: collate([examples[i] for i in g] or [empty_example(pad_id)], pad_id),
-                                       (args, coefs, max(n_tok, 1), max(n_seq, 1), n_echo), args, device, ctx)
-        if epoch == 0:
-            tot.update(st)
-        gnorm = common.optimizer_step(model, opt, args.grad_clip, step, log)
+        for k, g in enumerate(groups):
+            batch = micro_batch(examples, g, pad_id, device)
+            with common.grad_sync(wrapped, k == len(groups) - 1, world, args.fsdp), ctx:
+                loss, st = wrapped(batch, obj, norm, fn=pg_loss)  # pg_loss(policy, ...) under DDP's / FSDP2's hooks
+                (loss * world).backward()
+            if epoch == 0:
+                for key, v in {**st, "tokens": int(batch["attention_mask"].sum()) if g else 0}.items():
+                    tot[key] = tot.get(key, 0.0) + v
+        gnorm = common.optimizer_step(wrapped, opt, args.grad_clip, step, log)
     return tot, gnorm
 
 
@@ -306,8 +390,8 @@ def train_batch(model, ref, opt, examples, args, pad_id, device, ctx, step, log)
 # Episodes to examples: the step's draws, rewards and advantages
 
 def step_groups(n_tasks, tasks_per_step, step, seed, draw=0):
-    """Task indices of one draw of a step: without replacement within a draw, seeded by (seed, step) for the
-    first draw and (seed, step, draw) for dynamic sampling's further ones, so a resumed run draws the same."""
+    """Task indices of one draw of a step, without replacement, seeded by (seed, step) for the first draw and (seed,
+    step, draw) for dynamic sampling's further ones: a resumed run draws the same."""
     rng = np.random.default_rng([seed, step] + ([draw] if draw else []))
     return rng.choice(n_tasks, tasks_per_step, replace=tasks_per_step > n_tasks).tolist()
 
@@ -326,18 +410,19 @@ def step_seed(seed, step, rank, draw=0):
 
 
 def draw_episodes(llm, tok, tasks, template, args, step, rank, gen, draw, groups):
-    """The episodes of one draw's groups on this rank (--group-size of each task, in order), scored by their
-    verifiers; the generator's wall / busy / idle seconds are added to the Counter gen (a Counter's update adds)."""
+    """The episodes of one draw's groups on this rank (--group-size of each task, in order), sampled by the engine's
+    policy in sandboxes, scored by their verifiers; the generator's seconds are added to the Counter gen."""
     from tqdm import tqdm
     desc = f"step {step + 1} rollouts" + (f" (draw {draw + 1})" if draw else "")
     bar = tqdm(total=len(groups) * args.group_size, desc=desc, leave=False, disable=rank != 0, dynamic_ncols=True)
-    eps = engine.rollout(llm, tok, [tasks[g] for g in groups for _ in range(args.group_size)],
-                         temperature=args.temperature, max_turns=args.max_turns, max_new_tokens=args.max_new_tokens,
-                         max_len=args.max_len, concurrency=args.concurrency, template=template,
-                         seed=step_seed(args.seed, step, rank, draw), on_episode=lambda i, e: bar.update(),
-                         stats=gen, network=args.network, grammar=args.grammar)
+    policy = engine.VLLMPolicy(llm, tok, temperature=args.temperature, max_new_tokens=args.max_new_tokens,
+                               max_len=args.max_len, seed=step_seed(args.seed, step, rank, draw), grammar=args.grammar)
+    with engine.engine_threads():
+        episodes = envs.run_episodes([tasks[g] for g in groups for _ in range(args.group_size)], policy,
+                                     max_turns=args.max_turns, concurrency=args.concurrency, template=template,
+                                     on_episode=lambda i, e: bar.update(), stats=gen, network=args.network)
     bar.close()
-    return eps
+    return episodes
 
 
 def group_rewards(episodes, args):
@@ -394,9 +479,6 @@ def group_examples(episodes, adv, trains):
 # ----------------------------------------------------------------------------------------------------------
 # The run
 
-RESUME_KEYS = common.resume_keys(get_parser())  # the flags that fix what the run computes
-
-
 def main(argv=None):
     args = get_parser().parse_args(argv)
 
@@ -408,45 +490,47 @@ def main(argv=None):
     if args.dynamic_sampling % args.tasks_per_step:
         raise ValueError(f"--dynamic-sampling {args.dynamic_sampling} must be a multiple of --tasks-per-step "
                          f"{args.tasks_per_step} (0 = off)")
-    run = common.start_run(args, RESUME_KEYS)
+    run = common.start_run(args, FREE_ON_RESUME)
     if run is None:
         return
-    rank, world, device, out, ckpt, state, print0 = run
+    rank, world, device, print0 = run.rank, run.world, run.device, run.print0
     if args.tasks_per_step % world:
         raise ValueError(f"--tasks-per-step {args.tasks_per_step} must be a multiple of the {world} ranks")
 
-    tok = load_tokenizer(ckpt or args.init, "native" if ckpt else args.chat_template)
+    tok = load_tokenizer(run.ckpt or args.init, "native" if run.ckpt else args.chat_template)
     template = terminus.load_template(args.prompt_template)
     tasks = load_tasks(args.tasks, args.kinds)
     ctx, dtype, why = common.autocast(args.dtype, device)
-    raw = common.load_model(ckpt or args.init, device)
+    lm = common.load_model(run.ckpt or args.init, device)  # the policy, fp32 master weights
     # the initial policy, for the KL from init: a full copy per rank, in the autocast dtype
-    ref = common.load_model(args.init, device).to(dtype).requires_grad_(False).eval()
-    model = common.wrap_model(common.LossModule(pg_loss, raw), raw, args, device)
-    opt = common.adamw(model, args)
-    start = common.load_optimizer_state(model, opt, state, args.fsdp)
-    llm = engine.make_engine(ckpt or args.init, max_model_len=args.max_len, seed=args.seed, max_seqs=args.concurrency,
-                             dtype="bf16" if dtype == torch.bfloat16 else "fp32", gpu_memory=args.gpu_memory,
-                             kv_cache_gb=args.kv_cache_gb)
-    log = common.open_run_log(out, args, start, rank, compute_dtype={"dtype": str(dtype), "why": why})
-    print0(f"{len(tasks)} tasks | {sum(p.numel() for p in raw.parameters()) / 1e6:.1f}M params | {args.steps} steps "
+    init_lm = common.load_model(args.init, device).to(dtype).requires_grad_(False).eval()
+    wrapped = common.wrap_model(common.LossModule(lm), lm, args, device)  # what trains: DDP / FSDP2 around lm
+    opt = common.adamw(wrapped, args)
+    start = common.load_optimizer_state(wrapped, opt, run.state, args.fsdp)
+    os.environ.update(engine.IN_PROCESS_ENV)  # vLLM's engine in this process: the weight sync hands it tensors
+    llm = engine.make_engine(run.ckpt or args.init, max_model_len=args.max_len, seed=args.seed,
+                             max_seqs=args.concurrency, dtype="bf16" if dtype == torch.bfloat16 else "fp32",
+                             gpu_memory=args.gpu_memory, kv_cache_gb=args.kv_cache_gb)
+    log = common.open_run_log(run.out, args, start, rank, compute_dtype={"dtype": str(dtype), "why": why})
+    print0(f"{len(tasks)} tasks | {sum(p.numel() for p in lm.parameters()) / 1e6:.1f}M params | {args.steps} steps "
            f"x {args.tasks_per_step} tasks x {args.group_size} episodes | {str(dtype)[6:]} ({why}) | world {world} | "
            + (f"resumed at step {start}" if start else "fresh start"))
 
-    raw.train()
+    lm.train()
     per_rank = args.tasks_per_step // world  # this rank's groups of a draw
     for step in range(start, args.steps):
-        t0, gen = time.time(), Counter()  # gen: the generator's wall / busy / idle seconds over the step's draws
-        episodes, advs, valid, has_signal, examples, kept = [], [], [], [], [], 0
+        t0, s = time.time(), steplog.Step(step, task_draw=task_step(step, args.steps, args.redraw))
+        examples, kept = [], 0
         for draw in range(max(args.dynamic_sampling // args.tasks_per_step, 1)):  # one, or --dynamic-sampling's
-            groups = step_groups(len(tasks), args.tasks_per_step, task_step(step, args.steps, args.redraw), args.seed,
+            groups = step_groups(len(tasks), args.tasks_per_step, s.task_draw, args.seed,
                                  draw)[rank * per_rank: (rank + 1) * per_rank]
             # rollout -> rewards -> advantages -> examples
-            eps = draw_episodes(llm, tok, tasks, template, args, step, rank, gen, draw, groups)
-            rewards, ok, trains = group_rewards(eps, args)  # (G, S) each
+            drawn = draw_episodes(llm, tok, tasks, template, args, step, rank, s.gen, draw, groups)
+            rewards, ok, trains = group_rewards(drawn, args)  # (G, S) each
             adv, sig = group_advantages(rewards, ok, args.scale_std)  # (G, S), (G,)
-            by_group = group_examples(eps, adv, trains)
-            episodes, advs, valid, has_signal = episodes + eps, advs + [adv], valid + [ok], has_signal + [sig]
+            by_group = group_examples(drawn, adv, trains)
+            s.episodes += drawn
+            s.advantages.append(adv), s.valid.append(ok), s.has_signal.append(sig)
             if not args.dynamic_sampling:
                 examples = [ex for g in by_group for ex in g]
                 break
@@ -461,31 +545,31 @@ def main(argv=None):
             llm.sleep(level=1)
         t_roll = time.time()
         # update: --ppo-epochs optimizer steps on this batch, micro-batches by token budget
-        tot, gnorm = train_batch(model, ref, opt, examples, args, tok.pad_token_id, device, ctx, step, print0)
+        s.trained, s.gnorm = train_batch(wrapped, init_lm, opt, examples, args, tok.pad_token_id, device, ctx, step,
+                                         print0)
         t_train = time.time()
         # sync: the new weights into the engine (a step without an update leaves them as they are)
         if device.type == "cuda":
             llm.wake_up()
-        checksum, t_gather = engine.sync_weights(llm, raw) if gnorm is not None else (None, 0.0)
+        s.checksum, t_gather = engine.sync_weights(llm, lm) if s.gnorm is not None else (None, 0.0)
         t_sync = time.time()
         # log: one row a step, summed over ranks; save: a checkpoint every --save-every steps
-        times = {"rollout": t_roll - t0, "train": t_train - t_roll, "sync": t_sync - t_train, "sync_gather": t_gather,
-                 "step": t_sync - t0}
-        rec, lost = steplog.step_record(step, task_step(step, args.steps, args.redraw), episodes, torch.cat(valid),
-                                        torch.cat(has_signal), tot, gnorm, gen, times, args, device, checksum)
+        s.times = {"rollout": t_roll - t0, "train": t_train - t_roll, "sync": t_sync - t_train,
+                   "sync_gather": t_gather, "step": t_sync - t0}
+        rec, lost = steplog.step_record(s, lr=args.lr, ppo_epochs=args.ppo_epochs, device=device)
         log.write(rec)
-        print0(steplog.step_line(rec, args, lost))
+        print0(steplog.step_line(rec, args.steps, lost))
         if rank == 0:  # a solved and a failed episode to read
-            steplog.write_transcripts(out / "transcripts", step + 1, episodes, torch.cat(advs).flatten().tolist(),
-                                      args.group_size)
+            steplog.write_transcripts(run.out / "transcripts", step + 1, s.episodes,
+                                      torch.cat(s.advantages).flatten().tolist(), args.group_size)
         done = step + 1
         if (args.save_every and done % args.save_every == 0) or done == args.steps:
-            common.save_checkpoint(out / f"step-{done:06d}", model, raw, tok, opt, done, args, rank, rng=False)
-            common.prune_checkpoints(out, args.keep, rank)
+            common.save_checkpoint(run.out / f"step-{done:06d}", wrapped, lm, tok, opt, done, args, rank, rng=False)
+            common.prune_checkpoints(run.out, args.keep, rank)
             if rank == 0:
-                common.plot_log(out / "log.jsonl", out / "curves.png", steplog.CURVES)
-    common.save_checkpoint(out / "final", model, raw, tok, None, args.steps, args, rank)  # weights + tokenizer only
-    print0(f"final model: {out / 'final'}")
+                steplog.plot_curves(run.out / "log.jsonl", run.out / "curves.png")
+    common.save_checkpoint(run.out / "final", wrapped, lm, tok, None, args.steps, args, rank)  # weights, tokenizer
+    print0(f"final model: {run.out / 'final'}")
     log.close()
     del llm  # the engine's shutdown also tears down the process group it joined (torchrun): before ours, not after
     gc.collect()

@@ -19,6 +19,7 @@ Resume an interrupted run: the same command plus --resume. Several runs in one p
 import argparse
 import math
 import time
+from contextlib import nullcontext
 
 import numpy as np
 import torch
@@ -59,7 +60,7 @@ def get_parser():
     g.add_argument("--adam-eps", type=float, default=1e-8, help="AdamW epsilon")
     g.add_argument("--grad-clip", type=float, default=1.0, help="max global grad norm (0 = off)")
     g.add_argument("--seed", type=int, default=0, help="seeds the init of --model tiny, the split and the data order")
-    g = p.add_argument_group(common.EXECUTION, "how the run computes, not what: free to change on --resume")
+    g = p.add_argument_group("execution", "how the run computes, not what: free to change on --resume")
     g.add_argument("--skip-bad", action="store_true", help="skip (and count) malformed rows instead of stopping")
     g.add_argument("--micro-tokens", type=int, default=32768, help="token budget of one micro-batch per rank "
                    "(padded batch x length); on CPU 1 (a pass per trajectory, no padding) is faster: "
@@ -78,6 +79,12 @@ def get_parser():
     g.add_argument("--stop-after", type=int, default=0, help="stop (with a checkpoint) once the run reaches this "
                    "step, keeping the full run's schedule; for time-sliced jobs")
     return p
+
+
+# What --resume lets change: how the run computes, where it writes and what it logs. Every other flag must be the
+# checkpoint's (common.resume_point), a new one too unless it is added here.
+FREE_ON_RESUME = ("skip_bad", "micro_tokens", "dtype", "grad_ckpt", "fsdp", *common.RUN_FLAGS, "eval_every",
+                  "probe_every", "stop_after")
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -148,17 +155,28 @@ def step_indices(n, batch_size, step, steps_per_epoch, seed):
 
 
 def run_micro_batches(model, examples, args, pad_id, lam, w_act, n_traj, device, ctx, train):
-    """Forward (and backward when train) of `model` (common.LossModule of actobs_loss) over this rank's
-    examples in length-grouped micro-batches; -> summed stats. All ranks run the same number of micro-batches."""
-    def make_batch(g):  # an empty group: a 1-token pass without loss
-        return common.collate([examples[i] for i in g] or [([pad_id], [PROMPT])], pad_id)
-    tot = common.micro_batch_passes(model, [len(ids) for ids, _ in examples], make_batch, (lam, w_act, n_traj), args,
-                                    device, ctx, train)
-    return {**dict.fromkeys(STAT_KEYS, 0.0), **{k: tot[k] for k in STAT_KEYS if k in tot}}
+    """Forward (and backward when train) of actobs_loss through `model` (common.LossModule, wrapped) over this rank's
+    examples in length-grouped micro-batches of --micro-tokens, as many on every rank (an empty group: a 1-token pass
+    without loss); -> summed stats, with loss and tokens (the real tokens forwarded). The loss is already normalised
+    over the step and every rank, and DDP averages over ranks: each backward is of loss * world."""
+    world = common.world_size()
+    groups = common.rank_micro_batches([len(ids) for ids, _ in examples], args.micro_tokens, device)
+    tot = dict.fromkeys(STAT_KEYS, 0.0)
+    for k, g in enumerate(groups):
+        batch = common.collate([examples[i] for i in g] or [([pad_id], [PROMPT])], pad_id)
+        batch = {key: v.to(device) for key, v in batch.items()}
+        sync = common.grad_sync(model, k == len(groups) - 1, world, args.fsdp) if train else nullcontext()
+        with sync, ctx, (nullcontext() if train else torch.no_grad()):
+            loss, st = model(batch, lam, w_act, n_traj, fn=actobs_loss)
+            if train:
+                (loss * world).backward()
+        st = {**st, "loss": loss.item(), "tokens": int(batch["attention_mask"].sum()) if g else 0}
+        for key in STAT_KEYS:
+            tot[key] += st[key]
+    return tot
 
 
 STAT_KEYS = ("loss", "act_nll_sum", "act_tokens", "obs_nll_sum", "obs_tokens", "n_traj", "tokens")
-RESUME_KEYS = common.resume_keys(get_parser())  # the flags that fix what the run computes
 
 
 def reduce_stats(tot, device):
@@ -180,10 +198,10 @@ def main(argv=None):
                            "under torchrun, run `probes.py geometry` on the step checkpoints")):
         if bad_flag:
             raise ValueError(msg)
-    run = common.start_run(args, RESUME_KEYS)
+    run = common.start_run(args, FREE_ON_RESUME)
     if run is None:
         return
-    rank, world, device, out, ckpt, state, print0 = run
+    rank, world, device = run.rank, run.world, run.device
     torch.manual_seed(args.seed)
 
     # data -> (ids, roles), rendered a share per rank, held-out split
@@ -191,12 +209,12 @@ def main(argv=None):
     convs, bad = read_trajectories(args.data, args.skip_bad, where)
     model_path = args.model
     if args.model == "tiny":
-        model_path = out / "init"
+        model_path = run.out / "init"
         if rank == 0 and not (model_path / "config.json").exists():
             tiny.build_tiny(model_path, [m["content"] for c in convs for m in c], seed=args.seed)
         common.barrier()
     # a checkpoint carries the chat template it was trained with: resume with exactly that one
-    tok = load_tokenizer(ckpt, "native") if ckpt else load_tokenizer(model_path, args.chat_template)
+    tok = load_tokenizer(run.ckpt, "native") if run.ckpt else load_tokenizer(model_path, args.chat_template)
     mine, failed = [], 0
     for i in range(rank, len(convs), world):
         try:
@@ -229,21 +247,21 @@ def main(argv=None):
 
     # model, optimizer, resume
     ctx, dtype, why = common.autocast(args.dtype, device)
-    raw = common.load_model(ckpt or model_path, device)
-    model = common.wrap_model(common.LossModule(actobs_loss, raw), raw, args, device)
+    raw = common.load_model(run.ckpt or model_path, device)
+    model = common.wrap_model(common.LossModule(raw), raw, args, device)
     opt = common.adamw(model, args)
-    start = common.load_optimizer_state(model, opt, state, args.fsdp)
-    if state is not None:
-        rng = torch.load(ckpt / f"rng-{rank}.pt", weights_only=False)
+    start = common.load_optimizer_state(model, opt, run.state, args.fsdp)
+    if run.state is not None:
+        rng = torch.load(run.ckpt / f"rng-{rank}.pt", weights_only=False)
         torch.set_rng_state(rng["torch"])
         if rng["cuda"] is not None:
             torch.cuda.set_rng_state(rng["cuda"])
     n_params = sum(p.numel() for p in raw.parameters())
-    print0(f"{len(train)} train / {len(val)} val trajectories ({bad} bad rows, {empty} with nothing to learn "
+    run.print0(f"{len(train)} train / {len(val)} val trajectories ({bad} bad rows, {empty} with nothing to learn "
            f"skipped) | {n_params / 1e6:.1f}M params | {total} steps x {args.batch_size} traj | warmup {warmup} | "
            f"{'bf16' if dtype == torch.bfloat16 else 'fp32'} ({why}) | world {world} | "
            + (f"resumed at step {start}" if start else "fresh start"))
-    log = common.open_run_log(out, args, start, rank, compute_dtype={"dtype": str(dtype), "why": why})
+    log = common.open_run_log(run.out, args, start, rank, compute_dtype={"dtype": str(dtype), "why": why})
     record = log.write
 
     def evaluate(step):
@@ -257,8 +275,8 @@ def main(argv=None):
             tqdm.write(f"step {step}/{total} | eval | act {tot['act_nll']:.4f} | obs {tot['obs_nll']:.4f}")
 
     def save(step):
-        common.save_checkpoint(out / f"step-{step:06d}", model, raw, tok, opt, step, args, rank)
-        common.prune_checkpoints(out, args.keep, rank)  # args.keep >= 1, checked at start
+        common.save_checkpoint(run.out / f"step-{step:06d}", model, raw, tok, opt, step, args, rank)
+        common.prune_checkpoints(run.out, args.keep, rank)  # args.keep >= 1, checked at start
 
     if args.probe_every:  # the held-out batches the gradient geometry is measured on, built once
         probe_batches = [{k: v.to(device) for k, v in common.collate([val[i] for i in g], tok.pad_token_id).items()}
@@ -288,7 +306,7 @@ def main(argv=None):
         n_traj = max(sum(loss_denominator(train[i][1], lam, w_act) > 0 for i in idx), 1)  # global: same on all ranks
         tot = run_micro_batches(model, [train[i] for i in idx[rank::world]], args, tok.pad_token_id, lam, w_act,
                                 n_traj, device, ctx, train=True)
-        gnorm = common.optimizer_step(model, opt, args.grad_clip, step, print0)
+        gnorm = common.optimizer_step(model, opt, args.grad_clip, step, run.print0)
         tot = reduce_stats(tot, device)
         dt = time.time() - t0
         record({"step": step + 1, "train/loss": tot["loss"], "train/act_nll": tot["act_nll"],
@@ -309,11 +327,11 @@ def main(argv=None):
             save(done)
     pbar.close()
     if args.probe_every:
-        geometry.plot_geometry(out / "log.jsonl", out / "probe_geometry.png")
+        geometry.plot_geometry(run.out / "log.jsonl", run.out / "probe_geometry.png")
     if stop == total:
         evaluate(total)
-        common.save_checkpoint(out / "final", model, raw, tok, None, total, args, rank)
-        print0(f"final model: {out / 'final'}")
+        common.save_checkpoint(run.out / "final", model, raw, tok, None, total, args, rank)
+        run.print0(f"final model: {run.out / 'final'}")
     log.close()
     common.close_distributed()
 

@@ -1,11 +1,9 @@
 """
-What sft.py and grpo.py share, so that each of them reads as its stage: batching by token budget, the run scaffold
-(start and resume, flag groups, autocast, the loss as a module, micro-batch passes, the optimizer step, atomic
-checkpoints, the run record: config.json, log.jsonl, optional wandb), distributed set-up and teardown (torchrun:
-DDP or FSDP2) and the scripts' entry point (several runs in one process). The tiny random Qwen3 the tests and
-the CPU run start from is tiny.py's, their loss's head head.py's. Plain functions, no framework: a stage calls what
-it needs.
+What sft.py and grpo.py share, plain functions a stage calls: batches by token budget, distributed set-up (torchrun:
+DDP or FSDP2), the start of a run and its resume rule, autocast, the optimizer step, atomic checkpoints, the run
+record (config.json, log.jsonl, optional W&B) and the scripts' entry point (several runs in one process).
 """
+import dataclasses
 import functools
 import json
 import math
@@ -14,6 +12,7 @@ import shutil
 import signal
 import sys
 import time
+from collections.abc import Callable
 from contextlib import nullcontext
 from pathlib import Path
 
@@ -61,7 +60,7 @@ def micro_batches(lengths, token_budget, n_micro=0):
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Plots
+# Plots (steplog.plot_curves, probes.py)
 
 def pyplot():
     """matplotlib's pyplot on the Agg backend, imported only when a plot is drawn."""
@@ -69,23 +68,6 @@ def pyplot():
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     return plt
-
-
-def plot_log(log_path, png, keys):
-    """One panel per (key, title) of `keys`: the key's values in a log.jsonl against the step (integer ticks)."""
-    plt = pyplot()
-    rows = [json.loads(line) for line in Path(log_path).read_text().splitlines()]
-    fig, axes = plt.subplots(1, len(keys), figsize=(4.3 * len(keys), 3.5))
-    for ax, (k, title) in zip(axes, keys):
-        pts = [(r["step"], r[k]) for r in rows if k in r]
-        if pts:
-            ax.plot(*zip(*pts), marker=".")
-        ax.set_title(title)
-        ax.set_xlabel("step")
-        ax.xaxis.set_major_locator(plt.matplotlib.ticker.MaxNLocator(integer=True))
-    fig.tight_layout()
-    fig.savefig(png, dpi=100)
-    plt.close(fig)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -106,6 +88,11 @@ def under_torchrun():
     return "RANK" in os.environ
 
 
+def world_size():
+    """The ranks of the process group, 1 outside one."""
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
 def init_distributed():
     """-> (distributed, rank, world, device). torchrun sets RANK / WORLD_SIZE / LOCAL_RANK: join the process
     group, one GPU per rank; plain `python` runs one process."""
@@ -119,10 +106,22 @@ def init_distributed():
     return distributed, rank, world, device
 
 
-def start_run(args, resume_keys):
-    """A training run's start: the process group (torchrun), --out made, the checkpoint to go on from (resume_point).
-    -> (rank, world, device, out, checkpoint dir or None, its trainer state or None, print0), or None when the run
-    in --out is finished (final/ exists): nothing to do."""
+@dataclasses.dataclass(frozen=True)
+class Run:
+    """A training run's handles, from start_run."""
+    rank: int
+    world: int
+    device: torch.device
+    out: Path  # --out
+    ckpt: Path | None  # the checkpoint to go on from (--resume), or None: a fresh start
+    state: dict | None  # its trainer state (optimizer, step, flags, ranks)
+    print0: Callable  # print on rank 0, nothing on the others
+
+
+def start_run(args, free_on_resume):
+    """A training run's start: the process group (torchrun), --out made, the checkpoint to go on from (resume_point,
+    which checks every flag but those in free_on_resume). -> Run, or None when the run in --out is finished (final/
+    exists): nothing to do."""
     from transformers.utils import logging as hf_logging
     hf_logging.disable_progress_bar()  # one line per step is the log; no per-save bars
     distributed, rank, world, device = init_distributed()
@@ -131,14 +130,14 @@ def start_run(args, resume_keys):
         raise ValueError("--fsdp shards across ranks: launch with torchrun")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    ckpt, state, finished = resume_point(out, args, resume_keys, world)
+    ckpt, state, finished = resume_point(out, args, free_on_resume, world)
     if finished:
         print0(f"{out} is finished (final/ exists); nothing to resume")
         close_distributed()
         return None
     if args.resume and ckpt is None:
         print0(f"--resume: no checkpoint in {out} yet; starting fresh")
-    return rank, world, device, out, ckpt, state, print0
+    return Run(rank=rank, world=world, device=device, out=out, ckpt=ckpt, state=state, print0=print0)
 
 
 def close_distributed():
@@ -169,18 +168,10 @@ def split_runs(argv):
 
 def run_cli(main):
     """Run main() as a script, once per run: `python grpo.py ARGS ::: ARGS ...` runs main(ARGS) for each argument
-    list in order, in this process. A process pays seconds importing torch, transformers and vLLM before any work
-    (RESULTS.md, 2026-12-02 session 5); runs of one script in one process pay it once. Each run is what it is
-    alone: main() sets up all its state (models, seeds, its own engine) from its own arguments (tests/test_runs.py:
-    the same samples). A run that fails stops the ones after it (exit status non-zero); re-running resumes. Under
-    torchrun one run a process: each run would join the process group again.
-
-    Everything is written, flushed and closed when main() returns (checkpoints and results atomically), so the
-    process then exits without the interpreter's shutdown, which costs seconds more (vLLM's exit hooks, the
-    teardown of torch's modules). Under torchrun the shutdown is also unsafe: FSDP2's modules keep the process
-    group alive past destroy_process_group (deleting the model and running gc does not free it), so gloo's threads
-    still run while the interpreter tears down, and one of them touching Python then aborts, now and then, a run
-    that has already written everything (a rank exits with -6)."""
+    list in order, in this process, so the seconds of importing torch, transformers and vLLM are paid once. Each run
+    is what it is alone: main() sets up all its state (models, seeds, its own engine) from its own arguments
+    (tests/test_runs.py: the same samples). A run that fails stops the ones after it (exit status non-zero);
+    re-running resumes. Under torchrun one run a process: each run would join the process group again."""
     # a terminated run unwinds like an exception (as Ctrl-C does): run_episodes removes its sandboxes on the way out
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     runs = split_runs(sys.argv[1:])
@@ -190,9 +181,14 @@ def run_cli(main):
         if len(runs) > 1:
             print(f"== run {i + 1}/{len(runs)}: {' '.join(run)}", flush=True)
         main(run)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    if under_torchrun():
+        # A rank leaves without the interpreter's shutdown (its atexit hooks too): FSDP2's modules keep the process
+        # group alive past destroy_process_group, so gloo's threads still run while the interpreter tears down, and
+        # one of them touching Python then aborts, now and then, a rank that has written everything (exit -6).
+        # main() has written, flushed and closed what it writes by now.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 def printer(rank):
@@ -246,27 +242,27 @@ def autocast(dtype_flag, device):
 
 
 class LossModule(torch.nn.Module):
-    """A stage's loss function as a module forward, so DDP / FSDP2 hooks see the whole computation:
-    forward(batch, *a) = loss_fn(lm, batch, *a) -> (loss, stats); forward(batch, *a, fn=f) = f(lm, batch, *a): another
-    pass over the model under the same hooks (FSDP2 gathers its shards for any forward of the wrapper)."""
+    """The model `lm` as a module whose forward runs a function over it: wrapped(batch, *a, fn=f) = f(lm, batch, *a),
+    a stage's loss or another pass, so that DDP's / FSDP2's hooks on the wrapper's forward see the whole computation
+    (FSDP2 gathers its shards for it, DDP readies its gradient reduction)."""
 
-    def __init__(self, loss_fn, lm):
+    def __init__(self, lm):
         super().__init__()
-        self.loss_fn, self.lm = loss_fn, lm
+        self.lm = lm
 
-    def forward(self, batch, *a, fn=None):
-        return (fn or self.loss_fn)(self.lm, batch, *a)
+    def forward(self, batch, *a, fn):
+        return fn(self.lm, batch, *a)
 
 
-def wrap_model(module, raw, args, device):
-    """The module a run trains, around `module` (a loss module holding the model `raw`): with --grad-ckpt
+def wrap_model(module, lm, args, device):
+    """The module a run trains, around `module` (a LossModule holding the model `lm`): with --grad-ckpt
     activations are recomputed in the backward; with --fsdp each decoder layer and then the whole are sharded
     by FSDP2; else under torchrun DDP."""
     if args.grad_ckpt:
-        raw.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if args.fsdp:
         from torch.distributed.fsdp import fully_shard
-        for layer in raw.base_model.layers:
+        for layer in lm.base_model.layers:
             fully_shard(layer)
         fully_shard(module)
     elif dist.is_initialized():
@@ -275,14 +271,14 @@ def wrap_model(module, raw, args, device):
     return module
 
 
-def load_optimizer_state(model, opt, state, fsdp):
-    """The optimizer state save_checkpoint wrote (a full, unsharded state dict) into `opt`; FSDP2 shards it.
-    -> the step to go on from (0 without a state: a fresh start)."""
+def load_optimizer_state(wrapped, opt, state, fsdp):
+    """The optimizer state save_checkpoint wrote (a full, unsharded state dict) into `opt` of the wrapped module;
+    FSDP2 shards it. -> the step to go on from (0 without a state: a fresh start)."""
     if state is None:
         return 0
     if fsdp:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
-        set_optimizer_state_dict(model, opt, state["optimizer"], options=StateDictOptions(full_state_dict=True))
+        set_optimizer_state_dict(wrapped, opt, state["optimizer"], options=StateDictOptions(full_state_dict=True))
     else:
         opt.load_state_dict(state["optimizer"])
     return state["step"]
@@ -316,40 +312,17 @@ def rank_micro_batches(lengths, token_budget, device):
     return groups
 
 
-def grad_sync(model, last, world, fsdp):
+def grad_sync(wrapped, last, world, fsdp):
     """The context of one micro-batch's backward. DDP: all-reduce grads once, after the last micro-batch. FSDP2
     reduce-scatters after every micro-batch: skipping that would keep a full unsharded gradient on every rank."""
-    return model.no_sync() if world > 1 and not fsdp and not last else nullcontext()
+    return wrapped.no_sync() if world > 1 and not fsdp and not last else nullcontext()
 
 
-def micro_batch_passes(model, lengths, make_batch, loss_args, args, device, ctx, train=True):
-    """Forward (and backward with train) of `model` (a LossModule, wrapped) over this rank's examples in
-    length-grouped micro-batches of --micro-tokens, as many on every rank: make_batch(indices) -> the collated
-    batch of those examples (given [], a 1-token batch that carries no loss and keeps the collectives in step).
-    The loss is already normalised over the step and every rank: DDP averages over ranks, so each backward is
-    of loss * world. -> the stats of model's forward summed over micro-batches, plus loss and tokens (the real
-    tokens forwarded)."""
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    groups = rank_micro_batches(lengths, args.micro_tokens, device)
-    tot = {}
-    for k, g in enumerate(groups):
-        batch = {key: v.to(device) for key, v in make_batch(g).items()}
-        sync = grad_sync(model, k == len(groups) - 1, world, args.fsdp) if train else nullcontext()
-        with sync, ctx, (nullcontext() if train else torch.no_grad()):
-            loss, st = model(batch, *loss_args)
-            if train:
-                (loss * world).backward()
-        st = {**st, "loss": loss.item(), "tokens": int(batch["attention_mask"].sum()) if g else 0}
-        for key, v in st.items():
-            tot[key] = tot.get(key, 0.0) + v
-    return tot
-
-
-def optimizer_step(model, opt, grad_clip, step, log):
+def optimizer_step(wrapped, opt, grad_clip, step, log):
     """Clip, step, zero the grads; -> the grad norm before clipping (the same on every rank). A non-finite norm (an
     overflow or a broken batch) drops the update rather than poison the weights and Adam's moments, and says so
     through log (rank 0's print)."""
-    gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip if grad_clip > 0 else float("inf"))
+    gnorm = torch.nn.utils.clip_grad_norm_(wrapped.parameters(), grad_clip if grad_clip > 0 else float("inf"))
     gnorm = float(gnorm.full_tensor() if hasattr(gnorm, "full_tensor") else gnorm)
     if math.isfinite(gnorm):
         opt.step()
@@ -368,14 +341,14 @@ def checkpoint_dirs(out):
                    and (p / "trainer_state.pt").exists()), key=lambda p: int(p.name.split("-")[1]))
 
 
-EXECUTION, RUN = "execution", "run"  # a stage's flag groups that do not change what its run computes
+RUN_FLAGS = ("out", "save_every", "keep", "resume", "wandb")  # add_run_flags': free to change on --resume
 
 
 def add_run_flags(parser, files, save_every):
-    """The RUN flag group of a training stage (where its run writes, how often; resumed the same way by both
-    stages): --out (config.json, log.jsonl, `files`, step-N/ checkpoints, final/), --save-every, --keep, --resume,
-    --wandb. -> the group, for a stage's own run flags."""
-    g = parser.add_argument_group(RUN)
+    """The "run" flag group of a training stage (where its run writes, how often; both stages let --resume change
+    them: RUN_FLAGS): --out (config.json, log.jsonl, `files`, step-N/ checkpoints, final/), --save-every, --keep,
+    --resume, --wandb. -> the group, for a stage's own run flags."""
+    g = parser.add_argument_group("run")
     g.add_argument("--out", required=True, help=f"run dir: config.json, log.jsonl, {files}step-N/ checkpoints, final/")
     g.add_argument("--save-every", type=int, default=save_every, help="checkpoint every N steps (0 = only at the end)")
     g.add_argument("--keep", type=int, default=2, help="step checkpoints kept on disk (final/ is always kept)")
@@ -385,17 +358,11 @@ def add_run_flags(parser, files, save_every):
     return g
 
 
-def resume_keys(parser):
-    """The flags a resumed run must keep: those of every flag group of `parser` but EXECUTION (how the run
-    computes: sharding, precision, micro-batches, concurrency) and RUN (where it writes, how often)."""
-    groups = parser._action_groups[2:]  # after argparse's own: positionals and options (-h)
-    return tuple(a.dest for g in groups if g.title not in (EXECUTION, RUN) for a in g._group_actions)
-
-
-def resume_point(out, args, resume_keys, world):
+def resume_point(out, args, free_on_resume, world):
     """-> (newest complete checkpoint dir or None, its trainer state or None, finished). Never mixes two runs in
-    one dir: a fresh start needs an unused out; --resume continues the newest checkpoint only with the same
-    settings in resume_keys and as many ranks as wrote it; finished: final/ exists, nothing to resume."""
+    one dir: a fresh start needs an unused out; --resume continues the newest checkpoint only with every flag as it
+    was but those a stage declares free_on_resume (how the run computes, where it writes), and as many ranks as
+    wrote it; finished: final/ exists, nothing to resume."""
     ckpts = checkpoint_dirs(out)
     if not args.resume and (ckpts or (out / "final").exists() or (out / "log.jsonl").exists()):
         raise ValueError(f"{out} already holds a run: pass --resume to continue it, or choose another --out")
@@ -405,7 +372,7 @@ def resume_point(out, args, resume_keys, world):
         return None, None, False
     state = torch.load(ckpts[-1] / "trainer_state.pt", map_location="cpu", mmap=True, weights_only=False)
     changed = [f"--{k.replace('_', '-')} {state['args'].get(k)!r} -> {v!r}" for k, v in vars(args).items()
-               if k in resume_keys and state["args"].get(k) != v]
+               if k not in free_on_resume and state["args"].get(k) != v]
     if changed:
         raise ValueError(f"--resume from {ckpts[-1]} with other settings than it was trained with: "
                          f"{', '.join(changed)}")
@@ -414,7 +381,7 @@ def resume_point(out, args, resume_keys, world):
     return ckpts[-1], state, False
 
 
-def save_checkpoint(path, model, raw, tok, opt, step, args, rank, rng=True):
+def save_checkpoint(path, wrapped, lm, tok, opt, step, args, rank, rng=True):
     """HF model + tokenizer (chat template included) + optimizer state (+ each rank's RNG state with rng=True),
     written to path.tmp then renamed: a crash mid-write never leaves a checkpoint that looks complete."""
     path = Path(path)
@@ -423,17 +390,17 @@ def save_checkpoint(path, model, raw, tok, opt, step, args, rank, rng=True):
         from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                              get_optimizer_state_dict)
         opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        sd = get_model_state_dict(raw, options=opts)
-        osd = get_optimizer_state_dict(model, opt, options=opts) if opt is not None else None
+        sd = get_model_state_dict(lm, options=opts)
+        osd = get_optimizer_state_dict(wrapped, opt, options=opts) if opt is not None else None
     else:
-        sd, osd = raw.state_dict(), opt.state_dict() if opt is not None else None
+        sd, osd = lm.state_dict(), opt.state_dict() if opt is not None else None
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
-        raw.save_pretrained(tmp, state_dict=sd)
+        lm.save_pretrained(tmp, state_dict=sd)
         tok.save_pretrained(tmp)
         if opt is not None:
             torch.save({"optimizer": osd, "step": step, "args": vars(args),
-                        "world": dist.get_world_size() if dist.is_initialized() else 1}, tmp / "optimizer.pt")
+                        "world": world_size()}, tmp / "optimizer.pt")
     barrier()
     if opt is not None and rng:
         cuda = torch.cuda.get_rng_state() if torch.cuda.is_available() else None
@@ -500,9 +467,9 @@ def run_config(flags, **extra):
             "python": sys.version.split()[0], "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
 
 
-def adamw(model, args):
+def adamw(wrapped, args):
     """The optimizer of both training stages: AdamW with the run's --lr, --adam-betas, --adam-eps, --weight-decay."""
-    return torch.optim.AdamW(model.parameters(), lr=args.lr, betas=tuple(args.adam_betas), eps=args.adam_eps,
+    return torch.optim.AdamW(wrapped.parameters(), lr=args.lr, betas=tuple(args.adam_betas), eps=args.adam_eps,
                              weight_decay=args.weight_decay)
 
 

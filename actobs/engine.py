@@ -1,25 +1,9 @@
 """
-The rollout engine that grpo.py trains with and evaluate.py measures with: an in-process vLLM engine, a policy
-that keeps each episode's tokens exactly as sampled (token-in/token-out), the rollout of episodes in sandboxes
-(envs.run_episodes) with that policy, and the weight sync from the trainer into the engine.
-
-An episode's token sequence (episode.Episode: token_ids, roles, logprobs, obs_wrapper, truncated) is the one
-append-only sequence the policy saw and sampled: the first turn as the chat template renders it, each reply's ids
-as the engine returned them (labels.ACTION, with the log-prob each was sampled with), each observation turn as the
-template renders it after a reply (labels.OBS, its fixed wrapper text marked), never the history re-tokenised.
-Every reply is one run of ACTION tokens: reply_spans gives an episode's turn boundaries.
-
-With a grammar (terminus.reply_grammar: --grammar), vLLM's structured outputs (xgrammar) mask every reply's logits
-to the tokens the grammar allows, and the log-probs it returns are the masked, renormalised distribution's. So the
-trainer can optimise that same policy, the rollout replays the grammar over each reply's sampled ids once
-(allowed_masks) and stores, per token, which tokens were allowed (Episode.masks, mask_ids): the trainer masks its
-log-softmax with them (head.token_logprobs' allowed) and gives a token with one allowed choice no loss. A reply
-that reaches max_new_tokens under the grammar is closed with the shortest text that completes it
-(terminus.close_reply) and the template's end of turn: forced tokens, each under a mask that allows it alone, so
-every reply a constrained policy writes parses (a random policy's strings seldom close: 5 of ~1,800 allowed tokens
-end one), and the closing tokens carry no loss.
-
-Nothing heavy at import: vLLM is imported when an engine or a policy is made.
+The rollout engine of grpo.py and evaluate.py: an in-process vLLM engine (make_engine), the policy that samples
+episodes from it token-in/token-out (VLLMPolicy: the policy object of envs.run_episodes), under a grammar if asked
+(the masks the trainer replays), and the weight sync from the trainer into the engine (sync_weights). What an
+episode's tokens are and how a grammar's masks reach the loss: docs/training.md#the-rollout-engine. Nothing heavy
+at import: vLLM is imported when an engine or a policy is made.
 """
 import os
 import time
@@ -28,7 +12,6 @@ from contextlib import contextmanager
 import numpy as np
 import torch
 
-import envs
 from actobs import common, terminus
 from actobs.labels import ACTION, PROMPT, defuse_specials, encode, encode_spans, generation_prompt
 
@@ -36,21 +19,28 @@ from actobs.labels import ACTION, PROMPT, defuse_specials, encode, encode_spans,
 def kv_cache_bytes(config, *, max_model_len, max_seqs, dtype_bytes):
     """CPU KV cache (bytes) that holds max_seqs sequences of max_model_len tokens: K and V of every layer's
     key/value heads, per token, plus a 256-token margin per sequence for its last partly filled block. Sized to
-    the need, not a fixed GiB: the engine allocates and touches all of it at start (what that cost: RESULTS.md,
-    2026-12-02 session 4)."""
+    the need, not a fixed GiB: the engine allocates and touches all of it at start, which takes seconds a GiB."""
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * dtype_bytes
     return max_seqs * (max_model_len + 256) * per_token
 
 
+# vLLM runs its engine core in this process, not a child, only with this in the environment, which vLLM reads when
+# an engine is made and while it runs: sync_weights hands the engine tensors, VLLMPolicy steps it. The entry point
+# (grpo.main, evaluate.main, a benchmark's main) sets it before make_engine, which refuses to start without it.
+IN_PROCESS_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+
+
 def make_engine(model_dir, *, max_model_len, max_seqs, seed=0, dtype="auto", gpu_memory=0.35, kv_cache_gb=None,
                 **engine_args):
-    """An in-process vLLM engine for up to max_seqs sequences at once. logprobs_mode='processed_logprobs': the
-    log-probs it returns are those of the distribution actually sampled from (after temperature), which the
-    importance ratio needs. Sleep mode (free the engine's GPU memory while training) exists on CUDA only. On CPU
-    the KV cache is kv_cache_gb, or by default what max_seqs sequences of max_model_len tokens need. engine_args:
-    further vLLM engine arguments over these (bench/rollout.py's levers)."""
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # same process: weights can be passed as tensors
+    """An in-process vLLM engine (IN_PROCESS_ENV) for up to max_seqs sequences at once.
+    logprobs_mode='processed_logprobs': the log-probs it returns are those of the distribution actually sampled from
+    (after temperature), which the importance ratio needs. Sleep mode (free the engine's GPU memory while training)
+    exists on CUDA only. On CPU the KV cache is kv_cache_gb, or by default what max_seqs sequences of max_model_len
+    tokens need. engine_args: further vLLM engine arguments over these (bench/rollout.py's levers)."""
+    if any(os.environ.get(k) != v for k, v in IN_PROCESS_ENV.items()):
+        raise RuntimeError(f"make_engine: set {IN_PROCESS_ENV} in the environment first (os.environ.update("
+                           "engine.IN_PROCESS_ENV) in the entry point): vLLM would run the engine in a child process")
     cuda = torch.cuda.is_available()
     from vllm import LLM
     if dtype == "auto":  # the trainers' rule (common.resolve_dtype): bf16 where it is fast
@@ -76,7 +66,7 @@ def make_engine(model_dir, *, max_model_len, max_seqs, seed=0, dtype="auto", gpu
 
 # The weight sync's checksum reads every 97th element of each tensor (a prime stride, so no row length aliases
 # it): a tensor left stale or loaded on one rank only shows in it, at ~1 % of the cost of summing all of them in
-# float64 (2-3 s of a 9 s sync at 232M parameters on 2 CPU ranks, RESULTS.md 2026-12-06)
+# float64, which took a third of a sync's time on CPU
 CHECKSUM_STRIDE = 97
 
 
@@ -359,31 +349,12 @@ class VLLMPolicy:
         self.requests, self.ready = {}, []
 
 
-def rollout(engine, tokenizer, tasks, *, temperature, max_turns, max_new_tokens, max_len, concurrency, template=None,
-            seed=0, on_episode=None, stats=None, lockstep=False, network=None, keep_agent=False, second_try=False,
-            strict=True, logprobs=True, grammar=None):
-    """One episode per entry of `tasks` (repeat a task for several attempts) with the engine's current weights.
-    Episodes come back in the order of `tasks`, with reward, turns, failure, timings, and the token sequence
-    (token_ids, roles, logprobs, obs_wrapper, truncated). on_episode(i, episode) is called as each ends.
-    stats (a dict) receives the generator's wall / busy / idle seconds. network, keep_agent, second_try, strict:
-    as envs.run_episodes (evaluate.py's options; training uses only network, and strict verification).
-    logprobs=False: replies without their log-probs, for runs that do not train on them (evaluate.py): the same
-    tokens, and the engine computes no log-softmax or rank per sampled token. grammar: None, 'reply' or 'think'
-    (--grammar: VLLMPolicy's)."""
-    policy = VLLMPolicy(engine, tokenizer, temperature=temperature, max_new_tokens=max_new_tokens, max_len=max_len,
-                        seed=seed, lockstep=lockstep, logprobs=logprobs, grammar=grammar)
-    with engine_threads():
-        return envs.run_episodes(tasks, policy, max_turns=max_turns, concurrency=concurrency, template=template,
-                                 on_episode=on_episode, stats=stats, network=network, keep_agent=keep_agent,
-                                 second_try=second_try, strict=strict)
-
-
 @contextmanager
 def engine_threads():
-    """The CPU engine serves with one intra-op thread, as vLLM means to (vllm.utils.torch_utils: a multi-threaded
-    op leaves its threads spin-waiting, taking the cores the sandboxes and the step's serial code need: RESULTS.md,
-    2026-12-01, the engine's one thread). vLLM's own call is lost in process, where its CPU worker
-    has already made torch.set_num_threads a no-op: torch._C's is the same function, untouched. The caller's
+    """The context a rollout runs in (envs.run_episodes with a VLLMPolicy): the CPU engine serves with one intra-op
+    thread, as vLLM means to (vllm.utils.torch_utils: a multi-threaded op leaves its threads spin-waiting, taking
+    the cores the sandboxes and the step's serial code need). vLLM's own call is lost in process, where its CPU
+    worker has already made torch.set_num_threads a no-op: torch._C's is the same function, untouched. The caller's
     threads (the trainer's) come back after. On CUDA nothing changes."""
     threads = torch.get_num_threads()
     if not torch.cuda.is_available():

@@ -1,11 +1,13 @@
 """
 What a GRPO step leaves for people to read: its row in log.jsonl (step_record: summed over the ranks), its line on
-the console (step_line), and a solved and a failed episode of it as Markdown, OUT/transcripts/step_0003.md
-(write_transcripts): what the policy did, what it was paid, which way the update pushed it. scripts/report.py links
-one solved and one failed transcript per GRPO run (pick_transcripts).
+the console (step_line), the run's curves.png (plot_curves), and a solved and a failed episode of it as Markdown,
+OUT/transcripts/step_0003.md (write_transcripts): what the policy did, what it was paid, which way the update pushed
+it. scripts/report.py links one solved and one failed transcript per GRPO run (pick_transcripts).
 
 Importable without torch: report.py reads the transcripts; grpo.py calls the rest.
 """
+import dataclasses
+import json
 import re
 from collections import Counter
 from pathlib import Path
@@ -15,13 +17,30 @@ from actobs.episode import INFRA_FAILURES
 from actobs.labels import ACTION
 
 
-def step_record(step, task_draw, episodes, valid, has_signal, tot, gnorm, gen, times, args, device, checksum=None):
-    """The step's log row: its episodes (every draw, all ranks; valid (G, S), has_signal (G,)), whose tasks they
-    were (task_draw: the step, 0-based, whose draw the step used), what the update saw (tot: train_batch's sums,
-    gnorm), the generator's seconds (gen) and the step's (times); checksum: engine.sync_weights' of the weights this
-    rank's engine got (None: no update, no sync). -> (the row, what an episode lost to the infrastructure, on any
+@dataclasses.dataclass
+class Step:
+    """One GRPO step on this rank, as grpo.main fills it: what its log row and transcripts read."""
+    step: int  # 0-based
+    task_draw: int  # the step (0-based) whose task draw this one used (--redraw)
+    episodes: list = dataclasses.field(default_factory=list)  # every draw's, in order
+    advantages: list = dataclasses.field(default_factory=list)  # a (G, S) tensor a draw
+    valid: list = dataclasses.field(default_factory=list)  # a (G, S) bool tensor a draw: not lost to the infrastructure
+    has_signal: list = dataclasses.field(default_factory=list)  # a (G,) bool tensor a draw
+    gen: Counter = dataclasses.field(default_factory=Counter)  # the generator's seconds: wall_s, policy_s, idle_s
+    trained: dict = dataclasses.field(default_factory=dict)  # what the update saw: grpo.train_batch's sums
+    gnorm: float | None = None  # the last update's grad norm; None: no update
+    checksum: float | None = None  # engine.sync_weights' of the weights this rank's engine got; None: no sync
+    times: dict = dataclasses.field(default_factory=dict)  # seconds: rollout, train, sync, sync_gather, step
+
+
+def step_record(s, *, lr, ppo_epochs, device):
+    """The log row of Step s, summed over the ranks. -> (the row, what an episode lost to the infrastructure, on any
     rank, said, or None)."""
-    from actobs import common  # torch: the trainer's alone (report.py reads the transcripts without it)
+    import torch  # the trainer's alone (report.py reads the transcripts without it)
+
+    from actobs import common
+    episodes, valid, has_signal = s.episodes, torch.cat(s.valid), torch.cat(s.has_signal)
+    tot, gnorm, gen, times = s.trained, s.gnorm, s.gen, s.times
     ok = valid.flatten().tolist()
     ep_sums = {"episodes": len(episodes), "valid": sum(ok),
                "reward_sum": sum(e.reward for e, v in zip(episodes, ok) if v),
@@ -37,12 +56,12 @@ def step_record(step, task_draw, episodes, valid, has_signal, tot, gnorm, gen, t
     mine = tot.get("act_tokens", 0)
     lost = next((f"{e.task}: {e.failure}: {e.error[:300]}" for e in episodes if e.failure in INFRA_FAILURES), None)
     ranks = common.all_gather({"failures": Counter(e.failure for e in episodes if e.failure), "lost": lost,
-                               "weights": checksum, "mismatch": tot["mismatch_abs_sum"] / mine if mine else None})
+                               "weights": s.checksum, "mismatch": tot["mismatch_abs_sum"] / mine if mine else None})
     failures = sum((r["failures"] for r in ranks), Counter())
     keys = sorted(set(ep_sums) | set(tot))
     sums = dict(zip(keys, common.all_reduce([ep_sums.get(k, tot.get(k, 0.0)) for k in keys], device)))
     na, nv, turns = sums.get("act_tokens", 0), max(sums["valid"], 1), max(sums["turns"], 1)
-    rec = {"step": step + 1, "rollout/task_draw": task_draw + 1,  # whose tasks
+    rec = {"step": s.step + 1, "rollout/task_draw": s.task_draw + 1,  # whose tasks
            "rollout/reward_mean": sums["reward_sum"] / nv, "rollout/solve_rate": sums["solved"] / nv,
            "rollout/episodes_valid": int(sums["valid"]),  # the solve rate's denominator (passk.solved_counts)
            "rollout/groups_drawn": sums["groups"], "rollout/groups_with_signal": sums["signal"],
@@ -57,7 +76,7 @@ def step_record(step, task_draw, episodes, valid, has_signal, tot, gnorm, gen, t
            "rollout/gen_tok_per_s": sums["gen_tokens"] / max(sums["gen_busy_s"], 1e-9),
            "rollout/generator_idle_frac": sums["gen_idle_s"] / max(sums["rollout_s"], 1e-9),
            "train/episodes_trained": int(sums["episodes_trained"]), "train/action_tokens": int(na),
-           "train/optimizer_steps": 0 if gnorm is None else args.ppo_epochs, "train/lr": args.lr,
+           "train/optimizer_steps": 0 if gnorm is None else ppo_epochs, "train/lr": lr,
            "time/rollout_s": times["rollout"], "time/generate_s": gen["policy_s"], "time/env_wait_s": gen["idle_s"],
            "time/train_s": times["train"], "time/sync_s": times["sync"],
            "time/sync_gather_s": times["sync_gather"],  # of sync_s, the trainer's side: gathers, checksum, casts
@@ -72,19 +91,19 @@ def step_record(step, task_draw, episodes, valid, has_signal, tot, gnorm, gen, t
                     "train/tis_weight": sums["tis_w_sum"] / na,
                     # the worst rank's: one rank's stale engine is not averaged away by the others
                     "train/mismatch_abs_rank_max": max(r["mismatch"] for r in ranks if r["mismatch"] is not None)})
-    if checksum is not None:  # every rank's engine should hold the same weights: a spread above 0 says they part
+    if s.checksum is not None:  # every rank's engine should hold the same weights: a spread above 0 says they part
         checks = [r["weights"] for r in ranks]
         rec.update({"train/weights_checksum": checks[0], "train/weights_checksum_spread": max(checks) - min(checks)})
     return rec, next((r["lost"] for r in ranks if r["lost"]), None)
 
 
-def step_line(rec, args, lost=None):
+def step_line(rec, steps, lost=None):
     """The step's one line on the console; a second with step_record's `lost`: why episodes left the statistics and
     the loss, or a loaded machine silently shrinks the steps."""
     trained = (f"ent {rec['train/entropy']:.3f} | kl {rec['train/kl_init_k3']:.2e} | "
                f"mism {rec['train/mismatch_abs']:.1e} | gnorm {rec['train/grad_norm']:.3f}"
                if "train/grad_norm" in rec and "train/entropy" in rec else "nothing to learn from: no update")
-    return (f"step {rec['step']}/{args.steps} | reward {rec['rollout/reward_mean']:.3f} | "
+    return (f"step {rec['step']}/{steps} | reward {rec['rollout/reward_mean']:.3f} | "
             f"solved {rec['rollout/solve_rate']:.2f} | signal {rec['rollout/groups_with_signal']:.0f}/"
             f"{rec['rollout/groups_drawn']:.0f} | {trained} | gen {rec['time/generate_s']:.0f}s "
             f"idle {rec['rollout/generator_idle_frac']:.0%} | train {rec['time/train_s']:.0f}s | "
@@ -95,6 +114,24 @@ def step_line(rec, args, lost=None):
 # curves.png: the KL from the initial policy is k3's (never below 0; train/kl_init, the k1 estimate, can be)
 CURVES = (("rollout/reward_mean", "mean reward"), ("train/entropy", "action-token entropy"),
           ("train/kl_init_k3", "KL from init (k3)"))
+
+
+def plot_curves(log_path, png):
+    """curves.png: a panel per CURVES key, its values in a log.jsonl against the step (integer ticks)."""
+    from actobs import common  # matplotlib through common.pyplot: the trainer's alone
+    plt = common.pyplot()
+    rows = [json.loads(line) for line in Path(log_path).read_text().splitlines()]
+    fig, axes = plt.subplots(1, len(CURVES), figsize=(4.3 * len(CURVES), 3.5))
+    for ax, (k, title) in zip(axes, CURVES):
+        pts = [(r["step"], r[k]) for r in rows if k in r]
+        if pts:
+            ax.plot(*zip(*pts), marker=".")
+        ax.set_title(title)
+        ax.set_xlabel("step")
+        ax.xaxis.set_major_locator(plt.matplotlib.ticker.MaxNLocator(integer=True))
+    fig.tight_layout()
+    fig.savefig(png, dpi=100)
+    plt.close(fig)
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -18,6 +18,7 @@ here and the weights are a random init of a real architecture (Qwen3-0.6B's conf
 import argparse
 import json
 import math
+import os
 import random
 import sys
 import tempfile
@@ -46,9 +47,10 @@ def sft_check(root, model_dir, convs, args):
     data = root / "sft.jsonl"
     data.write_text("".join(json.dumps({"conversations": c}) + "\n" for c in convs))
     t0 = time.time()
-    sft.main(["--model", str(model_dir), "--data", str(data), "--out", str(root / "sft"), "--max-len", str(args.seq_len),
-              "--micro-tokens", str(args.seq_len), "--batch-size", "4", "--val-size", "1", "--grad-ckpt", "--dtype", "bf16",
-              "--warmup-ratio", "0", "--eval-every", "0", "--save-every", "0", "--stop-after", str(args.sft_steps), "--lr", "3e-4"])
+    sft.main(["--model", str(model_dir), "--data", str(data), "--out", str(root / "sft"),
+              "--max-len", str(args.seq_len), "--micro-tokens", str(args.seq_len), "--batch-size", "4",
+              "--val-size", "1", "--grad-ckpt", "--dtype", "bf16", "--warmup-ratio", "0", "--eval-every", "0",
+              "--save-every", "0", "--stop-after", str(args.sft_steps), "--lr", "3e-4"])
     rows = [json.loads(x) for x in (root / "sft" / "log.jsonl").read_text().splitlines()]
     losses = [r["train/loss"] for r in rows if "train/loss" in r]
     timed = [r for r in rows if "train/tok_per_s" in r][2:]  # the first steps include allocator warm-up
@@ -64,10 +66,11 @@ def engine_check(model_dir):
     from vllm import SamplingParams
     dev = torch.device("cuda")
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(dev)
-    llm = engine.make_engine(model_dir, max_model_len=2048, dtype="bf16", gpu_memory=0.3)
+    llm = engine.make_engine(model_dir, max_model_len=2048, max_seqs=8, dtype="bf16", gpu_memory=0.3)
     prompts = [[random.Random(i).randrange(5, 4000) for _ in range(64)] for i in range(8)]
     greedy = SamplingParams(temperature=0, max_tokens=32, top_k=0, top_p=1.0)
-    before = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], greedy, use_tqdm=False)]
+    before = [o.outputs[0].token_ids
+              for o in llm.generate([{"prompt_token_ids": p} for p in prompts], greedy, use_tqdm=False)]
 
     # a training step with the engine asleep, then wake and sync: the engine must follow the trainer
     free0 = torch.cuda.mem_get_info()[0]
@@ -83,8 +86,10 @@ def engine_check(model_dir):
     t0 = time.time()
     _, gather_s = engine.sync_weights(llm, model)
     check("engine: wake_up + sync_weights", True, f"sync {time.time() - t0:.2f}s (the trainer's side {gather_s:.2f}s)")
-    after = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], greedy, use_tqdm=False)]
-    check("engine: sync changes what it samples", after != before, f"{sum(a != b for a, b in zip(after, before))}/8 greedy continuations changed")
+    after = [o.outputs[0].token_ids
+             for o in llm.generate([{"prompt_token_ids": p} for p in prompts], greedy, use_tqdm=False)]
+    check("engine: sync changes what it samples", after != before,
+          f"{sum(a != b for a, b in zip(after, before))}/8 greedy continuations changed")
 
     # the mismatch grpo.py logs: engine log-probs of its own samples vs the trainer's, at T = 1
     sample = SamplingParams(temperature=1.0, top_k=0, top_p=1.0, max_tokens=64, logprobs=0, seed=0)
@@ -99,7 +104,8 @@ def engine_check(model_dir):
             theirs = torch.tensor([d[t].logprob for d, t in zip(c.logprobs, c.token_ids)], device=dev)
             diffs.append((mine - theirs).abs())
     mism = torch.cat(diffs).mean().item()
-    check("engine: rollout/trainer log-prob mismatch", mism <= 0.01, f"mean |dlogp| {mism:.4f} over {sum(map(len, diffs))} tokens (<= 0.01)")
+    check("engine: rollout/trainer log-prob mismatch", mism <= 0.01,
+          f"mean |dlogp| {mism:.4f} over {sum(map(len, diffs))} tokens (<= 0.01)")
     del llm
 
 
@@ -129,6 +135,7 @@ def main(argv=None):
     p.add_argument("--grpo-steps", type=int, default=0, help="steps of grpo.py on toy tasks (needs Docker; 0 = skip)")
     p.add_argument("--out", default=None, help="work dir (default: a temp dir)")
     args = p.parse_args(argv)
+    os.environ.update(engine.IN_PROCESS_ENV)  # the engine in this process, as grpo.py's
     if not torch.cuda.is_available():
         sys.exit("bench.gpu_check needs a CUDA GPU (CPU paths are covered by the test suite)")
     root = Path(args.out or tempfile.mkdtemp(prefix="actobs_gpu_check_"))

@@ -13,12 +13,14 @@ Benchmark of the GRPO rollout stage, ratios measured in one process:
     python -m bench.grpo --model runs/actobs/final --episodes 16 --concurrency 8
 """
 import argparse
+import os
 import random
 import time
 from pathlib import Path
 
 import torch
 
+import envs
 from actobs import common, engine, taskgen, terminus, tiny
 from actobs.labels import ACTION, load_tokenizer
 from actobs.tasks import task_from_spec
@@ -36,6 +38,7 @@ def main(argv=None):
     p.add_argument("--concurrency", type=int, default=8)
     p.add_argument("--max-turns", type=int, default=3)
     args = p.parse_args(argv)
+    os.environ.update(engine.IN_PROCESS_ENV)  # the engine in this process, as grpo.py's
 
     rng = random.Random(0)
     specs = [taskgen.generate(kind, rng) for kind in sorted(taskgen.GENERATORS) for _ in range(4)]
@@ -63,14 +66,13 @@ def main(argv=None):
     llm = engine.make_engine(model_dir, max_model_len=4096, max_seqs=max(args.prompts, args.concurrency))
     after = train_pass_s()
     print(f"model {model_dir} | {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M params")
-    print(f"trainer fwd+bwd (4 x 512): {before * 1000:.0f} ms before the engine ({threads} threads), {after * 1000:.0f} ms "
-          f"after ({torch.get_num_threads()} threads) | ratio {after / before:.2f}")
+    print(f"trainer fwd+bwd (4 x 512): {before * 1000:.0f} ms before the engine ({threads} threads), "
+          f"{after * 1000:.0f} ms after ({torch.get_num_threads()} threads) | ratio {after / before:.2f}")
 
     # 1. generation: vLLM vs HF generate, same prompts and sampling
     from vllm import SamplingParams
-    prompts = [engine.prompt_tokens(tok, [{"role": "user", "content": terminus.fill_prompt(terminus.DEFAULT_PROMPT, s.instruction,
-                                                                                           "root@box:/app# ")}])[0]
-               for s in specs[: args.prompts]]
+    prompts = [engine.prompt_tokens(tok, [{"role": "user", "content": terminus.fill_prompt(
+                   terminus.DEFAULT_PROMPT, s.instruction, "root@box:/app# ")}])[0] for s in specs[: args.prompts]]
     params = SamplingParams(temperature=1.0, top_p=1.0, top_k=0, max_tokens=args.new_tokens, min_tokens=args.new_tokens,
                             logprobs=0, seed=0)
     llm.generate([{"prompt_token_ids": prompts[0]}], params, use_tqdm=False)  # warm-up
@@ -84,7 +86,8 @@ def main(argv=None):
     t = time.time()
     with torch.no_grad():
         gen = model.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
-                             max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens, pad_token_id=tok.pad_token_id)
+                             max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens,
+                             pad_token_id=tok.pad_token_id)
     t_hf = time.time() - t
     n_hf = (gen.shape[1] - width) * len(prompts)
     print(f"generation, {len(prompts)} prompts x {args.new_tokens} tokens: vLLM {n_vllm / t_vllm:.0f} tok/s | "
@@ -96,8 +99,10 @@ def main(argv=None):
         res = {}
         for lockstep in (True, False, True, False):  # interleaved: load on the machine drifts
             st = {}
-            eps = engine.rollout(llm, tok, tasks, temperature=1.0, max_turns=args.max_turns, max_new_tokens=args.new_tokens,
-                               max_len=4096, concurrency=args.concurrency, stats=st, lockstep=lockstep)
+            policy = engine.VLLMPolicy(llm, tok, temperature=1.0, max_new_tokens=args.new_tokens, max_len=4096,
+                                       lockstep=lockstep)
+            with engine.engine_threads():
+                eps = envs.run_episodes(tasks, policy, max_turns=args.max_turns, concurrency=args.concurrency, stats=st)
             gen_tokens = sum(e.roles.count(ACTION) for e in eps)
             r = res.setdefault(lockstep, [0.0, 0.0, 0.0, 0])
             r[0] += st["wall_s"]
@@ -105,8 +110,9 @@ def main(argv=None):
             r[2] += st["policy_s"]
             r[3] += gen_tokens
         for lockstep, (wall, idle, busy, n) in res.items():
-            print(f"loop {'lock-step ' if lockstep else 'overlapped'}: wall {wall / 2:.1f}s | generator idle {idle / wall:.0%} "
-                  f"| generating {busy / 2:.1f}s | {n / wall:.0f} generated tok/s end to end")
+            print(f"loop {'lock-step ' if lockstep else 'overlapped'}: wall {wall / 2:.1f}s | "
+                  f"generator idle {idle / wall:.0%} | generating {busy / 2:.1f}s | "
+                  f"{n / wall:.0f} generated tok/s end to end")
         print(f"overlapped / lock-step: wall {res[False][0] / res[True][0]:.2f}x | idle fraction "
               f"{res[False][1] / res[False][0]:.2f} vs {res[True][1] / res[True][0]:.2f}")
 

@@ -61,15 +61,15 @@ def update(model_dir, examples, micro_tokens, behav):
                                          "--kl-coef", "0.05", "--micro-tokens", str(micro_tokens)])
     device = torch.device("cpu")
     ctx, dtype, _ = common.autocast(args.dtype, device)
-    raw = common.load_model(model_dir, device)
-    ref = common.load_model(model_dir, device).to(dtype).requires_grad_(False).eval()
-    model = common.wrap_model(common.LossModule(grpo.pg_loss, raw), raw, args, device)
-    opt = common.adamw(model, args)
+    lm = common.load_model(model_dir, device)
+    init_lm = common.load_model(model_dir, device).to(dtype).requires_grad_(False).eval()
+    wrapped = common.wrap_model(common.LossModule(lm), lm, args, device)
+    opt = common.adamw(wrapped, args)
     exs = [{**ex, "behav": b} for ex, b in zip(examples, behav)]
-    raw.train()
+    lm.train()
     t = time.perf_counter()
-    grpo.train_batch(model, ref, opt, exs, args, 0, device, ctx, 0, print)
-    return time.perf_counter() - t, {k: v.detach().clone() for k, v in raw.state_dict().items()}
+    grpo.train_batch(wrapped, init_lm, opt, exs, args, 0, device, ctx, 0, print)
+    return time.perf_counter() - t, {k: v.detach().clone() for k, v in lm.state_dict().items()}
 
 
 def main(argv=None):

@@ -83,8 +83,8 @@ def naive_pg(model, batch, args, n_tok):
     logp = torch.log_softmax(logits, -1).gather(-1, batch["input_ids"][:, 1:, None]).squeeze(-1)  # (B, T-1)
     act = batch["roles"][:, 1:] == labels.ACTION
     ratio, adv = (logp - batch["behav"][:, 1:]).exp(), batch["adv"][:, 1:]
-    lo, hi = grpo.clip_range(args)
-    return -torch.minimum(ratio * adv, ratio.clamp(lo, hi) * adv)[act].sum() / n_tok
+    obj = grpo.objective(args)
+    return -torch.minimum(ratio * adv, ratio.clamp(1 - obj.clip_low, 1 + obj.clip_high) * adv)[act].sum() / n_tok
 
 
 def measure(fn, model, batch, device):
@@ -128,7 +128,7 @@ def main(argv=None):
                 else int(open("/proc/meminfo").read().split("MemAvailable:")[1].split()[0]) * 1024)
         run_naive = need < 0.8 * free
         pairs = {"sft": (lambda m, b: sft.actobs_loss(m, b, lam=1.0, chunk=args.chunk)[0], naive_sft, batch),
-                 "grpo": (lambda m, b: grpo.pg_loss(m, b, pg_args, grpo.loss_coefs(pg_args), T - 1, 1, 0)[0],
+                 "grpo": (lambda m, b: grpo.pg_loss(m, b, grpo.objective(pg_args), grpo.Normalisers(T - 1, 1, 0))[0],
                           lambda m, b: naive_pg(m, b, pg_args, T - 1), rl)}
         for name, (ours, naive, b) in pairs.items():
             measure(ours, model, b, device)  # warm-up

@@ -29,9 +29,11 @@ the contexts are the recorded ones, the rate is of the tokens it generated.
 import argparse
 import heapq
 import json
+import os
 import time
 from pathlib import Path
 
+import envs
 import grpo
 from actobs import common, engine, terminus, tiny
 from actobs.labels import ACTION, load_tokenizer, write_jsonl
@@ -60,9 +62,11 @@ def record(args, tok):
                 for _ in range(args.group_size)]
     llm = engine.make_engine(args.model, max_model_len=args.max_len, max_seqs=args.concurrency, seed=args.seed)
     st = {}
-    eps = engine.rollout(llm, tok, todo, temperature=1.0, max_turns=args.max_turns, max_new_tokens=args.max_new_tokens,
-                         max_len=args.max_len, concurrency=args.concurrency,
-                         template=terminus.load_template(args.template), seed=args.seed, stats=st)
+    policy = engine.VLLMPolicy(llm, tok, temperature=1.0, max_new_tokens=args.max_new_tokens, max_len=args.max_len,
+                               seed=args.seed)
+    with engine.engine_threads():
+        eps = envs.run_episodes(todo, policy, max_turns=args.max_turns, concurrency=args.concurrency,
+                                template=terminus.load_template(args.template), stats=st)
     n = sum(e.roles.count(ACTION) for e in eps)
     print(f"recorded {len(eps)} episodes in sandboxes: {n} generated tokens, wall {st['wall_s']:.0f}s, engine busy "
           f"{st['policy_s']:.0f}s: {n / st['policy_s']:.0f} tok/s while busy, {n / st['wall_s']:.0f} over the wall")
@@ -186,6 +190,7 @@ def main(argv=None):
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--profile", default="1x200,8x1000,32x200,32x1000", help="SEQSxCONTEXT decode steps to profile")
     args = p.parse_args(argv)
+    os.environ.update(engine.IN_PROCESS_ENV)  # the engine in this process, as grpo.py's
     levers = ["today"] + [x for x in args.levers.split(",") if x]
     if unknown := {x for lever in levers for x in lever.split("+")} - set(LEVERS):
         raise ValueError(f"--levers: unknown {', '.join(sorted(unknown))} (known: {', '.join(LEVERS)})")

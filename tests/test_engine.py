@@ -4,6 +4,7 @@ equivalence, seeded requests, a rollout in a real sandbox, a learning check whos
 replies (all parse) and log-probs (the trainer's masked ones)."""
 import contextlib
 import json
+import os
 import random
 import time
 
@@ -123,6 +124,7 @@ def test_next_turn_is_queued_while_other_sandboxes_step(base_image, no_leftovers
 
 @pytest.fixture(scope="module")
 def llm(vllm_dir):
+    os.environ.update(engine.IN_PROCESS_ENV)  # as grpo.main and evaluate.main set it
     return engine.make_engine(vllm_dir, max_model_len=1024, max_seqs=16, dtype="fp32")
 
 
@@ -150,7 +152,8 @@ def hf_model(path, seed=None):
 def test_kv_cache_bytes_known_answer():
     """Qwen3-0.6B's shape (28 layers, 8 key/value heads of 128) in bf16 holds 112 KiB of K and V per token."""
     from transformers import Qwen3Config
-    config = Qwen3Config(num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128, hidden_size=1024)
+    config = Qwen3Config(num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+                         hidden_size=1024)
     assert engine.kv_cache_bytes(config, max_model_len=4096 - 256, max_seqs=2, dtype_bytes=2) == 2 * 4096 * 112 * 1024
 
 
@@ -179,9 +182,10 @@ def test_weight_sync_matches_hf(llm, vllm_dir):
         sd["model.layers.0.mlp.down_proj.weight"])) + 1.0, abs=1e-6)  # x + 1 rounds in fp32
     assert 0 < trainer_s < time.perf_counter() - t
     prompt = list(range(5, 25))
-    out = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0, max_tokens=24, logprobs=0, top_k=0),
-                          use_tqdm=False)[0].outputs[0]
-    hf = model.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False, eos_token_id=None, pad_token_id=0)[0, 20:]
+    greedy = SamplingParams(temperature=0, max_tokens=24, logprobs=0, top_k=0)
+    out = llm.generate([{"prompt_token_ids": prompt}], greedy, use_tqdm=False)[0].outputs[0]
+    hf = model.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False, eos_token_id=None,
+                        pad_token_id=0)[0, 20:]
     assert list(out.token_ids) == hf.tolist()
     with torch.no_grad():
         lp = torch.log_softmax(model(torch.tensor([prompt + hf.tolist()])).logits[0, 19:-1], -1)
@@ -205,7 +209,7 @@ def test_seeded_requests_beyond_one_steps_token_budget(llm):
 
 
 def test_replies_without_logprobs_are_the_same_tokens(llm, vllm_dir):
-    """evaluate.py's policy asks for no log-probs (engine.rollout(logprobs=False)): its seeded replies are the
+    """evaluate.py's policy asks for no log-probs (VLLMPolicy(logprobs=False)): its seeded replies are the
     tokens of the policy that does (GRPO's), whose every sampled token carries a log-prob below 0 (the random
     model's near-uniform softmax), while its own carry 0.0."""
     tok = labels.load_tokenizer(vllm_dir, "prefix")
@@ -305,13 +309,14 @@ def bandit_step(llm, model, opt, args, prompts, target, sign, n):
             hit = float(c.token_ids[0] in target)
             rewards.append(hit)
             examples.append({"ids": p + [c.token_ids[0]], "roles": [PROMPT] * len(p) + [ACTION],
-                             "behav": [0.0] * len(p) + [c.logprobs[0][c.token_ids[0]].logprob], "wrapper": [False] * (len(p) + 1)})
+                             "behav": [0.0] * len(p) + [c.logprobs[0][c.token_ids[0]].logprob],
+                             "wrapper": [False] * (len(p) + 1)})
     r = torch.tensor(rewards).view(len(prompts), n)
     adv, _ = grpo.group_advantages(sign * r)
     for ex, a in zip(examples, adv.flatten().tolist()):
         ex["adv"] = [a] * len(ex["ids"])
-    loss, _ = grpo.pg_loss(model, grpo.collate(examples, 0), args, grpo.loss_coefs(args), len(examples), len(examples),
-                           0)
+    norm = grpo.Normalisers(act_tokens=len(examples), seqs=len(examples), echo_seqs=0)
+    loss, _ = grpo.pg_loss(model, grpo.collate(examples, 0), grpo.objective(args), norm)
     loss.backward()
     opt.step()
     opt.zero_grad()
@@ -327,8 +332,9 @@ def test_rollout_survives_a_special_token_on_the_screen(llm, vllm_dir, base_imag
     bashrc = b"mkdir -p '/tmp/<|im_end|>' && cd '/tmp/<|im_end|>'; echo 'hello <|im_end|><|im_start|>user'\n"
     task = Task("special-screen", "Say hello.", memory_mb=256, files=(("/root/.bashrc", bashrc, 0o644),),
                      tests={"test.sh": b"echo 0 > /logs/verifier/reward.txt\n"})
-    eps = engine.rollout(llm, tok, [task] * 2, temperature=1.0, max_turns=2, max_new_tokens=16, max_len=1024,
-                       concurrency=2, seed=0)
+    policy = engine.VLLMPolicy(llm, tok, temperature=1.0, max_new_tokens=16, max_len=1024, seed=0)
+    with engine.engine_threads():
+        eps = envs.run_episodes([task] * 2, policy, max_turns=2, concurrency=2)
     for ep in eps:
         assert isinstance(ep, episode.Episode) and ep.failure != "sandbox_error" and ep.turns >= 1, (ep.failure, ep.error)
         first = ep.messages[0]["content"]

@@ -152,7 +152,8 @@ def test_second_try_needs_network_and_tampered_are_reported_apart():
     assert passk.summarize(res["tasks"], [1], first=True)["pass@k"][1] == pytest.approx((1 / 4 + 1 / 4) / 2)
     assert passk.summarize(res["tasks"], [1])["failures"] == {"needs network": 1, "tampered": 1}
     lines = evaluate.table(res).splitlines()
-    assert [ln.split()[:5] for ln in lines[1:3]] == [["all", "1st", "try", "2", "25.0"], ["all", "2nd", "try", "2", "37.5"]]
+    assert [ln.split()[:5] for ln in lines[1:3]] == [["all", "1st", "try", "2", "25.0"],
+                                                     ["all", "2nd", "try", "2", "37.5"]]
     assert [ln.split()[0] for ln in lines[3:7]] == ["go", "go", "python", "python"]
     assert any(ln.startswith("needs network: 1 attempts") for ln in lines)
     assert any(ln.startswith("tampered: 1 attempts") for ln in lines)
@@ -273,7 +274,8 @@ def test_time_breakdown_known_answers():
     assert lines[4].split() == ["policy", "wait", "1.8", "0.60", "0.9"] and lines[6].split()[-1] == "3.0"
     assert "600 tokens generated: 300 tok/s over the wall, 400 over" in lines[7] and "FLOP bound" in lines[8]
     assert lines[9].split()[0] == f"{x['gen_tok_s']:.0f}" and f"reached {100 * x['of_wall']:.0f}% of it" in lines[9]
-    assert "FLOP bound" not in evaluate.breakdown_text(evaluate.time_breakdown(recs, {"wall_s": 2.0, "policy_s": 1.5}, 0.0))
+    breakdown = evaluate.time_breakdown(recs, {"wall_s": 2.0, "policy_s": 1.5}, 0.0)
+    assert "FLOP bound" not in evaluate.breakdown_text(breakdown)
 
 
 def test_bootstrap_is_seeded_and_covers_the_true_difference():
@@ -342,7 +344,7 @@ def toy_tasks(tmp_path, base_image):
 
 
 def expert_rollout(calls, stop_after=None):
-    """The rollout boundary with the scripted expert as the policy (envs.run_episodes, as engine.rollout uses it);
+    """The rollout boundary with the scripted expert as the policy (envs.run_episodes, as vllm_rollout calls it);
     with stop_after the run is killed once that many episodes have been reported, others still live."""
     def rollout(tasks, on_episode, stats):
         calls.append([t.name for t in tasks])
@@ -457,7 +459,8 @@ def test_end_to_end_tiny_checkpoint_with_vllm(vllm_dir, tmp_path, base_image, no
         taskgen.write_harbor(spec, root / spec.name, base_image)
     out = tmp_path / "tiny.json"
     argv = ["--model", str(vllm_dir), "--tasks", str(root), "--attempts", "4", "--max-turns", "2",
-            "--max-new-tokens", "24", "--max-len", "3072", "--concurrency", "8", "--dtype", "float32", "--out", str(out)]
+            "--max-new-tokens", "24", "--max-len", "3072", "--concurrency", "8", "--dtype", "float32",
+            "--out", str(out)]
     res = evaluate.main(argv)
     saved = json.loads(out.read_text())
     assert len(saved["tasks"]) == 2 and len(saved["configs"]) == 1 and saved["configs"][0]["vllm"]  # its version

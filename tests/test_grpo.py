@@ -1,4 +1,5 @@
-"""GRPO: advantage math, the loss against a hand-written reference in every mode, episodes to training examples,
+"""GRPO: advantage math, the loss (pg_loss_full, the chunked pg_loss and a hand-written per-sequence reference
+agree in every mode), episodes to training examples,
 dynamic sampling, and end-to-end runs on toy tasks in real sandboxes with real vLLM: one killed and resumed, and
 runs on two torchrun ranks (DDP, FSDP2). The rollout engine's own tests: tests/test_engine.py."""
 import bisect
@@ -64,7 +65,8 @@ def naive_logprobs(model, ids, T, allowed=None):
 
 
 def reference_loss(model, examples, args, n_tok, n_seq, n_echo):
-    """The objective of grpo's docstring written out with full logits, one sequence at a time: PPO's clipped
+    """The objective of grpo's docstring written out here too, apart from grpo.pg_loss_full (from the examples'
+    lists, not collate's batch), with full logits, one sequence at a time: PPO's clipped
     surrogate at [1 - eps_low, 1 + eps_high], TIS against the old log-probs (the current ones, detached, when
     the example has none), k3 KL to ex['ref'], ECHO (payload only or not) and the three normalisers."""
     low = args.clip if args.clip_low is None else args.clip_low
@@ -87,7 +89,8 @@ def reference_loss(model, examples, args, n_tok, n_seq, n_echo):
         else:
             ratio, w = (lp_t - behav).exp(), torch.ones_like(lp_t)
         s = torch.minimum(ratio * a, ratio.clamp(1 - low, 1 + high) * a)
-        norm = {"token": 1 / n_tok, "sequence": 1 / (act.sum() * n_seq), "constant": 1 / (args.max_len * n_seq)}[args.loss_norm]
+        norm = {"token": 1 / n_tok, "sequence": 1 / (act.sum() * n_seq),
+                "constant": 1 / (args.max_len * n_seq)}[args.loss_norm]
         total = total - (norm * w * s)[act].sum()
         if args.kl_coef:
             d = torch.tensor(ex["ref"][1:]) - lp_t
@@ -95,6 +98,12 @@ def reference_loss(model, examples, args, n_tok, n_seq, n_echo):
         if args.echo_coef and obs.any():
             total = total + args.echo_coef * (-lp_1[obs]).sum() / obs.sum() / n_echo
     return total
+
+
+def full_loss(model, examples, args, n_tok, n_seq, n_echo, pad_id=0):
+    """grpo.pg_loss_full on the examples as one micro-batch."""
+    norm = grpo.Normalisers(act_tokens=n_tok, seqs=n_seq, echo_seqs=n_echo)
+    return grpo.pg_loss_full(model, grpo.collate(examples, pad_id), grpo.objective(args), norm)
 
 
 def unpacked(ex):
@@ -187,32 +196,39 @@ def loss_tokens(examples):
 
 
 def assert_loss_matches_reference(model, tokenizer, synthetic, norm, case, grammar):
+    """grpo.pg_loss (chunked, in two padded micro-batches), grpo.pg_loss_full (full logits, one micro-batch) and
+    reference_loss (one sequence at a time): the same loss and the same gradients."""
     flags, shifts, extra = LOSS_CASES[case]
     args = args_for("--loss-norm", norm, "--temperature", "0.7", "--max-len", "300", *flags)
     examples = loss_examples(model, tokenizer, synthetic, args, shifts, extra, grammar=grammar)
     n_tok = loss_tokens(examples)
     n_seq, n_echo = len(examples), len(examples)
+    obj, step_norm = grpo.objective(args), grpo.Normalisers(act_tokens=n_tok, seqs=n_seq, echo_seqs=n_echo)
 
-    ref_model = copy.deepcopy(model)
+    ref_model, full_model = copy.deepcopy(model), copy.deepcopy(model)
     ref = reference_loss(ref_model, examples, args, n_tok, n_seq, n_echo)
     ref.backward()
+    full = full_loss(full_model, examples, args, n_tok, n_seq, n_echo, tokenizer.pad_token_id)
+    full.backward()
     model.zero_grad()
     total = 0.0
     for part in ([examples[0]], examples[1:]):  # two micro-batches, padded: the normalisers are the step's
         batch = grpo.collate(part, tokenizer.pad_token_id)
-        loss, st = grpo.pg_loss(model, batch, args, grpo.loss_coefs(args), n_tok, n_seq, n_echo)
+        loss, st = grpo.pg_loss(model, batch, obj, step_norm)
         loss.backward()
         total += st["loss"]
-    assert total == pytest.approx(ref.item(), rel=1e-4, abs=1e-6)
-    assert any(q.grad.abs().max() > 0 for q in ref_model.parameters())
-    for (name, p), q in zip(model.named_parameters(), ref_model.parameters()):
+    assert full.item() == pytest.approx(ref.item(), rel=1e-4, abs=1e-6)
+    assert total == pytest.approx(full.item(), rel=1e-4, abs=1e-6)
+    assert any(q.grad.abs().max() > 0 for q in full_model.parameters())
+    for (name, p), q, r in zip(model.named_parameters(), full_model.parameters(), ref_model.parameters()):
+        assert torch.allclose(q.grad, r.grad, rtol=1e-3, atol=1e-7), name
         assert torch.allclose(p.grad, q.grad, rtol=1e-3, atol=1e-7), name
     if case in ("clipped", "clip-higher"):  # only one sequence moves the weights
         flows = {"clipped": 2, "clip-higher": 0}[case]
         model.zero_grad()
         stopped = [ex for i, ex in enumerate(examples) if i != flows]
         batch = grpo.collate(stopped, tokenizer.pad_token_id)
-        loss, st = grpo.pg_loss(model, batch, args, grpo.loss_coefs(args), n_tok, n_seq, n_echo)
+        loss, st = grpo.pg_loss(model, batch, obj, step_norm)
         loss.backward()
         assert all(p.grad is None or p.grad.abs().max() == 0 for p in model.parameters())
         assert st["clipped_sum"] == st["act_tokens"]
@@ -245,7 +261,7 @@ def test_forced_tokens_carry_no_loss(model, tokenizer, synthetic):
         model.zero_grad()
         batch = grpo.collate([dict(ex, forced=[f and not free for f in ex["forced"]]) for ex in examples],
                              tokenizer.pad_token_id)
-        loss, st = grpo.pg_loss(model, batch, args, grpo.loss_coefs(args), 100, 3, 0)
+        loss, st = grpo.pg_loss(model, batch, grpo.objective(args), grpo.Normalisers(100, 3, 0))
         loss.backward()
         moved = max(p.grad.abs().max() for p in model.parameters() if p.grad is not None)
         assert (moved > 0 and st["act_tokens"] > 0) if free else (moved == 0 and st["act_tokens"] == 0)
@@ -259,14 +275,15 @@ WITHOUT = {"clipped": (["--clip", "10"], None), "clip-higher": ([], None), "echo
 
 
 def test_reference_tells_the_modes_apart(model, tokenizer, synthetic):
-    """Each case's mode changes the reference's gradient (by more than the tolerance of the comparison above), so
-    grpo.pg_loss cannot match it with that mode's term missing, its sign flipped or its bounds swapped."""
+    """Each case's mode changes grpo.pg_loss_full's gradient (by more than the tolerance of the comparison above),
+    so neither pg_loss nor pg_loss_full can match the others with that mode's term missing, its sign flipped or its
+    bounds swapped."""
     def grad(flags, shifts, extra):
         args = args_for("--temperature", "0.7", "--max-len", "300", *flags)
         examples = loss_examples(model, tokenizer, synthetic, args, shifts, extra)
         m = copy.deepcopy(model)
         n_tok = sum(ex["roles"][1:].count(ACTION) for ex in examples)
-        reference_loss(m, examples, args, n_tok, 3, 3).backward()
+        full_loss(m, examples, args, n_tok, 3, 3, tokenizer.pad_token_id).backward()
         return torch.cat([q.grad.flatten() for q in m.parameters()])
     for case, (flags, extra) in WITHOUT.items():
         with_mode, shifts, with_extra = LOSS_CASES[case]
@@ -275,7 +292,8 @@ def test_reference_tells_the_modes_apart(model, tokenizer, synthetic):
         if case == "kl":  # and the KL's sign: a penalty of the opposite sign gives another gradient
             assert not torch.allclose(g, grad(["--kl-coef", "-0.3"], shifts, with_extra), rtol=1e-2, atol=1e-6)
         if case == "clip-higher":  # and the bounds swapped
-            assert not torch.allclose(g, grad(["--clip-low", "0.5", "--clip-high", "0.1"], shifts, None), rtol=1e-2, atol=1e-6)
+            swapped = grad(["--clip-low", "0.5", "--clip-high", "0.1"], shifts, None)
+            assert not torch.allclose(g, swapped, rtol=1e-2, atol=1e-6)
 
 
 def forward_rows(module):
@@ -287,13 +305,13 @@ def forward_rows(module):
 
 def train(model, init, opt, examples, args, pad_id):
     """grpo.train_batch in one CPU process: `model` trains, `init` is the initial policy."""
-    return grpo.train_batch(common.LossModule(grpo.pg_loss, model), init, opt, examples, args, pad_id,
+    return grpo.train_batch(common.LossModule(model), init, opt, examples, args, pad_id,
                             torch.device("cpu"), contextlib.nullcontext(), 0, print)
 
 
 def reference_steps(model, init, examples, args, opt, epochs):
-    """--ppo-epochs updates by the reference loss: old log-probs (with --tis-cap) before the first, the initial
-    policy's for the KL, the normalisers over every example."""
+    """--ppo-epochs updates by grpo.pg_loss_full on all examples at once: old log-probs (with --tis-cap) before the
+    first, the initial policy's for the KL, the normalisers over every example."""
     examples = [dict(ex) for ex in examples]
     for ex in examples:
         ex["ref"] = behaviour(init, ex, args.temperature, 0.0)
@@ -303,7 +321,7 @@ def reference_steps(model, init, examples, args, opt, epochs):
     losses = []
     for _ in range(epochs):
         opt.zero_grad()
-        loss = reference_loss(model, examples, args, n_tok, len(examples), len(examples))
+        loss = full_loss(model, examples, args, n_tok, len(examples), len(examples))
         loss.backward()
         opt.step()
         losses.append(loss.item())
@@ -384,8 +402,8 @@ def examples_of(episodes, args):
 
 def test_overlong_episodes_kept_masked_or_penalised():
     # group 0: rewards 1 0 1, the last cut by the context; group 1: 0 0 0, the last cut; group 2: an infra failure
-    eps = [episode(1.0), episode(0.0), episode(1.0, truncated=True), episode(0.0), episode(0.0), episode(0.0, truncated=True),
-           episode(1.0), episode(0.0), episode(0.0, failure="sandbox_error")]
+    eps = [episode(1.0), episode(0.0), episode(1.0, truncated=True), episode(0.0), episode(0.0),
+           episode(0.0, truncated=True), episode(1.0), episode(0.0), episode(0.0, failure="sandbox_error")]
     adv = lambda groups: [[round(ex["adv"][0], 6) for ex in g] for g in groups]  # noqa: E731
     r = lambda rows: [[round(x, 6) for x in g] for g in rows]  # noqa: E731
     groups, signal, valid = examples_of(eps, args_for("--group-size", "3"))
@@ -440,24 +458,26 @@ def test_a_per_turn_advantage_is_a_change_to_one_function(model, tokenizer, synt
     reference_steps(theirs, model, want, args, torch.optim.SGD(theirs.parameters(), lr=0.1), 1)
     for a, b, c in zip(per_turn.parameters(), theirs.parameters(), outcome.parameters()):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
-    assert any(not torch.allclose(a, c, rtol=1e-3, atol=1e-6) for a, c in zip(per_turn.parameters(), outcome.parameters()))
+    assert any(not torch.allclose(a, c, rtol=1e-3, atol=1e-6)
+               for a, c in zip(per_turn.parameters(), outcome.parameters()))
 
 
 def test_a_new_loss_term_reaches_groups_without_signal(model, tokenizer, synthetic, monkeypatch):
-    """A term added to the loss (its coefficient in grpo.loss_coefs, its value in grpo.pg_loss) is computed on
-    every example, those of groups without signal included: may_skip reads the same coefficients. The term here:
+    """A term added to the loss (its coefficient in grpo.objective's weights, its value in grpo.pg_loss) is computed
+    on every example, those of groups without signal included: may_skip reads the same weights. The term here:
     the action tokens' NLL over the step's action tokens. With every advantage 0 the update is that term's
     gradient alone; a rule that skipped zero-advantage examples would make no update at all."""
     args = args_for("--temperature", "0.7", "--grad-clip", "0")
     examples = loss_examples(model, tokenizer, synthetic, args, [0, 0, 0], None, advs=(0.0, 0.0, 0.0))
-    real_coefs, real_loss = grpo.loss_coefs, grpo.pg_loss
+    real_objective, real_loss = grpo.objective, grpo.pg_loss
 
-    def with_nll(lm, batch, args, coefs, n_tok, n_seq, n_echo):
-        loss, st = real_loss(lm, batch, args, coefs, n_tok, n_seq, n_echo)
+    def with_nll(lm, batch, obj, norm):
+        loss, st = real_loss(lm, batch, obj, norm)
         logits = lm(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1].float()
         lp = torch.log_softmax(logits, -1).gather(2, batch["input_ids"][:, 1:, None]).squeeze(2)  # (B, T-1)
-        return loss + coefs["nll"] * -(lp * (batch["roles"][:, 1:] == ACTION)).sum() / n_tok, st
-    monkeypatch.setattr(grpo, "loss_coefs", lambda a: {**real_coefs(a), "nll": 0.5})
+        return loss + obj.weights["nll"] * -(lp * (batch["roles"][:, 1:] == ACTION)).sum() / norm.act_tokens, st
+    monkeypatch.setattr(grpo, "objective", lambda a: dataclasses.replace(
+        real_objective(a), weights={**real_objective(a).weights, "nll": 0.5}))
     monkeypatch.setattr(grpo, "pg_loss", with_nll)
     mine, theirs = copy.deepcopy(model), copy.deepcopy(model)
     tot, gnorm = train(mine, model, torch.optim.SGD(mine.parameters(), lr=1.0), examples, args, tokenizer.pad_token_id)
@@ -552,7 +572,7 @@ def test_examples_under_a_grammar_carry_its_masks_and_forced_tokens():
     assert grpo.loss_tokens(ex) == 1
     plain = examples_of([episode(1.0), episode(0.0)], args_for("--group-size", "2"))[0][0][0]
     assert "masks" not in plain and "forced" not in plain and grpo.loss_tokens(plain) == 2
-    assert "grammar" in grpo.RESUME_KEYS and args_for("--grammar").grammar == "reply"
+    assert "grammar" not in grpo.FREE_ON_RESUME and args_for("--grammar").grammar == "reply"
 
 
 # ---------------------------------------------------------------------------------------------- end to end

@@ -5,8 +5,8 @@ from types import SimpleNamespace
 
 import pytest
 
-import envs
 from actobs import compare, labels, passk, steplog, taskgen
+from actobs.sandbox import daemon
 from scripts import checks, report
 
 
@@ -209,7 +209,7 @@ def synthetic_run(run, sweep=True, before_attempts=None, every=True):
     splits = taskgen.make_splits(4, 2, 3)
     for split in ("rl", "eval"):
         for spec in splits[split]:
-            taskgen.write_harbor(spec, run / "corpus" / split / spec.name, envs.BASE_IMAGE)
+            taskgen.write_harbor(spec, run / "corpus" / split / spec.name, daemon.BASE_IMAGE)
     rows = [json.dumps({"task": spec.name, "conversations": [{"role": "user", "content": "hi"}]}) + "\n"
             for spec in splits["sft"]]
     (run / "corpus" / "sft.jsonl").write_text("".join(rows))

@@ -85,7 +85,7 @@ def test_adam_settings_are_flags_of_both_stages():
     s = sft.get_parser().parse_args(["--data", "d", "--model", "m", "--out", "o"])
     g = grpo.get_parser().parse_args(["--init", "m", "--tasks", "t", "--out", "o"])
     assert (s.adam_betas, s.adam_eps, g.adam_betas, g.adam_eps) == ([0.9, 0.95], 1e-8, [0.9, 0.999], 1e-8)
-    assert {"adam_betas", "adam_eps"} <= set(sft.RESUME_KEYS) & set(grpo.RESUME_KEYS)
+    assert not {"adam_betas", "adam_eps"} & (set(sft.FREE_ON_RESUME) | set(grpo.FREE_ON_RESUME))  # --resume keeps them
     g = grpo.get_parser().parse_args(["--init", "m", "--tasks", "t", "--out", "o", "--adam-betas", "0.8", "0.9",
                                       "--adam-eps", "1e-6", "--lr", "0.5", "--weight-decay", "0.1"])
     opt = common.adamw(torch.nn.Linear(2, 2), g)
@@ -125,11 +125,14 @@ def test_sft_run_records_its_config_and_mirrors_its_log_to_wandb(tiny_dir, tmp_p
             "0.9", "--adam-eps", "1e-7", "--wandb", "actobs-test"]
     sft.main(argv)
     cfg = json.loads((out / "config.json").read_text())
-    assert cfg["args"]["adam_betas"] == [0.8, 0.9] and cfg["args"]["adam_eps"] == 1e-7 and cfg["args"]["wandb"] == "actobs-test"
-    assert cfg["git"] == subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    assert cfg["args"]["adam_betas"] == [0.8, 0.9] and cfg["args"]["adam_eps"] == 1e-7
+    assert cfg["args"]["wandb"] == "actobs-test"
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    assert cfg["git"] == head
     assert "diff" in cfg and cfg["torch"] == torch.__version__
     state = torch.load(out / "step-000001" / "trainer_state.pt", weights_only=False)
-    assert state["optimizer"]["param_groups"][0]["betas"] == (0.8, 0.9) and state["optimizer"]["param_groups"][0]["eps"] == 1e-7
+    group = state["optimizer"]["param_groups"][0]
+    assert group["betas"] == (0.8, 0.9) and group["eps"] == 1e-7
     with pytest.raises(ValueError, match=r"--adam-betas \[0.8, 0.9\] -> \[0.9, 0.95\]"):
         sft.main([a for a in argv if a not in ("--adam-betas", "0.8", "0.9")] + ["--resume"])
 
@@ -174,10 +177,33 @@ def test_grpo_checkpoint_holds_no_rng_state_and_resumes_on_as_many_ranks(model, 
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
     common.save_checkpoint(tmp_path / "step-000003", model, model, tokenizer, opt, 3, args, 0, rng=False)
     assert not list((tmp_path / "step-000003").glob("rng-*"))
-    ckpt, state, finished = common.resume_point(tmp_path, args, ("lr", "seed"), 1)
+    ckpt, state, finished = common.resume_point(tmp_path, args, ("fsdp", "resume"), 1)
     assert (ckpt, state["step"], finished) == (tmp_path / "step-000003", 3, False)
     with pytest.raises(ValueError, match="written by 1 ranks; resume with as many"):
-        common.resume_point(tmp_path, args, ("lr", "seed"), 2)
+        common.resume_point(tmp_path, args, ("fsdp", "resume"), 2)
+
+
+@pytest.mark.parametrize("stage, required", [(sft, ["--data", "d", "--model", "m"]),
+                                             (grpo, ["--init", "m", "--tasks", "t"])])
+def test_resume_refuses_a_changed_flag_unless_the_stage_declares_it_free(stage, required, tmp_path):
+    """The resume rule sits beside each stage's parser: FREE_ON_RESUME, the flags of how a run computes and where it
+    writes (its --help groups "execution" and "run", exactly); every other flag must be the checkpoint's. So a flag
+    added and declared nowhere is kept safely: resuming with another value of it is refused, the same value goes on."""
+    parser = stage.get_parser()
+    parser.add_argument("--new-flag", type=int, default=1)  # a new flag, declared neither free nor kept
+    argv = [*required, "--out", str(tmp_path)]
+    ckpt = tmp_path / "step-000001"
+    ckpt.mkdir()
+    torch.save({"args": vars(parser.parse_args(argv)), "step": 1, "world": 1}, ckpt / "trainer_state.pt")
+    with pytest.raises(ValueError, match="--new-flag 1 -> 2"):
+        common.resume_point(tmp_path, parser.parse_args([*argv, "--resume", "--new-flag", "2"]), stage.FREE_ON_RESUME,
+                            1)
+    with pytest.raises(ValueError, match="--lr"):
+        common.resume_point(tmp_path, parser.parse_args([*argv, "--resume", "--lr", "0.5"]), stage.FREE_ON_RESUME, 1)
+    free = parser.parse_args([*argv, "--resume", "--micro-tokens", "7", "--keep", "5", "--dtype", "fp32"])
+    assert common.resume_point(tmp_path, free, stage.FREE_ON_RESUME, 1)[0] == ckpt
+    groups = {g.title: [a.dest for a in g._group_actions] for g in parser._action_groups}
+    assert sorted(groups["execution"] + groups["run"]) == sorted(stage.FREE_ON_RESUME)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -204,8 +230,8 @@ def compare_files(tmp_path):
 
 
 def test_runs_in_one_process_run_in_order_and_stop_at_the_first_failure(tmp_path):
-    """Through the CLI, stdout a pipe: every run's output is flushed before the process leaves without the
-    interpreter's shutdown, and a failing run stops the ones after it with a non-zero status."""
+    """Through the CLI, stdout a pipe: every run's output comes out, in order, and a failing run stops the ones after
+    it with a non-zero status."""
     a, b = compare_files(tmp_path)
     png = [tmp_path / f"{i}.png" for i in range(3)]
     cli = [sys.executable, str(ROOT / "evaluate.py")]
@@ -244,7 +270,8 @@ def test_a_run_sharing_a_process_samples_as_it_does_alone(vllm_dir, tmp_path, ba
 
     def run(model, name):
         return ["--model", str(model), "--tasks", str(tasks), "--attempts", "2", "--max-turns", "1",
-                "--max-new-tokens", "16", "--max-len", "2048", "--concurrency", "4", "--out", str(tmp_path / f"{name}.json"),
+                "--max-new-tokens", "16", "--max-len", "2048", "--concurrency", "4",
+                "--out", str(tmp_path / f"{name}.json"),
                 "--transcripts", str(tmp_path / f"{name}.jsonl")]
     cli = [sys.executable, str(ROOT / "evaluate.py")]
     for argv in (run(other, "first") + [":::"] + run(vllm_dir, "shared"), run(vllm_dir, "alone")):
