@@ -33,8 +33,8 @@ import numpy as np
 import torch
 
 import envs
-from actobs import common, engine, episode, head, steplog, terminus
-from actobs.labels import ACTION, OBS, PROMPT, load_tokenizer
+from actobs import batches, common, engine, episode, head, steplog, terminus
+from actobs.labels import ACTION, OBS, load_tokenizer
 from actobs.tasks import load_tasks
 
 
@@ -144,20 +144,6 @@ class Normalisers:
     echo_seqs: float  # the examples with ECHO tokens (the loss divides by at least 1)
 
 
-def collate(examples, pad_id):
-    """Examples (dicts of per-token lists: ids, roles, wrapper, adv, behav, [old, ref]; under a grammar forced, masks,
-    mask_ids) -> right-padded (B, T) tensors, PROMPT on padding; under a grammar mask_table, mask_row (engine's)."""
-    out = common.collate([(e["ids"], e["roles"]) for e in examples], pad_id)  # input_ids, roles, attention_mask
-    out.update(engine.mask_batch(examples, out["input_ids"].shape))
-    for key, dtype in (("wrapper", torch.bool), ("forced", torch.bool), ("adv", torch.float32),
-                       ("behav", torch.float32), ("old", torch.float32), ("ref", torch.float32)):
-        if key in examples[0]:
-            out[key] = torch.zeros(out["input_ids"].shape, dtype=dtype)
-            for b, e in enumerate(examples):
-                out[key][b, :len(e[key])] = torch.as_tensor(e[key], dtype=dtype)
-    return out
-
-
 def echo_mask(roles, wrapper, payload_only):
     """roles, wrapper (..., T) -> (..., T-1) bool: the positions whose next token carries ECHO: OBS (payload_only:
     the environment's own text alone)."""
@@ -226,37 +212,6 @@ def pg_loss_full(lm, batch, obj, norm):
 # The same loss, chunked: head.token_loss forms the head's gradients in its forward pass from each row's term, so the
 # (N, V) logits never exist at Qwen's 151,936-token vocabulary. Each row's term is token_objective's.
 
-@dataclasses.dataclass
-class Rows:
-    """The positions of a micro-batch that carry loss (selected_rows): N of its (B, T-1) predictions."""
-    h: torch.Tensor  # (N, H) hidden states, action rows scaled by 1 / T (the head then gives logits / T)
-    targets: torch.Tensor  # (N,) the token each row predicts
-    act: torch.Tensor  # (N,) bool: an action row (else an ECHO row, at T = 1)
-    seq: torch.Tensor  # (N,) its sequence in the batch
-    sel: torch.Tensor  # (B, T-1) bool: the positions selected
-    adv: torch.Tensor  # (N,) the batch's per-token fields at the rows: the advantage,
-    behav: torch.Tensor  # the log-prob vLLM sampled the token with,
-    old: torch.Tensor | None  # the trainer's before the step's first update (None: the row's own, detached),
-    ref: torch.Tensor | None  # the initial policy's (None: no KL)
-
-
-def selected_rows(lm, batch, temperature, echo):
-    """The positions that carry loss: those predicting ACTION tokens (hidden states scaled by 1/T: the head gives
-    logits / T) but the forced ones (a grammar allowed them alone) and, where echo (B, T-1), OBS tokens (at T = 1:
-    the model's own prediction of the environment). -> Rows."""
-    ids, roles = batch["input_ids"], batch["roles"]  # (B, T)
-    hidden = lm.base_model(input_ids=ids, attention_mask=batch["attention_mask"],
-                           use_cache=False).last_hidden_state  # (B, T, H)
-    is_act = roles[:, 1:] == ACTION  # (B, T-1): the role of the token each position predicts
-    if "forced" in batch:
-        is_act &= ~batch["forced"][:, 1:]
-    sel = is_act | (roles[:, 1:] == OBS) & echo
-    h, act = hidden[:, :-1][sel], is_act[sel]  # (N, H), (N,)
-    scale = torch.where(act, 1.0 / temperature, 1.0).to(h.dtype)
-    seq = torch.arange(len(ids), device=ids.device)[:, None].expand_as(sel)[sel]
-    at = {k: batch[k][:, 1:][sel] if k in batch else None for k in ("adv", "behav", "old", "ref")}  # (N,) each
-    return Rows(h=h * scale[:, None], targets=ids[:, 1:][sel], act=act, seq=seq, sel=sel, **at)
-
 
 def token_objective(lp, rows, r, w, obj, parts=False):
     """head.token_loss's terms: the loss of rows `rows` (a slice of r's N rows) from their log-probs lp (c,), each
@@ -288,7 +243,7 @@ def pg_loss(lm, batch, obj, norm):
     forms the head's gradients in the forward pass. -> (the loss, stats of sums: the terms, entropy, KL, mismatch
     between the engine's and the trainer's log-probs, clipping)."""
     echo = echo_mask(batch["roles"], batch["wrapper"], obj.echo_payload_only) & (obj.weights["echo"] != 0)  # (B, T-1)
-    r = selected_rows(lm, batch, obj.temperature, echo)
+    r = batches.selected_rows(lm, batch, obj.temperature, echo)
     act, a_seq, o_seq = r.act, r.seq[r.act], r.seq[~r.act]
     w = torch.zeros(len(r.targets), device=r.h.device)  # (N,): n_i on action rows, ECHO's weight on the others
     if obj.loss_norm == "token":
@@ -314,42 +269,6 @@ def pg_loss(lm, batch, obj, norm):
     return loss, stats
 
 
-def action_logprobs(lm, batch, temperature):
-    """-> (B, T-1) the log-prob (at T) of each next token that is an action under `lm`, 0 elsewhere."""
-    r = selected_rows(lm, batch, temperature, torch.zeros_like(batch["wrapper"][:, 1:]))  # no ECHO rows
-    logp, _ = head.token_logprobs(r.h, lm.get_output_embeddings().weight, r.targets,
-                                  allowed=engine.allowed_rows(batch, r.sel))
-    full = torch.zeros(r.sel.shape, dtype=torch.float32, device=logp.device)
-    full[r.sel] = logp
-    return full
-
-
-def micro_batch(examples, group, pad_id, device):
-    """The collated micro-batch of examples[i] for i in group, on device. Of an empty group, a 1-token example that
-    carries no loss: a rank with no examples left still runs as many forwards as the others (DDP's and FSDP2's
-    collectives require it)."""
-    empty = {"ids": [pad_id], "roles": [PROMPT], "behav": [0.0], "wrapper": [False], "adv": [0.0]}
-    return {k: v.to(device) for k, v in collate([examples[i] for i in group] or [empty], pad_id).items()}
-
-
-@torch.no_grad()
-def policy_logprobs(scorer, examples, args, pad_id, device, ctx, trainer=False):
-    """Per-token log-probs (at T) of each example's tokens (a list per example, 0 where a token is not an action)
-    under `scorer`: an HF model (the initial policy, for the KL), or with trainer=True the wrapped LossModule (the
-    trainer before a multi-epoch step: its forward gathers FSDP2's shards; every rank runs as many)."""
-    lengths = [len(e["ids"]) for e in examples]
-    out = []
-    for g in (common.rank_micro_batches(lengths, args.micro_tokens, device) if trainer else
-              common.micro_batches(lengths, args.micro_tokens)):
-        batch = micro_batch(examples, g, pad_id, device)
-        with ctx:
-            full = (scorer(batch, args.temperature, fn=action_logprobs) if trainer else
-                    action_logprobs(scorer, batch, args.temperature))
-        for j, i in enumerate(g):
-            out.append((i, [0.0] + full[j, : len(examples[i]["ids"]) - 1].tolist()))
-    return [lp for _, lp in sorted(out)]
-
-
 def train_batch(wrapped, init_lm, opt, examples, args, pad_id, device, ctx, step, log):
     """--ppo-epochs optimizer steps of `wrapped` (common.LossModule around the policy, under DDP / FSDP2) on this
     rank's examples; init_lm: the initial policy. -> (stats summed over the first epoch's micro-batches, the last
@@ -364,10 +283,12 @@ def train_batch(wrapped, init_lm, opt, examples, args, pad_id, device, ctx, step
     examples = [ex for ex in examples if not may_skip(ex, obj)]
     if common.all_reduce([len(examples)], device)[0] == 0:
         return {"episodes_trained": 0}, None
-    for ex, lp in zip(examples, policy_logprobs(init_lm, examples, args, pad_id, device, ctx) if examples else []):
+    refs = batches.policy_logprobs(init_lm, examples, args, pad_id, device, ctx) if examples else []
+    for ex, lp in zip(examples, refs):
         ex["ref"] = lp
     if args.ppo_epochs > 1 and args.tis_cap > 0:  # the trainer before the step's first update, on every rank
-        for ex, lp in zip(examples, policy_logprobs(wrapped, examples, args, pad_id, device, ctx, trainer=True)):
+        olds = batches.policy_logprobs(wrapped, examples, args, pad_id, device, ctx, trainer=True)
+        for ex, lp in zip(examples, olds):
             ex["old"] = lp
     # micro-batches by token budget, as many on every rank; the loss is already normalised over the step and every
     # rank, and DDP averages gradients over ranks: each backward is of loss * world
@@ -375,7 +296,7 @@ def train_batch(wrapped, init_lm, opt, examples, args, pad_id, device, ctx, step
     groups = common.rank_micro_batches([len(ex["ids"]) for ex in examples], args.micro_tokens, device)
     for epoch in range(args.ppo_epochs):
         for k, g in enumerate(groups):
-            batch = micro_batch(examples, g, pad_id, device)
+            batch = batches.micro_batch(examples, g, pad_id, device)
             with common.grad_sync(wrapped, k == len(groups) - 1, world, args.fsdp), ctx:
                 loss, st = wrapped(batch, obj, norm, fn=pg_loss)  # pg_loss(policy, ...) under DDP's / FSDP2's hooks
                 (loss * world).backward()

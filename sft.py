@@ -17,6 +17,7 @@ Resume an interrupted run: the same command plus --resume. Several runs in one p
 (common.run_cli): `python sft.py ARGS ::: ARGS ...`.
 """
 import argparse
+import dataclasses
 import math
 import time
 from contextlib import nullcontext
@@ -187,40 +188,16 @@ def reduce_stats(tot, device):
     return tot
 
 
-# ----------------------------------------------------------------------------------------------------------
-
-def main(argv=None):
-    args = get_parser().parse_args(argv)
-    from tqdm import tqdm
-
-    for bad_flag, msg in ((args.keep < 1, "--keep must be at least 1"), (args.lam < 0, "--lam must be >= 0"),
-                          (args.probe_every and common.under_torchrun(), "--probe-every runs in a single process; "
-                           "under torchrun, run `probes.py geometry` on the step checkpoints")):
-        if bad_flag:
-            raise ValueError(msg)
-    run = common.start_run(args, FREE_ON_RESUME)
-    if run is None:
-        return
-    rank, world, device = run.rank, run.world, run.device
-    torch.manual_seed(args.seed)
-
-    # data -> (ids, roles), rendered a share per rank, held-out split
-    where = []
-    convs, bad = read_trajectories(args.data, args.skip_bad, where)
-    model_path = args.model
-    if args.model == "tiny":
-        model_path = run.out / "init"
-        if rank == 0 and not (model_path / "config.json").exists():
-            tiny.build_tiny(model_path, [m["content"] for c in convs for m in c], seed=args.seed)
-        common.barrier()
-    # a checkpoint carries the chat template it was trained with: resume with exactly that one
-    tok = load_tokenizer(run.ckpt, "native") if run.ckpt else load_tokenizer(model_path, args.chat_template)
+def render_share(tok, convs, where, max_len, skip_bad, rank, world):
+    """This rank's share of the trajectories (every world-th) rendered to (ids, roles), gathered from every rank in
+    file order -> (the examples with a token to learn from, rows that did not render (skip_bad; else the error names
+    the row), rows with nothing left to learn once cut at max_len: counted, never a NaN)."""
     mine, failed = [], 0
     for i in range(rank, len(convs), world):
         try:
-            ids, roles = render(tok, convs[i], args.max_len)
+            ids, roles = render(tok, convs[i], max_len)
         except ValueError as e:
-            if not args.skip_bad:
+            if not skip_bad:
                 raise ValueError(f"{where[i]}: {e}") from None
             failed += 1
             continue
@@ -229,13 +206,90 @@ def main(argv=None):
         parts = [None] * world
         dist.all_gather_object(parts, (mine, failed))
         mine, failed = sorted((x for p, _ in parts for x in p), key=lambda x: x[0]), sum(f for _, f in parts)
-    bad += failed
     examples = [(ids, roles) for _, ids, roles in mine if (roles[1:] != PROMPT).any()]
-    empty = len(mine) - len(examples)  # nothing to learn from once truncated: counted, never a NaN
+    return examples, failed, len(mine) - len(examples)
+
+
+def check_flags(args):
+    """Flag values the parser cannot refuse alone: a clear error before anything is loaded."""
+    for bad_flag, msg in ((args.keep < 1, "--keep must be at least 1"), (args.lam < 0, "--lam must be >= 0"),
+                          (args.probe_every and common.under_torchrun(), "--probe-every runs in a single process; "
+                           "under torchrun, run `probes.py geometry` on the step checkpoints")):
+        if bad_flag:
+            raise ValueError(msg)
+
+
+@dataclasses.dataclass
+class Data:
+    """What main trains on (load_data)."""
+    tok: object  # the tokenizer, with the chat template the run renders with
+    model_path: object  # where the model starts from (--model; with `tiny`, the random one built in OUT/init)
+    train: list  # [(ids, roles)] the training trajectories
+    val: list  # [(ids, roles)] the held-out ones (--val-size)
+    bad: int  # rows skipped (--skip-bad): unreadable or not rendered
+    empty: int  # rows with nothing left to learn once cut at --max-len
+
+
+def load_data(args, run):
+    """--data read and rendered (a share per rank, gathered), the tokenizer (a checkpoint's own chat template when
+    resuming), the model to start from, the seeded held-out split."""
+    where = []
+    convs, bad = read_trajectories(args.data, args.skip_bad, where)
+    model_path = args.model
+    if args.model == "tiny":
+        model_path = run.out / "init"
+        if run.rank == 0 and not (model_path / "config.json").exists():
+            tiny.build_tiny(model_path, [m["content"] for c in convs for m in c], seed=args.seed)
+        common.barrier()
+    tok = load_tokenizer(run.ckpt, "native") if run.ckpt else load_tokenizer(model_path, args.chat_template)
+    examples, failed, empty = render_share(tok, convs, where, args.max_len, args.skip_bad, run.rank, run.world)
     if len(examples) <= args.val_size:
         raise ValueError(f"{args.data}: {len(examples)} usable trajectories, need more than --val-size {args.val_size}")
     perm = np.random.default_rng(args.seed).permutation(len(examples))
-    val, train = [examples[i] for i in perm[: args.val_size]], [examples[i] for i in perm[args.val_size:]]
+    return Data(tok, model_path, train=[examples[i] for i in perm[args.val_size:]],
+                val=[examples[i] for i in perm[: args.val_size]], bad=bad + failed, empty=empty)
+
+
+def restore_rng(ckpt, rank):
+    """This rank's torch (and CUDA) RNG state as the checkpoint saved it: a resumed run draws as the uninterrupted
+    one would."""
+    rng = torch.load(ckpt / f"rng-{rank}.pt", weights_only=False)
+    torch.set_rng_state(rng["torch"])
+    if rng["cuda"] is not None:
+        torch.cuda.set_rng_state(rng["cuda"])
+
+
+def step_row(step, tot, lr, gnorm, w_act, lam, dt, device):
+    """A training step's row of log.jsonl (tot: its reduce_stats)."""
+    return {"step": step, "train/loss": tot["loss"], "train/act_nll": tot["act_nll"], "train/obs_nll": tot["obs_nll"],
+            "train/lr": lr, "train/grad_norm": gnorm, "train/w_act": w_act, "train/lam": lam,
+            "train/tokens": tot["tokens"], "train/tok_per_s": tot["tokens"] / dt, "train/step_s": dt,
+            **({"train/peak_mem_gb": torch.cuda.max_memory_allocated() / 2**30} if device.type == "cuda" else {})}
+
+
+def step_line(row, total):
+    """A training step's console line."""
+    return (f"step {row['step']}/{total} | loss {row['train/loss']:.4f} | act {row['train/act_nll']:.4f} | "
+            f"obs {row['train/obs_nll']:.4f} | lr {row['train/lr']:.2e} | gnorm {row['train/grad_norm']:.3f} | "
+            f"{row['train/tok_per_s']:.0f} tok/s | {row['train/step_s'] * 1000:.0f} ms")
+
+
+# ----------------------------------------------------------------------------------------------------------
+
+def main(argv=None):
+    args = get_parser().parse_args(argv)
+    from tqdm import tqdm
+
+    check_flags(args)
+    run = common.start_run(args, FREE_ON_RESUME)
+    if run is None:
+        return
+    rank, world, device = run.rank, run.world, run.device
+    torch.manual_seed(args.seed)
+
+    # data -> (ids, roles), rendered a share per rank, held-out split
+    d = load_data(args, run)
+    tok, model_path, train, val = d.tok, d.model_path, d.train, d.val
     if args.batch_size < world:
         raise ValueError(f"--batch-size {args.batch_size} is smaller than the {world} ranks")
     steps_per_epoch = math.ceil(len(train) / args.batch_size)
@@ -252,12 +306,9 @@ def main(argv=None):
     opt = common.adamw(model, args)
     start = common.load_optimizer_state(model, opt, run.state, args.fsdp)
     if run.state is not None:
-        rng = torch.load(run.ckpt / f"rng-{rank}.pt", weights_only=False)
-        torch.set_rng_state(rng["torch"])
-        if rng["cuda"] is not None:
-            torch.cuda.set_rng_state(rng["cuda"])
+        restore_rng(run.ckpt, rank)
     n_params = sum(p.numel() for p in raw.parameters())
-    run.print0(f"{len(train)} train / {len(val)} val trajectories ({bad} bad rows, {empty} with nothing to learn "
+    run.print0(f"{len(train)} train / {len(val)} val trajectories ({d.bad} bad rows, {d.empty} with nothing to learn "
            f"skipped) | {n_params / 1e6:.1f}M params | {total} steps x {args.batch_size} traj | warmup {warmup} | "
            f"{'bf16' if dtype == torch.bfloat16 else 'fp32'} ({why}) | world {world} | "
            + (f"resumed at step {start}" if start else "fresh start"))
@@ -309,15 +360,10 @@ def main(argv=None):
         gnorm = common.optimizer_step(model, opt, args.grad_clip, step, run.print0)
         tot = reduce_stats(tot, device)
         dt = time.time() - t0
-        record({"step": step + 1, "train/loss": tot["loss"], "train/act_nll": tot["act_nll"],
-                "train/obs_nll": tot["obs_nll"], "train/lr": lr, "train/grad_norm": gnorm, "train/w_act": w_act,
-                "train/lam": lam, "train/tokens": tot["tokens"], "train/tok_per_s": tot["tokens"] / dt,
-                "train/step_s": dt,
-                **({"train/peak_mem_gb": torch.cuda.max_memory_allocated() / 2**30} if device.type == "cuda" else {})})
+        row = step_row(step + 1, tot, lr, gnorm, w_act, lam, dt, device)
+        record(row)
         if rank == 0:
-            tqdm.write(f"step {step + 1}/{total} | loss {tot['loss']:.4f} | act {tot['act_nll']:.4f} | "
-                       f"obs {tot['obs_nll']:.4f} | lr {lr:.2e} | gnorm {gnorm:.3f} | {tot['tokens'] / dt:.0f} tok/s | "
-                       f"{dt * 1000:.0f} ms")
+            tqdm.write(step_line(row, total))
         done = step + 1
         if args.eval_every and done % args.eval_every == 0 and done != total:
             evaluate(done)

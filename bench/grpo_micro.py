@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 import grpo
-from actobs import common, tiny
+from actobs import batches, common, tiny
 from actobs.labels import ACTION, OBS, PROMPT
 
 WAYS = {"padded micro-batches (default)": 32768, "one episode a pass": 1}  # name -> --micro-tokens
@@ -83,7 +83,7 @@ def main(argv=None):
     examples = synthetic_examples(random.Random(0), args.episodes, args.group_size, args.tokens, config.vocab_size)
     # the behaviour log-probs: the policy's own (the importance ratio starts at 1, as after a rollout)
     pargs = grpo.get_parser().parse_args(["--init", "-", "--tasks", "-", "--out", "-", "--micro-tokens", "1"])
-    behav = grpo.policy_logprobs(common.load_model(model_dir, torch.device("cpu")), examples, pargs, 0,
+    behav = batches.policy_logprobs(common.load_model(model_dir, torch.device("cpu")), examples, pargs, 0,
                                  torch.device("cpu"), common.autocast("auto", torch.device("cpu"))[0])
     total, weights = dict.fromkeys(WAYS, 0.0), {}
     for r in range(args.rounds):

@@ -14,7 +14,7 @@ import torch
 from conftest import ScriptedAsync
 import envs
 import grpo
-from actobs import common, engine, episode, labels, terminus
+from actobs import batches, common, engine, episode, labels, terminus
 from actobs.labels import ACTION, OBS, PROMPT
 from actobs.tasks import Task
 
@@ -274,7 +274,7 @@ def test_a_random_model_writes_only_parseable_replies_under_the_grammar(llm, vll
 
 
 def test_grammar_logprobs_match_the_trainer(vllm_dir, grammar_replies):
-    """The log-probs vLLM sampled with under the grammar are the trainer's (grpo.policy_logprobs: the masked,
+    """The log-probs vLLM sampled with under the grammar are the trainer's (batches.policy_logprobs: the masked,
     renormalised softmax from the replayed masks) within 1e-5 in fp32 at every token that carries loss; a forced
     token was sampled with log-prob 0; the trainer without the masks would be far off."""
     eps, _, _ = grammar_replies
@@ -283,7 +283,7 @@ def test_grammar_logprobs_match_the_trainer(vllm_dir, grammar_replies):
     examples = [{"ids": e.token_ids, "roles": e.roles, "wrapper": e.obs_wrapper, "behav": e.logprobs,
                  "masks": e.masks, "mask_ids": e.mask_ids, "forced": engine.forced_tokens(e.masks, e.mask_ids)}
                 for e in eps]
-    scored = [grpo.policy_logprobs(model, exs, args, 0, torch.device("cpu"), contextlib.nullcontext())
+    scored = [batches.policy_logprobs(model, exs, args, 0, torch.device("cpu"), contextlib.nullcontext())
               for exs in (examples, [{k: ex[k] for k in ("ids", "roles", "wrapper", "behav")} for ex in examples])]
     gaps, unmasked, forced = [], [], []
     for ex, lp, lp_free in zip(examples, *scored):
@@ -316,7 +316,7 @@ def bandit_step(llm, model, opt, args, prompts, target, sign, n):
     for ex, a in zip(examples, adv.flatten().tolist()):
         ex["adv"] = [a] * len(ex["ids"])
     norm = grpo.Normalisers(act_tokens=len(examples), seqs=len(examples), echo_seqs=0)
-    loss, _ = grpo.pg_loss(model, grpo.collate(examples, 0), grpo.objective(args), norm)
+    loss, _ = grpo.pg_loss(model, batches.collate(examples, 0), grpo.objective(args), norm)
     loss.backward()
     opt.step()
     opt.zero_grad()

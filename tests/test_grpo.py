@@ -22,7 +22,7 @@ import pytest
 import torch
 
 import grpo
-from actobs import common, engine, labels, taskgen
+from actobs import batches, common, engine, labels, taskgen
 from actobs.episode import Episode
 from actobs.labels import ACTION, OBS, PROMPT
 from actobs.sandbox import daemon
@@ -103,7 +103,7 @@ def reference_loss(model, examples, args, n_tok, n_seq, n_echo):
 def full_loss(model, examples, args, n_tok, n_seq, n_echo, pad_id=0):
     """grpo.pg_loss_full on the examples as one micro-batch."""
     norm = grpo.Normalisers(act_tokens=n_tok, seqs=n_seq, echo_seqs=n_echo)
-    return grpo.pg_loss_full(model, grpo.collate(examples, pad_id), grpo.objective(args), norm)
+    return grpo.pg_loss_full(model, batches.collate(examples, pad_id), grpo.objective(args), norm)
 
 
 def unpacked(ex):
@@ -213,7 +213,7 @@ def assert_loss_matches_reference(model, tokenizer, synthetic, norm, case, gramm
     model.zero_grad()
     total = 0.0
     for part in ([examples[0]], examples[1:]):  # two micro-batches, padded: the normalisers are the step's
-        batch = grpo.collate(part, tokenizer.pad_token_id)
+        batch = batches.collate(part, tokenizer.pad_token_id)
         loss, st = grpo.pg_loss(model, batch, obj, step_norm)
         loss.backward()
         total += st["loss"]
@@ -227,7 +227,7 @@ def assert_loss_matches_reference(model, tokenizer, synthetic, norm, case, gramm
         flows = {"clipped": 2, "clip-higher": 0}[case]
         model.zero_grad()
         stopped = [ex for i, ex in enumerate(examples) if i != flows]
-        batch = grpo.collate(stopped, tokenizer.pad_token_id)
+        batch = batches.collate(stopped, tokenizer.pad_token_id)
         loss, st = grpo.pg_loss(model, batch, obj, step_norm)
         loss.backward()
         assert all(p.grad is None or p.grad.abs().max() == 0 for p in model.parameters())
@@ -259,7 +259,7 @@ def test_forced_tokens_carry_no_loss(model, tokenizer, synthetic):
         ex["forced"] = [r == ACTION for r in ex["roles"]]
     for free in (False, True):
         model.zero_grad()
-        batch = grpo.collate([dict(ex, forced=[f and not free for f in ex["forced"]]) for ex in examples],
+        batch = batches.collate([dict(ex, forced=[f and not free for f in ex["forced"]]) for ex in examples],
                              tokenizer.pad_token_id)
         loss, st = grpo.pg_loss(model, batch, grpo.objective(args), grpo.Normalisers(100, 3, 0))
         loss.backward()
@@ -330,7 +330,7 @@ def reference_steps(model, init, examples, args, opt, epochs):
 
 def test_ppo_epochs_with_tis_and_kl_match_reference(model, tokenizer, synthetic):
     """grpo.train_batch over two --ppo-epochs, in micro-batches: the old log-probs are the trainer's before the
-    first update, the KL's are the initial policy's (scored by grpo.policy_logprobs); the weights after both updates are
+    first update, the KL's are the initial policy's (scored by batches.policy_logprobs); the weights after both updates are
     the reference's."""
     args = args_for("--ppo-epochs", "2", "--tis-cap", "1.5", "--kl-coef", "0.2", "--temperature", "0.7",
                     "--grad-clip", "0", "--micro-tokens", "400")
