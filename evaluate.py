@@ -11,15 +11,11 @@ failures, by task kind.
     python evaluate.py --model runs/q4b-actobs-grpo/final --tasks terminal-bench-2 --attempts 16 \\
         --max-turns 100 --max-new-tokens 8192 --max-len 32768 --concurrency 32 --out runs/q4b-actobs-grpo/tb2.json
 
---tasks takes Harbor task folders or folders of them. The chat template comes from the checkpoint (sft.py saves
-the one it trained with), the system prompt from --prompt-template (default: the corpus's), so evaluation sees
-what training saw. The results JSON is rewritten atomically after every attempt; the same command resumes an
-interrupted run, and refuses to when a setting that changes results differs. Infrastructure failures
-(episode.INFRA_FAILURES: an image that does not build, a sandbox that fails) are reported apart and left
-out of pass@k; they are never the agent's failure. compare (compare.py) gives each run's pass@k, the difference
-to the first run in points and in %, and a paired bootstrap 95% interval of that difference over the common tasks.
-Validate a task set first (reference solution scores 1, doing nothing 0): `python envs.py oracle [--noop] DIR/*`.
-Several evaluations in one process, the imports paid once (common.run_cli): `python evaluate.py ARGS ::: ARGS ...`.
+--tasks takes Harbor task folders or folders of them; the chat template is the checkpoint's, the system prompt
+--prompt-template's, so evaluation sees what training saw. The results JSON is rewritten after every attempt and the
+same command resumes; infrastructure failures are reported apart, out of pass@k. What it measures and how to read a
+comparison: docs/report.md; validating a task set first: `python envs.py oracle [--noop] DIR/*`. Several evaluations
+in one process: `python evaluate.py ARGS ::: ARGS ...`.
 """
 import argparse
 import json
@@ -32,7 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import envs
-from actobs import compare, episode, labels, taskgen, terminus
+from actobs import compare, episode, labels, runlog, taskgen, terminus
 from actobs.passk import NEWER_KEYS, RESUME_KEYS, constrained, groups, ks_up_to, pct, summarize
 from actobs.tasks import KIND_FIELDS, load_task
 
@@ -82,7 +78,7 @@ def parse_args(argv=None):
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Results: {"settings", "configs": [common.run_config of each session, with "time": its time_breakdown once it
+# Results: {"settings", "configs": [runlog.run_config of each session, with "time": its time_breakdown once it
 # ran attempts], "tasks": {name: {"path", "kind", "heldout", "attempts": [record]}}, "summary"}
 
 
@@ -291,8 +287,7 @@ def evaluate(args, rollout=None):
                 print(f"{p}: the image does not build; its attempts are recorded as image_build_error")
             jobs += [(names[p], i, task) for i in missing[p]]
     jobs.sort(key=lambda job: job[1])  # attempt 0 of every task first: a stopped run has some of each task
-    from actobs import common  # torch: only when a run starts (the tables and compare need none)
-    results["configs"].append(common.run_config(vars(args)))  # one per session: a resumed run may run other code
+    results["configs"].append(runlog.run_config(vars(args)))  # one per session: a resumed run may run other code
     save_results(args.out, results)
     print(f"{len(paths)} tasks x {args.attempts} attempts: {len(jobs)} to run -> {args.out}")
     if jobs:

@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 import envs
-from actobs import batches, common, engine, episode, head, steplog, terminus
+from actobs import batches, common, engine, episode, head, runlog, steplog, terminus
 from actobs.labels import ACTION, OBS, load_tokenizer
 from actobs.tasks import load_tasks
 
@@ -432,7 +432,7 @@ def main(argv=None):
     llm = engine.make_engine(run.ckpt or args.init, max_model_len=args.max_len, seed=args.seed,
                              max_seqs=args.concurrency, dtype="bf16" if dtype == torch.bfloat16 else "fp32",
                              gpu_memory=args.gpu_memory, kv_cache_gb=args.kv_cache_gb)
-    log = common.open_run_log(run.out, args, start, rank, compute_dtype={"dtype": str(dtype), "why": why})
+    log = runlog.open_run_log(run.out, args, start, rank, compute_dtype={"dtype": str(dtype), "why": why})
     print0(f"{len(tasks)} tasks | {sum(p.numel() for p in lm.parameters()) / 1e6:.1f}M params | {args.steps} steps "
            f"x {args.tasks_per_step} tasks x {args.group_size} episodes | {str(dtype)[6:]} ({why}) | world {world} | "
            + (f"resumed at step {start}" if start else "fresh start"))

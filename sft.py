@@ -26,7 +26,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from actobs import common, geometry, head, tiny
+from actobs import common, geometry, head, runlog, tiny
 from actobs.labels import ACTION, OBS, PROMPT, load_tokenizer, read_trajectories, render
 
 
@@ -312,7 +312,7 @@ def main(argv=None):
            f"skipped) | {n_params / 1e6:.1f}M params | {total} steps x {args.batch_size} traj | warmup {warmup} | "
            f"{'bf16' if dtype == torch.bfloat16 else 'fp32'} ({why}) | world {world} | "
            + (f"resumed at step {start}" if start else "fresh start"))
-    log = common.open_run_log(run.out, args, start, rank, compute_dtype={"dtype": str(dtype), "why": why})
+    log = runlog.open_run_log(run.out, args, start, rank, compute_dtype={"dtype": str(dtype), "why": why})
     record = log.write
 
     def evaluate(step):

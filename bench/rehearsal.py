@@ -47,7 +47,7 @@ import sys
 import time
 from pathlib import Path
 
-from actobs import common
+from actobs import common, runlog
 from actobs.head import CHUNK_BYTES
 from actobs.sandbox import daemon
 from bench import realshape
@@ -381,7 +381,7 @@ def main(argv=None):
     print("\n" + summary)
     (root / "rehearsal.json").write_text(json.dumps(
         {"config": cfg, "params": P, "dtype": dtype, "why": why, "args": vars(args) | {"out": str(root)},
-         "commit": common.code_state()["git"], "rows": rows, "table": summary}, indent=2, default=str))
+         "commit": runlog.code_state()["git"], "rows": rows, "table": summary}, indent=2, default=str))
     print(f"-> {root / 'rehearsal.json'}")
     sys.exit(1 if any(r.get("rc") for r in rows) else 0)
 

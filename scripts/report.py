@@ -24,7 +24,7 @@ import json
 import sys
 from pathlib import Path
 
-from actobs import compare, labels, passk, steplog, taskgen
+from actobs import compare, labels, passk, runlog, steplog, taskgen
 from scripts.checks import (ECHO, TSTAR, check_corpus, check_eval, check_grpo, check_model, check_probes, check_sft,
                             check_tstar, checkpoint, finite, flags, read_json, read_jsonl)
 
@@ -106,7 +106,7 @@ def write_settings(run, pairs):
     # the stages' --dtype auto on this machine (bf16 only where it is fast), said once and kept with the run
     dtype, why = common.resolve_dtype("auto", torch.device("cuda" if torch.cuda.is_available() else "cpu"))
     print(f"compute dtype: {dtype} ({why})")
-    cfg = common.run_config(settings)
+    cfg = runlog.run_config(settings)
     run.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"stages": settings, "git": cfg["git"], "started": cfg["started"],
                                 "compute_dtype": {"dtype": dtype, "why": why}}, indent=2))

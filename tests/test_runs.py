@@ -18,7 +18,7 @@ import torch
 
 import grpo
 import sft
-from actobs import common
+from actobs import common, runlog
 from conftest import synthetic_trajectory
 
 ROOT = Path(__file__).parent.parent
@@ -29,9 +29,9 @@ def git(cwd, *a):
                           capture_output=True, text=True).stdout
 
 
-def common_copy(folder):
-    """actobs/common.py imported from a copy in `folder`: its code_state describes that folder."""
-    spec = importlib.util.spec_from_file_location("common_copy", folder / "actobs" / "common.py")
+def runlog_copy(folder):
+    """actobs/runlog.py imported from a copy in `folder`: its code_state describes that folder."""
+    spec = importlib.util.spec_from_file_location("runlog_copy", folder / "actobs" / "runlog.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -40,7 +40,7 @@ def common_copy(folder):
 def test_code_state_is_a_patch_that_replays_the_edit(tmp_path):
     src = tmp_path / "src"
     (src / "actobs").mkdir(parents=True)
-    shutil.copy(ROOT / "actobs" / "common.py", src / "actobs")
+    shutil.copy(ROOT / "actobs" / "runlog.py", src / "actobs")
     shutil.copy(ROOT / "sft.py", src)
     (src / ".gitignore").write_text("runs/\n")
     git(src, "init", "-q")
@@ -52,7 +52,7 @@ def test_code_state_is_a_patch_that_replays_the_edit(tmp_path):
     (src / "runs").mkdir()
     (src / "runs" / "ignored.py").write_text("x = 1\n")
     (src / "notes.txt").write_text("not a source\n")
-    state = common_copy(src).code_state()
+    state = runlog_copy(src).code_state()
     assert state["git"] == git(src, "rev-parse", "HEAD").strip()
     assert "ignored.py" not in state["diff"] and "notes.txt" not in state["diff"]
 
@@ -63,20 +63,20 @@ def test_code_state_is_a_patch_that_replays_the_edit(tmp_path):
         assert (replay / name).read_text() == (src / name).read_text()
 
     shutil.rmtree(src / ".git")  # a copy of the code outside git: each source's hash
-    sources = common_copy(src).code_state()
+    sources = runlog_copy(src).code_state()
     assert sources["git"] == "" and "diff" not in sources
-    assert set(sources["sources"]) == {"actobs/common.py", "sft.py", "idea.py", "runs/ignored.py"}
+    assert set(sources["sources"]) == {"actobs/runlog.py", "sft.py", "idea.py", "runs/ignored.py"}
     import hashlib
     assert sources["sources"]["idea.py"] == hashlib.sha256(b"LAM = 0.5\n").hexdigest()
 
 
 def test_versions_come_from_metadata_without_importing_vllm():
-    code = ("import json, sys, sft; from actobs import common; "
-            "print(json.dumps([common.run_config({})['vllm'], 'vllm' in sys.modules]))")
+    code = ("import json, sys, sft; from actobs import runlog; "
+            "print(json.dumps([runlog.run_config({})['vllm'], 'vllm' in sys.modules]))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout
     dists = metadata.packages_distributions().get("vllm")
     assert json.loads(out) == [metadata.version(dists[0]) if dists else None, False]
-    cfg = common.run_config({"out": Path("a/b")})
+    cfg = runlog.run_config({"out": Path("a/b")})
     assert (cfg["torch"], cfg["transformers"]) == (torch.__version__, metadata.version("transformers"))
     assert cfg["args"] == {"out": "a/b"} and cfg["argv"] == sys.argv
 

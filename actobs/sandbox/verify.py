@@ -4,14 +4,9 @@ task's, and its reward is read from what it wrote (verify); what the agent chang
 programs is the episode's tamper evidence, read against the image (its commands on PATH, a path as it holds it).
 envs.py scores every episode through it.
 
-The verifier's inputs are the task's: what the agent left where a verifier loads code from is not run.
-
-The verifier runs in the agent's container (Harbor's shared mode), so whatever the agent wrote is on its
-disk. What it must not do is run inside the verifier's own process: a conftest.py or a pytest ini file on
-pytest's way up from /tests, a start-up hook of the verifier's Python, a pytest plugin registered by entry
-point, a changed uv / wheel kit of the stand-in. The agent's processes are gone by then (stop_agent), so what
-is written here as root stays as written. Not contained: the programs themselves (bash, python, uv) and the
-.pth files of the image's own interpreter, which a verifier running that interpreter loads (it is recorded).
+The verifier's inputs are the task's: what the agent left where a verifier loads code from (a conftest.py or pytest
+ini file above /tests, a start-up hook, a pytest plugin, the stand-in's uv and wheels) is taken away or recorded,
+and its changes of the verifier's programs are recorded: docs/sandboxes.md#what-a-sandbox-guarantees.
 """
 import functools
 import json
