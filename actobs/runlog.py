@@ -1,7 +1,7 @@
 """
 A run's record, so that it can be read and reproduced: OUT/config.json at its start (the flags, the command line, the
 code as a commit and a patch, the library versions: run_config) and OUT/log.jsonl, a JSON row a step, also to W&B
-with --wandb (RunLog). sft.py, grpo.py and evaluate.py write it; docs/training.md#the-run-folder.
+with --wandb (RunLog). sft.py, grpo.py and evaluate.py write it; docs/training.md#what-a-run-records.
 """
 import json
 import os
