@@ -261,7 +261,8 @@ def pg_loss(lm, batch, obj, norm):
     obs_logp = logp[~act]
     stats = {"loss": loss.item(), "pg_loss": p["pg"].sum().item(), "echo_loss": (-(w[~act] * obs_logp).sum()).item(),
              "act_tokens": int(act.sum()), "entropy_sum": float(ent[act].sum()),
-             "kl_init_sum": float(-p["d_ref"].sum()), "kl_init_k3_sum": float(p["k3"].sum()),
+             **({"kl_init_sum": float(-p["d_ref"].sum()), "kl_init_k3_sum": float(p["k3"].sum())}
+                if r.ref is not None else {}),
              "mismatch_sum": float((r.behav[act] - p["old"]).sum()),
              "mismatch_abs_sum": float((r.behav[act] - p["old"]).abs().sum()),
              "clipped_sum": float((~p["flows"] & (r.adv[act] != 0)).sum()), "tis_w_sum": float(p["w_is"].sum()),
@@ -269,9 +270,10 @@ def pg_loss(lm, batch, obj, norm):
     return loss, stats
 
 
-def train_batch(wrapped, init_lm, opt, examples, args, pad_id, device, ctx, step, log):
+def train_batch(wrapped, init, opt, examples, args, pad_id, device, ctx, step, log):
     """--ppo-epochs optimizer steps of `wrapped` (common.LossModule around the policy, under DDP / FSDP2) on this
-    rank's examples; init_lm: the initial policy. -> (stats summed over the first epoch's micro-batches, the last
+    rank's examples; init: the initial policy for the KL (a full copy, or a LossModule sharded like the policy under
+    --fsdp; None without a KL term). -> (stats summed over the first epoch's micro-batches, the last
     grad norm or None). The normalisers count every example of every rank; those the loss adds nothing on are not
     forwarded (may_skip). With none left on any rank, no optimizer step either: Adam's moments would move the
     weights with a gradient of 0."""
@@ -283,11 +285,12 @@ def train_batch(wrapped, init_lm, opt, examples, args, pad_id, device, ctx, step
     examples = [ex for ex in examples if not may_skip(ex, obj)]
     if common.all_reduce([len(examples)], device)[0] == 0:
         return {"episodes_trained": 0}, None
-    refs = batches.policy_logprobs(init_lm, examples, args, pad_id, device, ctx) if examples else []
-    for ex, lp in zip(examples, refs):
-        ex["ref"] = lp
+    if init is not None:  # sharded, every rank runs as many forwards, examples or not
+        refs = batches.policy_logprobs(init, examples, args, pad_id, device, ctx, wrapped=args.fsdp)
+        for ex, lp in zip(examples, refs):
+            ex["ref"] = lp
     if args.ppo_epochs > 1 and args.tis_cap > 0:  # the trainer before the step's first update, on every rank
-        olds = batches.policy_logprobs(wrapped, examples, args, pad_id, device, ctx, trainer=True)
+        olds = batches.policy_logprobs(wrapped, examples, args, pad_id, device, ctx, wrapped=True)
         for ex, lp in zip(examples, olds):
             ex["old"] = lp
     # micro-batches by token budget, as many on every rank; the loss is already normalised over the step and every
@@ -423,8 +426,12 @@ def main(argv=None):
     tasks = load_tasks(args.tasks, args.kinds)
     ctx, dtype, why = common.autocast(args.dtype, device)
     lm = common.load_model(run.ckpt or args.init, device)  # the policy, fp32 master weights
-    # the initial policy, for the KL from init: a full copy per rank, in the autocast dtype
-    init_lm = common.load_model(args.init, device).to(dtype).requires_grad_(False).eval()
+    # the initial policy, only for a KL term (--kl-coef): in the autocast dtype, sharded like the policy under --fsdp,
+    # else a full copy per rank. Without it no KL is computed, nor logged
+    init = None
+    if args.kl_coef:
+        init = common.load_model(args.init, device).to(dtype).requires_grad_(False).eval()
+        init = common.shard(common.LossModule(init), init) if args.fsdp else init
     wrapped = common.wrap_model(common.LossModule(lm), lm, args, device)  # what trains: DDP / FSDP2 around lm
     opt = common.adamw(wrapped, args)
     start = common.load_optimizer_state(wrapped, opt, run.state, args.fsdp)
@@ -466,7 +473,7 @@ def main(argv=None):
             llm.sleep(level=1)
         t_roll = time.time()
         # update: --ppo-epochs optimizer steps on this batch, micro-batches by token budget
-        s.trained, s.gnorm = train_batch(wrapped, init_lm, opt, examples, args, tok.pad_token_id, device, ctx, step,
+        s.trained, s.gnorm = train_batch(wrapped, init, opt, examples, args, tok.pad_token_id, device, ctx, step,
                                          print0)
         t_train = time.time()
         # sync: the new weights into the engine (a step without an update leaves them as they are)

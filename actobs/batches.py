@@ -76,17 +76,18 @@ def micro_batch(examples, group, pad_id, device):
 
 
 @torch.no_grad()
-def policy_logprobs(scorer, examples, args, pad_id, device, ctx, trainer=False):
+def policy_logprobs(scorer, examples, args, pad_id, device, ctx, wrapped=False):
     """Per-token log-probs (at T) of each example's tokens (a list per example, 0 where a token is not an action)
-    under `scorer`: an HF model (the initial policy, for the KL), or with trainer=True the wrapped LossModule (the
-    trainer before a multi-epoch step: its forward gathers FSDP2's shards; every rank runs as many)."""
+    under `scorer`: an HF model (the initial policy, a full copy), or with wrapped=True a LossModule under DDP or
+    FSDP2 (the trainer before a multi-epoch step, or the initial policy sharded: its forward gathers FSDP2's shards,
+    so every rank runs as many)."""
     lengths = [len(e["ids"]) for e in examples]
     out = []
-    for g in (common.rank_micro_batches(lengths, args.micro_tokens, device) if trainer else
+    for g in (common.rank_micro_batches(lengths, args.micro_tokens, device) if wrapped else
               common.micro_batches(lengths, args.micro_tokens)):
         batch = micro_batch(examples, g, pad_id, device)
         with ctx:
-            full = (scorer(batch, args.temperature, fn=action_logprobs) if trainer else
+            full = (scorer(batch, args.temperature, fn=action_logprobs) if wrapped else
                     action_logprobs(scorer, batch, args.temperature))
         for j, i in enumerate(g):
             out.append((i, [0.0] + full[j, : len(examples[i]["ids"]) - 1].tolist()))

@@ -260,13 +260,20 @@ def wrap_model(module, lm, args, device):
     if args.grad_ckpt:
         lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if args.fsdp:
-        from torch.distributed.fsdp import fully_shard
-        for layer in lm.base_model.layers:
-            fully_shard(layer)
-        fully_shard(module)
+        shard(module, lm)
     elif dist.is_initialized():
         module = torch.nn.parallel.DistributedDataParallel(
             module, device_ids=[device.index] if device.type == "cuda" else None)
+    return module
+
+
+def shard(module, lm):
+    """FSDP2 over the ranks: each decoder layer of `lm`, then the whole `module` (which holds lm), sharded; a forward
+    of module gathers a layer's weights as it reaches it. Every rank must run as many forwards."""
+    from torch.distributed.fsdp import fully_shard
+    for layer in lm.base_model.layers:
+        fully_shard(layer)
+    fully_shard(module)
     return module
 
 

@@ -85,12 +85,13 @@ def step_record(s, *, lr, ppo_epochs, device):
         rec.update({"train/loss": sums["loss"], "train/pg_loss": sums["pg_loss"], "train/echo_loss": sums["echo_loss"],
                     "train/grad_norm": gnorm, "train/obs_nll": sums["obs_nll_sum"] / max(sums["obs_tokens"], 1)})
     if na:
-        rec.update({"train/entropy": sums["entropy_sum"] / na, "train/kl_init": sums["kl_init_sum"] / na,
-                    "train/kl_init_k3": sums["kl_init_k3_sum"] / na, "train/mismatch": sums["mismatch_sum"] / na,
+        rec.update({"train/entropy": sums["entropy_sum"] / na, "train/mismatch": sums["mismatch_sum"] / na,
                     "train/mismatch_abs": sums["mismatch_abs_sum"] / na, "train/clip_frac": sums["clipped_sum"] / na,
                     "train/tis_weight": sums["tis_w_sum"] / na,
                     # the worst rank's: one rank's stale engine is not averaged away by the others
                     "train/mismatch_abs_rank_max": max(r["mismatch"] for r in ranks if r["mismatch"] is not None)})
+        if "kl_init_sum" in sums:  # a run with a KL term (--kl-coef): its KL from the initial policy, k1 and k3
+            rec.update({"train/kl_init": sums["kl_init_sum"] / na, "train/kl_init_k3": sums["kl_init_k3_sum"] / na})
     if s.checksum is not None:  # every rank's engine should hold the same weights: a spread above 0 says they part
         checks = [r["weights"] for r in ranks]
         rec.update({"train/weights_checksum": checks[0], "train/weights_checksum_spread": max(checks) - min(checks)})
@@ -100,8 +101,9 @@ def step_record(s, *, lr, ppo_epochs, device):
 def step_line(rec, steps, lost=None):
     """The step's one line on the console; a second with step_record's `lost`: why episodes left the statistics and
     the loss, or a loaded machine silently shrinks the steps."""
-    trained = (f"ent {rec['train/entropy']:.3f} | kl {rec['train/kl_init_k3']:.2e} | "
-               f"mism {rec['train/mismatch_abs']:.1e} | gnorm {rec['train/grad_norm']:.3f}"
+    kl = f"kl {rec['train/kl_init_k3']:.2e} | " if "train/kl_init_k3" in rec else ""
+    trained = (f"ent {rec['train/entropy']:.3f} | {kl}mism {rec['train/mismatch_abs']:.1e} | "
+               f"gnorm {rec['train/grad_norm']:.3f}"
                if "train/grad_norm" in rec and "train/entropy" in rec else "nothing to learn from: no update")
     return (f"step {rec['step']}/{steps} | reward {rec['rollout/reward_mean']:.3f} | "
             f"solved {rec['rollout/solve_rate']:.2f} | signal {rec['rollout/groups_with_signal']:.0f}/"

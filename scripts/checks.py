@@ -140,8 +140,8 @@ def check_grpo(run, name, init, steps, echo_coef, problems):
                             f"rollout/reward_mean {r.get('rollout/reward_mean')!r}")
         # a step that trained nothing (train/optimizer_steps 0: no group with signal) logs no training metrics
         trained = r.get("train/optimizer_steps", 1) > 0
-        bad = [k for k in ("train/entropy", "train/kl_init", "train/kl_init_k3", "train/loss")
-               if (trained or k in r) and not finite(r.get(k))]
+        kl = ("train/kl_init", "train/kl_init_k3") if (args or {}).get("kl_coef") else ()  # a KL term: logged
+        bad = [k for k in ("train/entropy", *kl, "train/loss") if (trained or k in r) and not finite(r.get(k))]
         if bad:
             problems.append(f"{d / 'log.jsonl'} step {r.get('step')}: not finite: {', '.join(bad)}")
     if not (d / "curves.png").is_file():

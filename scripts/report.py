@@ -270,12 +270,13 @@ def rl_time(log):
     """What a GRPO run did to its policy over the steps that trained (the others log none of these): action-token
     entropy at the first, on average, at the last, and the KL from the SFT checkpoint at the last, as grpo.py
     estimates it on the sampled tokens: k1 (the mean log-ratio, grpo_curves.png's; noise can make it < 0) and k3
-    (exp(-d) + d - 1 with d the log-ratio: never < 0, so it ranks the runs)."""
+    (exp(-d) + d - 1 with d the log-ratio: never < 0, so it ranks the runs); None without a KL term (--kl-coef 0:
+    grpo.py computes none)."""
     ent, kl, k3 = ([r[k] for r in log if k in r] for k in ("train/entropy", "train/kl_init", "train/kl_init_k3"))
     if not ent:
         return {"trained_steps": 0}
     return {"trained_steps": len(ent), "entropy_first": ent[0], "entropy_mean": sum(ent) / len(ent),
-            "entropy_last": ent[-1], "kl_end": kl[-1], "kl_k3_end": k3[-1]}
+            "entropy_last": ent[-1], "kl_end": kl[-1] if kl else None, "kl_k3_end": k3[-1] if k3 else None}
 
 
 def solve_rise(log):
@@ -299,19 +300,20 @@ def rl_table(grpo, names):
     rl = {m: rl_time(g) for m, g in grpo.items()}
     for m, g in grpo.items():
         t, (k, first, last, z) = rl[m], solve_rise(g)
+        kl = f"{t['kl_end']:.2e} / {t['kl_k3_end']:.2e}" if t.get("kl_end") is not None else "not computed (no KL term)"
+        trained = (f"{t['entropy_first']:.3f} / {t['entropy_mean']:.3f} / {t['entropy_last']:.3f} | {kl} |"
+                   if t["trained_steps"] else "no step trained | — |")
         lines.append(f"| {names[m]} | {len(g)} ({t['trained_steps']}) | {g[0]['rollout/reward_mean']:.3f} → "
                      f"{g[-1]['rollout/reward_mean']:.3f} | {first:.3f} → {last:.3f}, {k} each ({z:+.1f}) | "
-                     f"{sum(r['rollout/groups_with_signal'] for r in g):.0f} | "
-                     + (f"{t['entropy_first']:.3f} / {t['entropy_mean']:.3f} / {t['entropy_last']:.3f} | "
-                        f"{t['kl_end']:.2e} / {t['kl_k3_end']:.2e} |" if t["trained_steps"]
-                        else "no step trained | — |"))
+                     f"{sum(r['rollout/groups_with_signal'] for r in g):.0f} | {trained}")
     trained = {m: t for m, t in rl.items() if t["trained_steps"]}
     if trained:
         most = max(trained, key=lambda m: trained[m]["entropy_mean"])
-        closest = min(trained, key=lambda m: trained[m]["kl_k3_end"])
-        lines += ["", f"Most entropy kept during GRPO (mean over the trained steps): {names[most]}; closest to its SFT "
-                  f"checkpoint at the end (k3): {names[closest]} (the paper: ActObs, on both). A step that trained "
-                  "nothing (no group with signal) measures neither."]
+        with_kl = {m: t for m, t in trained.items() if t["kl_k3_end"] is not None}
+        closest = (f"; closest to its SFT checkpoint at the end (k3): "
+                   f"{names[min(with_kl, key=lambda m: with_kl[m]['kl_k3_end'])]}" if with_kl else "")
+        lines += ["", f"Most entropy kept during GRPO (mean over the trained steps): {names[most]}{closest} (the "
+                  "paper: ActObs, on both). A step that trained nothing (no group with signal) measures neither."]
     return rl, "\n".join(lines)
 
 

@@ -330,8 +330,8 @@ def reference_steps(model, init, examples, args, opt, epochs):
 
 def test_ppo_epochs_with_tis_and_kl_match_reference(model, tokenizer, synthetic):
     """grpo.train_batch over two --ppo-epochs, in micro-batches: the old log-probs are the trainer's before the
-    first update, the KL's are the initial policy's (scored by batches.policy_logprobs); the weights after both updates are
-    the reference's."""
+    first update, the KL's are the initial policy's (scored by batches.policy_logprobs); the weights after both
+    updates are the reference's."""
     args = args_for("--ppo-epochs", "2", "--tis-cap", "1.5", "--kl-coef", "0.2", "--temperature", "0.7",
                     "--grad-clip", "0", "--micro-tokens", "400")
     init = perturbed(model, seed=3)
@@ -545,6 +545,19 @@ def test_dynamic_sampling_fills_the_step_with_signal_groups(tmp_path, tiny_dir, 
     assert text.count("\n## solved: t, reward 1.00, advantage +0.500") == text.count("\n## failed: t, reward 0.00") == 1
 
 
+def test_no_initial_policy_without_a_kl_term(tmp_path, tiny_dir, monkeypatch):
+    """--kl-coef 0 (the default, the paper's setting): the initial policy is not loaded (one model: the policy) and
+    no KL is computed or logged; with a KL term it is loaded, and its KL logged."""
+    loads, real = [], common.load_model
+    monkeypatch.setattr(common, "load_model", lambda path, device: loads.append(path) or real(path, device))
+    _, _, rows = fake_run(tmp_path / "no-kl", tiny_dir, monkeypatch, signal_tasks=frozenset(range(10)))
+    assert len(loads) == 1 and "train/entropy" in rows[0]
+    assert not any(k.startswith("train/kl_init") for k in rows[0])
+    loads.clear()
+    _, _, rows = fake_run(tmp_path / "kl", tiny_dir, monkeypatch, "--kl-coef", "0.1", signal_tasks=frozenset(range(10)))
+    assert len(loads) == 2 and rows[0]["train/kl_init_k3"] >= 0
+
+
 def test_redraw_gives_the_last_steps_the_first_steps_tasks(tmp_path, tiny_dir, monkeypatch):
     """--redraw K: the last K steps draw the tasks the first K drew, in order, and log whose draw they used; the
     steps between keep their own draws; more than half the steps is refused before anything loads."""
@@ -700,11 +713,11 @@ def coin_tasks(tmp_path_factory, toy_tasks):
 @pytest.fixture(scope="module", params=["ddp", "fsdp"])
 def two_rank_run(request, tmp_path_factory, coin_tasks, vllm_dir):
     """A two-step run on two ranks (DDP or FSDP2), groups of three, dynamic sampling up to four draws a step (a step
-    without signal, which makes no update, then comes once in 65,536); shared by the tests below. -> (its run dir,
-    its log rows)."""
+    without signal, which makes no update, then comes once in 65,536), a KL term (its initial policy a full copy a
+    rank under DDP, sharded like the policy under FSDP2); shared by the tests below. -> (its run dir, its log rows)."""
     out = tmp_path_factory.mktemp(request.param) / "run"
-    run_cli(out, coin_tasks, vllm_dir, *TWO_RANKS, "--group-size", "3", "--dynamic-sampling", "8",
-            *(["--fsdp"] if request.param == "fsdp" else []), ranks=2)
+    run_cli(out, coin_tasks, vllm_dir, *TWO_RANKS, "--group-size", "3", "--dynamic-sampling", "8", "--kl-coef", "0.01",
+            *(["--fsdp"] if request.param == "fsdp" else []), ranks=2)  # the initial policy sharded under FSDP2
     return out, log_rows(out)
 
 

@@ -73,18 +73,21 @@ def checkpoint(d):
 
 
 def grpo_run(run, steps, bad_step=None, bare_step=None, trained=True, name="arm-grpo", init="arm", echo_coef=0.0,
-             entropy=(1.0,), kl=(0.0,)):
+             entropy=(1.0,), kl=(0.0,), kl_coef=0.05):
     """A GRPO run folder from run/init/final; bad_step logs a NaN loss, bare_step no training metrics (with
     train/optimizer_steps 0 unless trained: a step that trained and logged nothing is malformed). Step s logs
-    entropy[s - 1] and kl[s - 1] (the last value on) as k1, half of it as k3."""
+    entropy[s - 1] and kl[s - 1] (the last value on) as k1, half of it as k3; with kl_coef 0 no KL (grpo.py then
+    computes none)."""
     d = run / name
     checkpoint(d)
-    (d / "config.json").write_text(json.dumps({"args": {"init": str(run / init / "final"), "echo_coef": echo_coef}}))
+    (d / "config.json").write_text(json.dumps({"args": {"init": str(run / init / "final"), "echo_coef": echo_coef,
+                                                        "kl_coef": kl_coef}}))
     (d / "curves.png").write_bytes(b"")
     rows = [{"step": s, "rollout/reward_mean": 0.5, "rollout/solve_rate": 0.5, "rollout/episodes_valid": 8,
              "rollout/groups_with_signal": 1,
-             "train/entropy": entropy[min(s, len(entropy)) - 1], "train/kl_init": kl[min(s, len(kl)) - 1],
-             "train/kl_init_k3": kl[min(s, len(kl)) - 1] / 2,
+             "train/entropy": entropy[min(s, len(entropy)) - 1],
+             **({"train/kl_init": kl[min(s, len(kl)) - 1], "train/kl_init_k3": kl[min(s, len(kl)) - 1] / 2}
+                if kl_coef else {}),
              "train/loss": float("nan") if s == bad_step else 0.1} for s in range(1, steps + 1)]
     if bare_step:
         rows[bare_step - 1] = {"step": bare_step, "rollout/reward_mean": 0.0, "rollout/solve_rate": 0.0,
@@ -94,13 +97,15 @@ def grpo_run(run, steps, bad_step=None, bare_step=None, trained=True, name="arm-
     return rows
 
 
-@pytest.mark.parametrize("steps,bad_step,bare_step,trained,want", [
-    (3, None, None, True, None), (2, None, None, True, "steps [1, 2], expected 1..3"),
-    (3, 2, None, True, "step 2: not finite: train/loss"),
-    (3, None, 2, False, None),  # no group with signal: no update, no training metrics
-    (3, None, 2, True, "step 2: not finite: train/entropy, train/kl_init, train/kl_init_k3, train/loss")])
-def test_check_grpo(tmp_path, steps, bad_step, bare_step, trained, want):
-    grpo_run(tmp_path, steps, bad_step, bare_step, trained)
+@pytest.mark.parametrize("steps,bad_step,bare_step,trained,want,kl_coef", [
+    (3, None, None, True, None, 0.05), (2, None, None, True, "steps [1, 2], expected 1..3", 0.05),
+    (3, 2, None, True, "step 2: not finite: train/loss", 0.05),
+    (3, None, 2, False, None, 0.05),  # no group with signal: no update, no training metrics
+    (3, None, 2, True, "step 2: not finite: train/entropy, train/kl_init, train/kl_init_k3, train/loss", 0.05),
+    (3, None, None, True, None, 0.0),  # no KL term: none logged, none asked for
+    (3, None, 2, True, "step 2: not finite: train/entropy, train/loss", 0.0)])
+def test_check_grpo(tmp_path, steps, bad_step, bare_step, trained, want, kl_coef):
+    grpo_run(tmp_path, steps, bad_step, bare_step, trained, kl_coef=kl_coef)
     problems = []
     checks.check_grpo(tmp_path, "arm-grpo", "arm", 3, 0.0, problems)
     assert len(problems) == (want is not None) and all(want in p for p in problems), problems
@@ -120,6 +125,18 @@ def test_rl_time_over_the_steps_that_trained(tmp_path):
     assert report.rl_time(rows) == {"trained_steps": 3, "entropy_first": 0.9, "entropy_mean": pytest.approx(0.6),
                                     "entropy_last": 0.3, "kl_end": 0.05, "kl_k3_end": 0.025}
     assert report.rl_time(rows[3:]) == {"trained_steps": 0}
+
+
+def test_a_grpo_run_without_a_kl_term_says_so(tmp_path):
+    """--kl-coef 0: grpo.py loads no initial policy and logs no KL; the report's table says it was not computed and
+    ranks closeness to the SFT checkpoint among the runs that have it."""
+    with_kl = grpo_run(tmp_path, 2, name="a-grpo", kl=(0.02,))
+    without = grpo_run(tmp_path, 2, name="b-grpo", kl_coef=0.0)
+    assert report.rl_time(without)["kl_end"] is None
+    _, text = report.rl_table({"a-grpo": with_kl, "b-grpo": without}, {"a-grpo": "A", "b-grpo": "B"})
+    rows = {line.split(" | ")[0]: line for line in text.splitlines() if line.startswith("| A") or line.startswith("| B")}
+    assert "not computed (no KL term)" in rows["| B"] and "2.00e-02 / 1.00e-02" in rows["| A"]
+    assert "closest to its SFT checkpoint at the end (k3): A" in text
 
 
 @pytest.mark.parametrize("every", [True, False])
