@@ -33,14 +33,6 @@ def narrow(cfg, hidden=None, layers=None):
     return cfg
 
 
-def n_params(cfg):
-    """The parameter count of a Qwen3 of config `cfg` (a dict), counted on the meta device: nothing allocated."""
-    from transformers import AutoModelForCausalLM, Qwen3Config
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(Qwen3Config(**cfg))
-    return sum(p.numel() for p in model.parameters())
-
-
 def nemotron_rows():
     """The conversations of the three Nemotron-Terminal-Corpus rows in tests/fixtures, as published."""
     return [r["conversations"] for r in json.loads(NEMOTRON_ROWS.read_text())]

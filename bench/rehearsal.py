@@ -47,8 +47,7 @@ import sys
 import time
 from pathlib import Path
 
-from actobs import common, runlog
-from actobs.head import CHUNK_BYTES
+from actobs import common, plan, runlog
 from actobs.sandbox import daemon
 from bench import realshape
 
@@ -62,8 +61,6 @@ SFT_STEPS, GRPO_STEPS = 2, 1
 ROLLOUT = dict(group=2, turns=2, new_tokens=32, concurrency=2)  # GRPO's and evaluate's episodes, per rank
 SHAPE_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
               "head_dim", "vocab_size")
-# a process before its model (Python, torch, transformers; with vLLM's engine): the --tiny run's peaks, rounded up
-RUNTIME_GIB = {"torch": 0.5, "vllm": 0.8}
 
 
 def get_parser():
@@ -90,46 +87,24 @@ def get_parser():
 # The plan: memory from parameter counts
 
 def plan_gib(stage, cfg, P, args, dtype_bytes):
-    """Planned peak resident GiB of each process of a stage (rank 0 first), from the parameter count P. Rough: the
-    big terms only. Training keeps fp32 weights, grads and AdamW's two moments (16 B/param), FSDP2-sharded over the
-    ranks; a checkpoint with optimizer state gathers the full weights and moments on rank 0 (12 B/param) after the
-    grads are freed; the head holds one block of logits (head.CHUNK_BYTES) and its fp32 (V, H) gradient; FSDP2
-    unshards the tied (V, H) embedding for the forward and holds its full gradient until the reduce-scatter (two
-    more fp32 (V, H)); activations under grad-ckpt: each layer's input plus one layer's work, over LEN tokens.
-    GRPO's ranks add the reference policy and the engine's weights in the compute dtype and the engine's KV cache
-    (engine.py's size); on a CPU the engine holds its (V, H) head twice: the embedding's weights and oneDNN's packed
-    copy for the logits (vLLM's VocabParallelEmbedding keeps both; its linear layers keep only the packed one).
-    Without these two terms the plan fell 0.6-1.7 GiB a process short of the measured peak (RESULTS.md)."""
-    from actobs import engine
-    from transformers import Qwen3Config
-    V, H, L, T, W = cfg["vocab_size"], cfg["hidden_size"], cfg["num_hidden_layers"], args.len, args.ranks
-    attn = cfg["num_attention_heads"] * cfg["head_dim"]
-    head = CHUNK_BYTES + 4 * V * H
-    act = 4 * T * (L * H + 4 * cfg["intermediate_size"] + 8 * attn)
-    unshard = 2 * 4 * V * H  # FSDP2's unsharded embedding and its full gradient
-    rank0 = max(16 * P / W + head + unshard + act, 12 * P / W + 12 * P)
-    other = 16 * P / W + head + unshard + act
-    kv = engine.kv_cache_bytes(Qwen3Config(**cfg), max_model_len=T, max_seqs=ROLLOUT["concurrency"],
-                               dtype_bytes=dtype_bytes)
-    packed = dtype_bytes * V * H  # the engine's oneDNN copy of its head (CPU)
-    engine_side = 2 * dtype_bytes * P + kv + packed  # the reference copy, the engine's weights, its KV cache
-    gib, torch_rt, vllm_rt = 2 ** 30, RUNTIME_GIB["torch"] * 2 ** 30, RUNTIME_GIB["vllm"] * 2 ** 30
-    procs = {"head": [torch_rt + 3 * 4 * T * V + 2 * 4 * V * H],  # full logits: the logits, their softmax, its grad
-             "sft": [torch_rt + rank0] + [torch_rt + other] * (W - 1),
-             "grpo": [vllm_rt + engine_side + rank0] + [vllm_rt + engine_side + other] * (W - 1),
-             "evaluate": [vllm_rt + dtype_bytes * P + kv + packed],
-             "probes": [torch_rt + 4 * P + head + act]}[stage]
-    return [round(x / gib, 2) for x in procs]
+    """Planned peak resident GiB of each process of a stage (rank 0 first), from the parameter count P: the head's
+    full logits (its logits, their softmax and its gradient) against the chunked head's block; every other stage
+    as plan.memory_gib plans it on a CPU (--fsdp --grad-ckpt, grpo.py without a KL term: no initial policy)."""
+    if stage == "head":
+        V, H, T = cfg["vocab_size"], cfg["hidden_size"], args.len
+        return [round((plan.RUNTIME_GIB["torch"] * plan.GIB + 3 * 4 * T * V + 2 * 4 * V * H) / plan.GIB, 2)]
+    return plan.memory_gib(stage, cfg, P, ranks=args.ranks, seq_len=args.len, dtype_bytes=dtype_bytes, device="cpu",
+                           max_seqs=ROLLOUT["concurrency"])
 
 
 def fits(stage, cfg, args, dtype_bytes, free):
     """-> None if the stage's plan fits 90% of `free` GiB (the plan is rough), else why not and the widest --hidden
     whose plan does."""
-    need, avail = sum(plan_gib(stage, cfg, realshape.n_params(cfg), args, dtype_bytes)), 0.9 * free
+    need, avail = sum(plan_gib(stage, cfg, plan.n_params(cfg), args, dtype_bytes)), 0.9 * free
     if need <= avail:
         return None
     ok = [h for h in (768, 512, 384, 256, 128) if h < cfg["hidden_size"] and sum(plan_gib(
-        stage, realshape.narrow(cfg, h), realshape.n_params(realshape.narrow(cfg, h)), args, dtype_bytes)) <= avail]
+        stage, realshape.narrow(cfg, h), plan.n_params(realshape.narrow(cfg, h)), args, dtype_bytes)) <= avail]
     return f"plan {need:.1f} GiB > 90% of {free:.1f} GiB free" + (f": --hidden {ok[0]} fits" if ok else "")
 
 
@@ -334,7 +309,7 @@ def main(argv=None):
     cfg = realshape.narrow(TINY if args.tiny else realshape.QWEN3_06B, args.hidden, args.layers)
     shape = f"{'tiny-' if args.tiny else ''}h{cfg['hidden_size']}-l{cfg['num_hidden_layers']}"
     root = (args.out or ROOT / "runs" / "rehearsal" / shape).resolve()
-    P = realshape.n_params(cfg)
+    P = plan.n_params(cfg)
     import torch
     dtype, why = common.resolve_dtype("auto", torch.device("cpu"))  # what the stages' --dtype auto will choose
     dtype_bytes = 2 if dtype == "bf16" else 4

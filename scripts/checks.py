@@ -4,18 +4,19 @@ Each check appends one line per problem to `problems` and returns what it could 
 Here too: the names ablation.sh gives the folder's runs and the checks expect, and the parser of a stage's flags as
 settings.json holds them.
 """
+import itertools
 import json
 import math
 import shlex
 from pathlib import Path
 
-from actobs import taskgen
+from actobs import labels, taskgen
 from actobs.tasks import load_task
 
 # ----------------------------------------------------------------------------------------------------------
 # The run folder's names, and a stage's flags
 
-WEIGHTS = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
+WEIGHTS = ("config.json", "tokenizer.json", "tokenizer_config.json")  # with weights: a safetensors file, or shards
 # ablation.sh's names: ECHO's GRPO run (from ActionSFT), ActionSFT + GRPO's evaluation at T*, the probes of the SFT
 # checkpoints and those of the temperature match (T*, with --all)
 ECHO, TSTAR = "echo", "actionsft-grpo-tstar"
@@ -62,6 +63,8 @@ def finite(x):
 
 def check_model(path, problems):
     missing = [f for f in WEIGHTS if not (path / f).is_file()]
+    if not any(path.glob("*.safetensors")):
+        missing.append("*.safetensors")
     if missing:
         problems.append(f"{path}: not a complete checkpoint (missing {', '.join(missing)})")
 
@@ -108,18 +111,31 @@ def check_corpus(run, st, problems):
     return ev
 
 
-def check_sft(run, arm, problems):
+def check_sft(run, arm, problems, geometry=True):
+    """The SFT run folder of `arm`: its final checkpoint, a finite loss and (geometry: sft.py ran --probe-every) at
+    least two finite gradient-geometry rows and their plot. -> those rows."""
     d = run / arm
     check_model(d / "final", problems)
     log = read_jsonl(d / "log.jsonl", problems)
     geo = [r for r in log if "probe/cos" in r]
-    if len(geo) < 2 or not all(finite(r["probe/cos"]) and finite(r["probe/r"]) for r in geo):
+    if geometry and (len(geo) < 2 or not all(finite(r["probe/cos"]) and finite(r["probe/r"]) for r in geo)):
         problems.append(f"{d / 'log.jsonl'}: {len(geo)} gradient-geometry rows (need >= 2, finite)")
     if not any(finite(r.get("train/loss")) for r in log):
         problems.append(f"{d / 'log.jsonl'}: no finite train/loss")
-    if not (d / "probe_geometry.png").is_file():
+    if geometry and not (d / "probe_geometry.png").is_file():
         problems.append(f"{d}: no probe_geometry.png")
     return geo
+
+
+def check_inputs(run, st, problems):
+    """A real run's inputs (scripts/fetch.py): its SFT rows and the probes' held-out ones, its evaluation sets and
+    its RL tasks. -> {set: {task name: kind}} of Terminal-Bench 2.0 (tb2) and aider-polyglot (aider)."""
+    train, held = read_jsonl(run / "train.jsonl", problems), read_jsonl(run / "heldout.jsonl", problems)
+    if not train or any("conversations" not in r for r in train + held) or len(held) != int(st["heldout_n"]):
+        problems.append(f"{run}: train.jsonl ({len(train)} rows) and heldout.jsonl ({len(held)}, settings say "
+                        f"{st['heldout_n']}) are not the fetched rows")
+    task_names(run / "tasks" / "rl", problems)  # the oracle-solvable RL tasks: some
+    return {s: task_names(run / "tasks" / s, problems) for s in ("tb2", "aider")}
 
 
 def check_grpo(run, name, init, steps, echo_coef, problems):
@@ -227,3 +243,31 @@ def _numbers(x):
             yield from _numbers(v)
     elif isinstance(x, int | float) and not isinstance(x, bool):
         yield float(x)
+
+
+def expert_lengths(tokenizer, rows):
+    """(longest reply, its task, longest episode, its task) in tokens of the expert corpus rows, counted as a rollout
+    counts them: a reply is a run of ACTION tokens (what the policy generates, its end-of-turn token included),
+    an episode all of its rendered tokens."""
+    reply = episode = (0, None)
+    for r in rows:
+        ids, roles = labels.render(tokenizer, r["conversations"])
+        longest = max((len(list(run)) for role, run in itertools.groupby(roles) if role == labels.ACTION), default=0)
+        reply, episode = max(reply, (longest, r.get("task"))), max(episode, (len(ids), r.get("task")))
+    return (*reply, *episode)
+
+
+def check_limits(run, st, problems):
+    """The rollout limits of GRPO and evaluation must let a policy do what the expert did: a reply cut at
+    --max-new-tokens cannot parse, so a kind whose expert writes a longer reply could never be solved, by any arm."""
+    tok = labels.load_tokenizer(run / "base" / "model", "native")
+    reply, reply_task, episode, episode_task = expert_lengths(tok, read_jsonl(run / "corpus" / "sft.jsonl", problems))
+    for stage in ("grpo", "eval"):
+        f = flags(st[stage])
+        if reply > int(f["--max-new-tokens"]):
+            problems.append(f"{stage}: --max-new-tokens {f['--max-new-tokens']} is less than the expert's longest "
+                            f"reply, {reply} tokens ({reply_task}): such replies are cut and cannot parse")
+        if episode > int(f["--max-len"]):
+            problems.append(f"{stage}: --max-len {f['--max-len']} is less than the expert's longest episode, {episode} "
+                            f"tokens ({episode_task})")
+    return reply, episode

@@ -19,14 +19,14 @@ GRPO run), lambda_sweep.png (pass@1 and pass@n advantage over ActionSFT against 
 geometry.png (cos(g_act, g_obs) and r during SFT per arm). Any problem: one line each, exit status 1.
 """
 import argparse
-import itertools
 import json
 import sys
 from pathlib import Path
 
-from actobs import compare, labels, passk, runlog, steplog, taskgen
-from scripts.checks import (ECHO, TSTAR, check_corpus, check_eval, check_grpo, check_model, check_probes, check_sft,
-                            check_tstar, checkpoint, finite, flags, read_json, read_jsonl)
+from actobs import compare, passk, runlog, steplog, taskgen
+from scripts.checks import (ECHO, TSTAR, check_corpus, check_eval, check_grpo, check_inputs, check_limits, check_model,
+                            check_probes, check_sft, check_tstar, checkpoint, flags, read_json, read_jsonl)
+from scripts.plots import write_plots
 
 LABELS = {"actionsft": "ActionSFT (λ=0)", "actobs": "ActObs (λ=1)",
           "obs-then-act": "Obs→Act"}  # else the arm's name
@@ -162,25 +162,6 @@ def comparison(results, models, names):
     return cmp, "\n".join(text)
 
 
-def plot_runs(path, panels, series):
-    """panels: [(key, title)]; series: {label: rows with "step" and the keys} -> one PNG, a panel per key."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    fig, axes = plt.subplots(1, len(panels), figsize=(4.5 * len(panels), 3.5))
-    for ax, (key, title) in zip(axes, panels):
-        for i, (label, rows) in enumerate(series.items()):
-            pts = sorted((r["step"], r[key]) for r in rows if r.get("step") is not None and finite(r.get(key)))
-            if pts:  # a series keeps its colour in every panel, also where the ones before it have no points
-                ax.plot(*zip(*pts), marker=".", label=label, color=f"C{i}")
-        ax.set(title=title, xlabel="step")
-        ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
 def probe_table(probes, run, names):
     short = lambda p: (Path(p).resolve().relative_to(run.resolve()).parts[0]
                        if Path(p).resolve().is_relative_to(run.resolve()) else p)
@@ -241,29 +222,6 @@ def sweep_table(cmp, lams):
                       f"{100 * r['diff'][i]:+.1f} [{100 * r['ci'][i][0]:+.1f}, {100 * r['ci'][i][1]:+.1f}]"]
         lines.append(f"| {lam:g} | {label} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
-
-
-def plot_sweep(path, cmp, lams):
-    """pass@1 and pass@n advantage over the baseline (points) against λ, with the 95% intervals as error bars."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    rows = {r["k"]: r for r in cmp["rows"]}
-    fig, axes = plt.subplots(1, 2, figsize=(9, 3.5))
-    for ax, k in zip(axes, [cmp["ks"][0], cmp["ks"][-1]]):
-        r = rows[k]
-        d = [0.0] + [100 * x for x in r["diff"][1:]]
-        # clipped at 0: a percentile interval need not contain its point estimate
-        err = [[0.0] + [max(0.0, 100 * (x - lo)) for x, (lo, _) in zip(r["diff"][1:], r["ci"][1:])],
-               [0.0] + [max(0.0, 100 * (hi - x)) for x, (_, hi) in zip(r["diff"][1:], r["ci"][1:])]]
-        ax.errorbar(lams, d, yerr=err, marker="o", capsize=3)
-        ax.axhline(0, color="grey", lw=0.8)
-        ax.set(title=f"pass@{k} advantage over {cmp['runs'][0]}", xlabel="λ (SFT observation-loss weight)",
-               ylabel="points")
-        ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 def rl_time(log):
@@ -328,50 +286,6 @@ def transcript_links(run, names, models):
     return "\n".join(lines)
 
 
-def expert_lengths(tokenizer, rows):
-    """(longest reply, its task, longest episode, its task) in tokens of the expert corpus rows, counted as a rollout
-    counts them: a reply is a run of ACTION tokens (what the policy generates, its end-of-turn token included),
-    an episode all of its rendered tokens."""
-    reply = episode = (0, None)
-    for r in rows:
-        ids, roles = labels.render(tokenizer, r["conversations"])
-        longest = max((len(list(run)) for role, run in itertools.groupby(roles) if role == labels.ACTION), default=0)
-        reply, episode = max(reply, (longest, r.get("task"))), max(episode, (len(ids), r.get("task")))
-    return (*reply, *episode)
-
-
-def check_limits(run, st, problems):
-    """The rollout limits of GRPO and evaluation must let a policy do what the expert did: a reply cut at
-    --max-new-tokens cannot parse, so a kind whose expert writes a longer reply could never be solved, by any arm."""
-    tok = labels.load_tokenizer(run / "base" / "model", "native")
-    reply, reply_task, episode, episode_task = expert_lengths(tok, read_jsonl(run / "corpus" / "sft.jsonl", problems))
-    for stage in ("grpo", "eval"):
-        f = flags(st[stage])
-        if reply > int(f["--max-new-tokens"]):
-            problems.append(f"{stage}: --max-new-tokens {f['--max-new-tokens']} is less than the expert's longest "
-                            f"reply, {reply} tokens ({reply_task}): such replies are cut and cannot parse")
-        if episode > int(f["--max-len"]):
-            problems.append(f"{stage}: --max-len {f['--max-len']} is less than the expert's longest episode, {episode} "
-                            f"tokens ({episode_task})")
-    return reply, episode
-
-
-def write_plots(run, names, arm_label, results, grpo, geo, points, swept):
-    """The report's plots: pass_at_k.png (every evaluated checkpoint), grpo_curves.png (reward, entropy and KL from
-    the SFT checkpoint per GRPO run), geometry.png (cos(g_act, g_obs) and r during SFT per arm) and, with a λ sweep,
-    lambda_sweep.png."""
-    compare.plot_compare(compare.compare([(names[m], r) for m, r in results.items()]), run / "pass_at_k.png")
-    plot_runs(run / "grpo_curves.png", [("rollout/reward_mean", "mean reward"),
-                                        ("train/entropy", "action-token entropy"),
-                                        ("train/kl_init", "KL from the SFT checkpoint")],
-              {names[m]: g for m, g in grpo.items()})
-    plot_runs(run / "geometry.png", [("probe/cos", "cos(g_act, g_obs) during SFT"),
-                                     ("probe/r", "r = |g_obs| / |g_act|")],
-              {arm_label[a]: g for a, g in geo.items()})
-    if swept:
-        plot_sweep(run / "lambda_sweep.png", swept, [lam for lam, _ in points])
-
-
 def geometry_table(geo, arm_label):
     """One row per SFT arm: cos(g_act, g_obs) and r = |g_obs| / |g_act|, at the first and the last probed step."""
     lines = ["| arm | cos(g_act, g_obs) first → last | r = ‖g_obs‖/‖g_act‖ first → last |", "|---|---|---|"]
@@ -404,19 +318,18 @@ def build(run):
     if missing:
         return [f"{run / 'settings.json'}: no {', '.join(missing)} (a run folder of an older ablation.sh?)"]
     check_model(run / "base" / "model", problems)
-    ev = check_corpus(run, st, problems)
+    real = st.get("mode") == "real"  # a real model: Terminal-Bench 2.0 the tables' split, aider-polyglot apart
+    sets = check_inputs(run, st, problems) if real else {"eval": check_corpus(run, st, problems)}
+    ev = sets["tb2" if real else "eval"]
     arms, sweep_arms = st["arms"].split(), st[SWEEP_KEY].split()
     names = model_names(st)
-    geo = {a: check_sft(run, a, problems) for a in arms + sweep_arms}
+    geo = {a: check_sft(run, a, problems, "--probe-every" in flags(st["sft"])) for a in arms + sweep_arms}
     steps, attempts = int(flags(st["grpo"])["--steps"]), int(flags(st["eval"])["--attempts"])
     echo_coef = float(flags(st["echo"])["--echo-coef"]) if st["echo"] else 0.0
     grpo = {m: check_grpo(run, m, init, steps, echo_coef if m == f"{ECHO}-grpo" else 0.0, problems)
             for m, init in grpo_runs(st).items()}
-    results = {}
-    for m in names:
-        res = check_eval(run / "eval" / f"{m}.json", ev, eval_attempts(st, m), checkpoint(run, m), problems)
-        if res is not None:
-            results[m] = res
+    results = read_results(run, run / "eval", ev, st, names, problems)
+    aider = read_results(run, run / "eval" / "aider", sets["aider"], st, names, problems) if real else {}
     probes = check_probes(run, arms, bool(st["tstar"]), problems)
     if st["tstar"]:
         check_tstar(run, probes, results, problems)
@@ -440,18 +353,21 @@ def build(run):
     rl, rl_txt = rl_table(grpo, names)
     total, time_txt = time_table(times)
 
-    md = [f"# ActObs CPU ablation: {settings['stages'].get('mode', '?')} run", "",
+    md = [f"# ActObs ablation: {st['model']}, {st['preset']} preset" if real else
+          f"# ActObs CPU ablation: {st.get('mode', '?')} run", "",
           f"Commit {settings['git'][:10]}, started {settings['started']}, seed {st.get('seed')}, compute dtype "
           f"{settings.get('compute_dtype', {}).get('dtype', 'bf16')}; replies in GRPO's rollouts "
           f"{grammar_words(st['grpo'])}, in the evaluations {grammar_words(st['eval'])}. Settings of every stage: "
           "settings.json; each run dir has its own config.json.", "",
           f"Resolution: on these {after['rows'][0]['tasks']} tasks × {attempts} attempts, the paired bootstrap 95% "
           f"interval of the pass@1 difference {names[grpod[1]]} − {names[grpod[0]]}, tasks resampled within each "
-          f"kind (the split is drawn as a fixed count per kind), is [{100 * lo:+.1f}, {100 * hi:+.1f}] points: "
+          + ("category" if real else "kind (the split is drawn as a fixed count per kind)")
+          + f", is [{100 * lo:+.1f}, {100 * hi:+.1f}] points: "
           f"**half-width {100 * half:.1f} points** ({100 * pooled:.1f} resampling tasks across kinds; the paper's "
           "effects: 1–4 points).", "",
-          f"## pass@k on the evaluation split ({len(ev)} tasks, attempts a task as the table gives; held-out kind: "
-          f"{', '.join(taskgen.HELDOUT_KINDS)})", "", overview(results, names), "",
+          (f"## pass@k on Terminal-Bench 2.0 ({len(ev)} tasks, attempts a task as the table gives)" if real else
+           f"## pass@k on the evaluation split ({len(ev)} tasks, attempts a task as the table gives; held-out kind: "
+           f"{', '.join(taskgen.HELDOUT_KINDS)})"), "", overview(results, names), "",
           "pass@k in %, unbiased estimator over tasks; excluded = attempts lost to infrastructure failures "
           "(not counted). Plot: pass_at_k.png.", "",
           f"## After the same GRPO ({names[grpod[0]]} is the baseline [0]"
@@ -464,6 +380,9 @@ def build(run):
     for m, cmp in effect.items():
         md += [f"## What GRPO did: {names[grpo_runs(st)[m]]} → {names[m]}", "", "```", compare.compare_table(cmp),
                "```", ""]
+    if real:
+        md += [f"## aider-polyglot after the same GRPO ({len(sets['aider'])} tasks, by language; {names[grpod[0]]} is "
+               "the baseline [0])", "", "```", comparison(aider, grpod, names)[1], "```", ""]
     md += ["A difference whose 95% interval contains 0 is no evidence of a difference: report it as a null result.", ""]
     if swept:
         md += ["## The λ trade-off: SFT with λ × the observation loss, then the same GRPO "
@@ -473,7 +392,8 @@ def build(run):
     md += ["## GRPO runs: entropy and KL from the SFT checkpoint during RL (each run's curves.png and log.jsonl)", "",
            rl_txt, "", transcript_links(run, names, grpo), "", "![GRPO curves](grpo_curves.png)", "",
            "## Gradient geometry during SFT (geometry.png; each arm's probe_geometry.png)", "",
-           geometry_table(geo, arm_label), "",
+           geometry_table(geo, arm_label) if any(geo.values()) else "Not measured in this run: sft.py's "
+           "--probe-every runs in a single process; `probes.py geometry` gives it over saved step checkpoints.", "",
            "## Probes of the SFT checkpoints on held-out trajectories (probes/*.json and *.png)", "",
            probe_table(probes, run, names), "",
            "## Wall time per stage (seconds, summed over the sessions of a resumed run)", "", time_txt, ""]
@@ -484,8 +404,20 @@ def build(run):
                                                  "lambda_sweep": swept and {"lambdas": [lam for lam, _ in points],
                                                                             **swept},
                                                  "summary": {m: r["summary"] for m, r in results.items()},
+                                                 **({"aider_summary": {m: r["summary"] for m, r in aider.items()}}
+                                                    if real else {}),
                                                  "stage_seconds": total}, indent=1))
     return []
+
+
+def read_results(run, folder, tasks, st, names, problems):
+    """{model: its results} of the evaluations in `folder` (one JSON a model, checks.check_eval) on `tasks`."""
+    out = {}
+    for m in names:
+        res = check_eval(folder / f"{m}.json", tasks, eval_attempts(st, m), checkpoint(run, m), problems)
+        if res is not None:
+            out[m] = res
+    return out
 
 
 def main(argv=None):

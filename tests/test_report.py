@@ -68,7 +68,7 @@ def test_check_eval(tmp_path, case):
 
 def checkpoint(d):
     (d / "final").mkdir(parents=True)
-    for f in checks.WEIGHTS:
+    for f in checks.WEIGHTS + ("model.safetensors",):
         (d / "final" / f).write_text("{}")
 
 
@@ -221,7 +221,7 @@ def synthetic_run(run, sweep=True, before_attempts=None, every=True):
                                 f"echo={'--echo-coef 0.05' if every else ''}", f"tstar={'1' if every else ''}",
                                 "eval=--attempts 2", *fewer])
     (run / "base" / "model").mkdir(parents=True)
-    for f in checks.WEIGHTS:
+    for f in checks.WEIGHTS + ("model.safetensors",):
         (run / "base" / "model" / f).write_text("{}")
     splits = taskgen.make_splits(4, 2, 3)
     for split in ("rl", "eval"):
@@ -404,14 +404,14 @@ def test_limits_measure_the_expert_in_rollout_tokens(tmp_path, tiny_dir, synthet
                                                     {"role": "assistant", "content": long}]})
     (tmp_path / "corpus").mkdir()
     (tmp_path / "corpus" / "sft.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    reply, reply_task, episode, episode_task = report.expert_lengths(tok, rows)
+    reply, reply_task, episode, episode_task = checks.expert_lengths(tok, rows)
     # what a policy generates for that reply: its text and the end-of-turn token
     assert (reply, reply_task) == (len(tok(long, add_special_tokens=False)["input_ids"]) + 1, "long")
     assert episode == max(len(labels.render(tok, r["conversations"])[0]) for r in rows) and episode_task != "long"
     for new, length, cut in ((reply, episode, None), (reply - 1, episode, "max-new-tokens"), (reply, episode - 1, "max-len")):
         problems = []
         limits = f"--max-new-tokens {new} --max-len {length}"
-        assert report.check_limits(tmp_path, {"grpo": limits, "eval": limits}, problems) == (reply, episode)
+        assert checks.check_limits(tmp_path, {"grpo": limits, "eval": limits}, problems) == (reply, episode)
         assert len(problems) == (0 if cut is None else 2), problems
         assert all(f"--{cut} " in p and (reply_task if cut == "max-new-tokens" else episode_task) in p for p in problems)
 

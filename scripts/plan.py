@@ -1,0 +1,120 @@
+"""
+A real run's plan, printed before its first stage (ablation.sh --model) and kept in its settings.json: per stage the
+tokens or episodes it works through, each process's memory (actobs/plan.py: the memory plan, which chooses --fsdp and
+--grad-ckpt for the training stages), and a time from FLOPs at a stated MFU (sandboxes and verifiers not counted).
+It prints the plan on stderr and the training stages' memory flags on stdout, for ablation.sh to add.
+
+    python -m scripts.plan RUN        # RUN: settings.json, base/model, train.jsonl and tasks/ (scripts.fetch's)
+"""
+import argparse
+import json
+import os
+import statistics
+import sys
+from pathlib import Path
+
+from actobs import labels, plan
+from scripts.checks import flags
+
+
+def devices():
+    """(kind, count, GiB each, dense bf16 FLOP/s each, name): the GPUs torchrun will use, else this CPU."""
+    import torch
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        flop_s = plan.peak_flop_s(props.name)
+        if flop_s is None:
+            from actobs import common
+            flop_s = common.matmul_flop_s(torch.bfloat16)
+        return "cuda", torch.cuda.device_count(), props.total_memory / plan.GIB, flop_s, props.name
+    from actobs import common
+    gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / plan.GIB
+    return "cpu", 1, gib, common.matmul_flop_s(torch.float32), f"{os.cpu_count()} CPU cores"
+
+
+def sft_tokens(run, model_dir, max_len, sample=256):
+    """(rows, mean tokens a row, cut at max_len) of RUN/train.jsonl, the mean over its first `sample` rows."""
+    convs, _ = labels.read_trajectories(run / "train.jsonl")
+    tok = labels.load_tokenizer(model_dir, "prefix")
+    lengths = [min(len(labels.render(tok, c)[0]), max_len) for c in convs[:sample]]
+    return len(convs), statistics.mean(lengths)
+
+
+def tasks_in(folder):
+    return sum(1 for _ in Path(folder).glob("*/task.toml"))
+
+
+def build(run):
+    """The plan of the run folder: {stages: [{stage, work, GiB a process, hours}], memory flags, assumptions}."""
+    st = json.loads((run / "settings.json").read_text())["stages"]
+    model_dir = run / "base" / "model"
+    cfg = plan.shape(model_dir)
+    P = plan.n_params(cfg)
+    kind, n, gib, flop_s, name = devices()
+    sft, grpo = flags(st["sft"]), flags(st["grpo"])
+    arms = st["arms"].split() + st.get("sweep_arms", "").split()
+    sft_len, ep_len = int(sft["--max-len"]), int(grpo.get("--max-len", 16384))
+    rows, mean = sft_tokens(run, model_dir, sft_len)
+    kl = float(grpo.get("--kl-coef", 0)) > 0
+    dtype_bytes = 2 if kind == "cuda" else 4
+    mem_flags, chosen = (plan.choose(cfg, P, ranks=n, seq_len=max(sft_len, int(grpo.get("--micro-tokens", ep_len))),
+                                     gpu_gib=gib, kl=kl) if kind == "cuda" else ([], {}))
+    if mem_flags is None:
+        raise SystemExit(f"no memory plan fits {n} x {gib:.0f} GiB: SFT {chosen['sft']:.0f} GiB, GRPO "
+                         f"{chosen['grpo']:.0f} GiB a rank at the least (a smaller model, or shorter --max-len)")
+    kw = dict(ranks=n, dtype_bytes=dtype_bytes, device=kind, fsdp="--fsdp" in mem_flags, kl=kl, gpu_gib=gib,
+              grad_ckpt="--grad-ckpt" in mem_flags or kind == "cpu")
+    epochs = int(sft.get("--epochs", 1)) * (2 if any("obs-then-act" in st.get(f"loss_{a}", "") for a in arms) else 1)
+    sft_tok = rows * mean * int(sft.get("--epochs", 1))
+    episodes = int(grpo["--steps"]) * int(grpo["--tasks-per-step"]) * int(grpo["--group-size"])
+    ep_tokens = ep_len / 2  # assumed: an episode fills half its --max-len
+    sets = {s: tasks_in(run / "tasks" / s) for s in ("tb2", "aider")}
+    attempts = {k: int(flags(st[k])["--attempts"]) for k in ("eval", "eval_sft", "eval_base")}
+    evals = {"eval-sft": sum(sets.values()) * (attempts["eval_base"] + attempts["eval_sft"] * len(st["arms"].split())),
+             "eval-grpo": sum(sets.values()) * attempts["eval"] * (len(arms) + bool(st.get("echo")))}
+
+    def hours(**tokens):
+        return round(plan.time_s(P, flop_s=flop_s, devices=n, **tokens) / 3600, 2)
+    stages = [
+        {"stage": "sft", "work": f"{len(arms)} arms x {rows} rows x {mean:.0f} tokens x {epochs} epochs",
+         "gib": plan.memory_gib("sft", cfg, P, seq_len=sft_len, **kw),
+         "hours": len(arms) * hours(train_tokens=sft_tok)},
+        {"stage": "grpo", "work": f"{len(arms) + bool(st.get('echo'))} runs x {episodes} episodes "
+                                  f"({grpo['--steps']} steps x {grpo['--tasks-per-step']} tasks x "
+                                  f"{grpo['--group-size']}) on {tasks_in(run / 'tasks' / 'rl')} RL tasks",
+         "gib": plan.memory_gib("grpo", cfg, P, seq_len=ep_len, max_seqs=int(grpo.get("--concurrency", 64)), **kw),
+         # a KL term adds the initial policy's forward: 2 P a token beside training's 6 P
+         "hours": (len(arms) + bool(st.get("echo"))) * hours(train_tokens=episodes * ep_tokens * (1 + kl / 3),
+                                                             generated_tokens=episodes * ep_tokens)},
+        *({"stage": k, "work": f"{v} episodes on {', '.join(f'{s} ({c} tasks)' for s, c in sets.items())}",
+           "gib": plan.memory_gib("evaluate", cfg, P, seq_len=ep_len, **kw),
+           "hours": hours(generated_tokens=v * ep_tokens)} for k, v in evals.items()),
+        {"stage": "probes", "work": f"{len(st['arms'].split()) + 1} models on the held-out rows",
+         "gib": plan.memory_gib("probes", cfg, P, seq_len=sft_len, **kw), "hours": 0.0}]
+    return {"model": str(model_dir.resolve()), "params": P, "devices": f"{n} x {name}, {gib:.0f} GiB",
+            "memory_flags": mem_flags, "stages": stages,
+            "assumptions": f"MFU {plan.MFU['train']} training, {plan.MFU['generate']} sampling, at "
+                           f"{flop_s / 1e12:.1f} TFLOP/s a device; an episode half its --max-len ({ep_len}); "
+                           "sandboxes, verifiers and weight syncs not counted"}
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("run", type=Path)
+    args = p.parse_args(argv)
+    out = build(args.run)
+    lines = [f"plan: {out['params'] / 1e9:.2f}B params on {out['devices']}; training memory flags: "
+             f"{' '.join(out['memory_flags']) or 'none'}"]
+    for s in out["stages"]:
+        lines.append(f"  {s['stage']:<10} {s['work']:<78} {' / '.join(f'{g:.0f}' for g in s['gib'][:2])} GiB a "
+                     f"process | ~{s['hours']:.1f} h")
+    lines.append(f"  ({out['assumptions']})")
+    print("\n".join(lines), file=sys.stderr)
+    path = args.run / "settings.json"
+    settings = json.loads(path.read_text())
+    path.write_text(json.dumps({**settings, "plan": out}, indent=2))
+    print(" ".join(out["memory_flags"]))
+
+
+if __name__ == "__main__":
+    main()
