@@ -196,9 +196,6 @@ python -m scripts.report settings "$R" mode="$MODE" seed="$SEED" prompt_template
     ${PRESET:+preset="$PRESET" model="$MODEL" network="$NETWORK"}
 # The stages in order, for the banners: a stage whose output exists is skipped (its banner too)
 STAGES=(base corpus sft eval-sft probes-sft grpo eval-grpo)
-GPUS=$(python -c 'import torch; print(torch.cuda.device_count())')
-if [ $MODE = real ]; then STAGES=(fetch plan "${STAGES[@]:2}"); fi
-if [ "$GPUS" != 0 ]; then STAGES=(gpu-check "${STAGES[@]}"); fi
 if [ -n "$TSTAR" ]; then STAGES+=(probes-tstar eval-tstar); fi
 STAGES+=(report)
 # banner NAME: which stage starts, of how many, and the run's time so far
@@ -253,6 +250,9 @@ trained() { if [ "$GPUS" = 0 ]; then together "$@"; elif [ ${#RUNS[@]} != 0 ]; t
 evaluated() { if [ "$GPUS" = 0 ]; then together "$1" evaluate.py; elif [ ${#RUNS[@]} != 0 ]; then
     stage "$1" spread evaluate.py "${RUNS[@]}"; RUNS=(); fi; }
 
+GPUS=$(python -c 'import torch; print(torch.cuda.device_count())')  # torchrun's ranks (0: the CPU, one process)
+if [ $MODE = real ]; then STAGES=(fetch plan "${STAGES[@]:2}"); fi
+if [ "$GPUS" != 0 ]; then STAGES=(gpu-check "${STAGES[@]}"); fi
 # On a GPU: bench.gpu_check first (the CUDA paths CPU CI cannot run); a failed check stops the run with its line
 if [ "$GPUS" != 0 ] && [ ! -f "$R/gpu_check.ok" ]; then
     stage gpu-check python -m bench.gpu_check

