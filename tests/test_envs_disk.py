@@ -115,7 +115,7 @@ def test_with_the_watch_off_the_daemons_store_keeps_the_host_from_filling(small_
     writes when the store is full (No space left on device); the host's disk rises by less than the store's size."""
     host, root = small_daemon
     monkeypatch.setenv("DOCKER_HOST", host)
-    for module, name, value in ((sandbox, "_client", None), (sandbox, "_cpus", None), (disk, "_quota", False),
+    for module, name, value in ((daemon, "_client", None), (daemon, "_cpus", None), (disk, "_quota", False),
                                 (disk.Budget, "watch", lambda self, container, upper: None),
                                 (disk, "WATCH_STALE_S", 1e9)):
         monkeypatch.setattr(module, name, value)

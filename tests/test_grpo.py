@@ -622,6 +622,11 @@ def weights(path):
     return load_file(str(Path(path) / "model.safetensors"))
 
 
+# fp32 whatever the CPU, and a KL term: the KL from the initial policy is 0 at the first step (in bf16 the policy's
+# fp32 norms and embeddings against the initial policy's bf16 copy part by ~1e-4)
+E2E = ("--dtype", "fp32", "--kl-coef", "0.01")
+
+
 @pytest.mark.slow
 def test_end_to_end_killed_and_resumed(tmp_path, toy_tasks, vllm_dir, no_leftovers):
     """Two steps on toy tasks with real sandboxes and real vLLM. The run is killed (SIGTERM) during its second
@@ -629,7 +634,7 @@ def test_end_to_end_killed_and_resumed(tmp_path, toy_tasks, vllm_dir, no_leftove
     to the end: the log, the checkpoints, the curves. (Sandbox rollouts are not bit-reproducible, the container
     hostname is in the first screen, so the resumed step is checked for its state, not for equal weights.)"""
     out = tmp_path / "run"
-    proc = run_cli(out, toy_tasks, vllm_dir, wait=False)
+    proc = run_cli(out, toy_tasks, vllm_dir, *E2E, wait=False)
     deadline = time.time() + 600
     while not ((out / "step-000001").exists() and daemon.my_containers(proc.pid)):
         if proc.poll() is not None or time.time() > deadline:
@@ -642,7 +647,7 @@ def test_end_to_end_killed_and_resumed(tmp_path, toy_tasks, vllm_dir, no_leftove
     assert [json.loads(r)["step"] for r in first] == [1]
     before = weights(out / "step-000001")
 
-    text = run_cli(out, toy_tasks, vllm_dir, "--resume")
+    text = run_cli(out, toy_tasks, vllm_dir, *E2E, "--resume")
     assert "resumed at step 1" in text
     rows = (out / "log.jsonl").read_text().splitlines()
     assert rows[0] == first[0] and [json.loads(r)["step"] for r in rows] == [1, 2]
