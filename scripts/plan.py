@@ -5,6 +5,7 @@ tokens or episodes it works through, each process's memory (actobs/plan.py: the 
 It prints the plan on stderr and the training stages' memory flags on stdout, for ablation.sh to add.
 
     python -m scripts.plan RUN        # RUN: settings.json, base/model, train.jsonl and tasks/ (scripts.fetch's)
+    python -m scripts.plan RUN --gpus 8 --gpu-gib 80 --gpu-name H100   # the same run on another node
 """
 import argparse
 import json
@@ -17,9 +18,15 @@ from actobs import labels, plan
 from scripts.checks import flags
 
 
-def devices():
-    """(kind, count, GiB each, dense bf16 FLOP/s each, name): the GPUs torchrun will use, else this CPU."""
+def devices(gpus=None, gpu_gib=None, gpu_name=None):
+    """(kind, count, GiB each, dense bf16 FLOP/s each, name): the GPUs named (gpus, gpu_gib, gpu_name: a node other
+    than this one), else the GPUs torchrun will use, else this CPU."""
     import torch
+    if gpus:
+        flop_s = plan.peak_flop_s(gpu_name)
+        if flop_s is None:
+            raise SystemExit(f"--gpu-name {gpu_name!r}: one of {', '.join(plan.GPU_PEAK)}")
+        return "cuda", gpus, gpu_gib, flop_s, f"{gpu_name} (planned)"
     if torch.cuda.is_available():
         props = torch.cuda.get_device_properties(0)
         flop_s = plan.peak_flop_s(props.name)
@@ -44,13 +51,14 @@ def tasks_in(folder):
     return sum(1 for _ in Path(folder).glob("*/task.toml"))
 
 
-def build(run):
-    """The plan of the run folder: {stages: [{stage, work, GiB a process, hours}], memory flags, assumptions}."""
+def build(run, node=()):
+    """The plan of the run folder (on `node`: devices()' arguments, else this machine): {stages: [{stage, work, GiB a
+    process, hours}], memory flags, assumptions}."""
     st = json.loads((run / "settings.json").read_text())["stages"]
     model_dir = run / "base" / "model"
     cfg = plan.shape(model_dir)
     P = plan.n_params(cfg)
-    kind, n, gib, flop_s, name = devices()
+    kind, n, gib, flop_s, name = devices(*node)
     sft, grpo = flags(st["sft"]), flags(st["grpo"])
     arms = st["arms"].split() + st.get("sweep_arms", "").split()
     sft_len, ep_len = int(sft["--max-len"]), int(grpo.get("--max-len", 16384))
@@ -101,8 +109,11 @@ def build(run):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("run", type=Path)
+    p.add_argument("--gpus", type=int, help="plan for a node of this many GPUs instead of this machine")
+    p.add_argument("--gpu-gib", type=float, default=80, help="with --gpus: each GPU's memory")
+    p.add_argument("--gpu-name", default="H100", help=f"with --gpus: one of {', '.join(plan.GPU_PEAK)}")
     args = p.parse_args(argv)
-    out = build(args.run)
+    out = build(args.run, (args.gpus, args.gpu_gib, args.gpu_name) if args.gpus else ())
     size = f"{out['params'] / 1e9:.2f}B" if out["params"] >= 1e9 else f"{out['params'] / 1e6:.1f}M"
     lines = [f"plan: {size} params on {out['devices']}; training memory flags: "
              f"{' '.join(out['memory_flags']) or 'none'}"]
@@ -111,9 +122,9 @@ def main(argv=None):
                      f"process | ~{s['hours']:.1f} h")
     lines.append(f"  ({out['assumptions']})")
     print("\n".join(lines), file=sys.stderr)
-    path = args.run / "settings.json"
-    settings = json.loads(path.read_text())
-    path.write_text(json.dumps({**settings, "plan": out}, indent=2))
+    if not args.gpus:  # the run's own plan, kept with it; another node's is only printed
+        path = args.run / "settings.json"
+        path.write_text(json.dumps({**json.loads(path.read_text()), "plan": out}, indent=2))
     print(" ".join(out["memory_flags"]))
 
 
