@@ -106,9 +106,11 @@ _actobs_ext4() {
 _actobs_btrfs() {
     local mnt="$ACTOBS_DOCKER_ROOT/btrfs" img="$ACTOBS_DOCKER_ROOT/btrfs.img"
     if ! mountpoint -q "$mnt"; then
-        command -v mkfs.btrfs >/dev/null && command -v btrfs >/dev/null || { echo "btrfs-progs not installed"; return 1; }
+        command -v mkfs.btrfs >/dev/null && command -v btrfs >/dev/null \
+            || { echo "btrfs-progs not installed"; return 1; }
         if [ ! -f "$img" ]; then
-            truncate -s "$(_actobs_disk_gb)G" "$img" && mkfs.btrfs -q "$img" >/dev/null 2>&1 || { rm -f "$img"; echo "mkfs.btrfs failed"; return 1; }
+            truncate -s "$(_actobs_disk_gb)G" "$img" && mkfs.btrfs -q "$img" >/dev/null 2>&1 \
+                || { rm -f "$img"; echo "mkfs.btrfs failed"; return 1; }
         fi
         mkdir -p "$mnt" && mount -o loop "$img" "$mnt" 2>&1 || { echo "cannot loop-mount $img"; return 1; }
     fi
