@@ -120,6 +120,15 @@ _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _CHANGED = (errno.ENOENT, errno.ENOTDIR, errno.ELOOP)  # an entry removed, or replaced by a file or a link
 
 
+def _changed(error, path, vanished):
+    """An entry the walk read that went away or changed kind meanwhile: noted in `vanished` (if a list); any other
+    error is the walk's own, raised."""
+    if error.errno not in _CHANGED:
+        raise error
+    if vanished is not None:
+        vanished.append(path)
+
+
 def walk_layer(top, max_entries, deadline=None, tick=None, vanished=None):
     """Every entry under the folder `top` as (fd of its folder, that folder's path under top: "" or "/a/b", its name,
     its lstat), depth first. No recursion and no path longer than a name: each folder is opened relative to its
@@ -148,10 +157,7 @@ def walk_layer(top, max_entries, deadline=None, tick=None, vanished=None):
                         try:
                             st = entry.stat(follow_symlinks=False)
                         except OSError as e:
-                            if e.errno not in _CHANGED:
-                                raise
-                            if vanished is not None:
-                                vanished.append(f"{rel}/{entry.name}")
+                            _changed(e, f"{rel}/{entry.name}", vanished)
                             continue
                         yield fd, rel, entry.name, st
                         if stat.S_ISDIR(st.st_mode):
@@ -165,10 +171,7 @@ def walk_layer(top, max_entries, deadline=None, tick=None, vanished=None):
             try:
                 child = os.open(name, _DIR_FLAGS, dir_fd=fd)
             except OSError as e:
-                if e.errno not in _CHANGED:
-                    raise
-                if vanished is not None:
-                    vanished.append(f"{rel}/{name}")
+                _changed(e, f"{rel}/{name}", vanished)
                 continue
             stack.append([child, f"{rel}/{name}", None])
     finally:
