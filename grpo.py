@@ -261,8 +261,9 @@ def pg_loss(lm, batch, obj, norm):
     obs_logp = logp[~act]
     stats = {"loss": loss.item(), "pg_loss": p["pg"].sum().item(), "echo_loss": (-(w[~act] * obs_logp).sum()).item(),
              "act_tokens": int(act.sum()), "entropy_sum": float(ent[act].sum()),
+             # with a KL term, on every rank (a rank with no examples forwards one without the field: its sums are 0)
              **({"kl_init_sum": float(-p["d_ref"].sum()), "kl_init_k3_sum": float(p["k3"].sum())}
-                if r.ref is not None else {}),
+                if obj.weights["kl"] else {}),
              "mismatch_sum": float((r.behav[act] - p["old"]).sum()),
              "mismatch_abs_sum": float((r.behav[act] - p["old"]).abs().sum()),
              "clipped_sum": float((~p["flows"] & (r.adv[act] != 0)).sum()), "tis_w_sum": float(p["w_is"].sum()),

@@ -314,7 +314,8 @@ def build(run):
     if settings is None:
         return problems
     st = settings["stages"]
-    missing = [k for k in ("arms", SWEEP_KEY, "corpus", "heldout_n", "grpo", "echo", "tstar", "eval") if k not in st]
+    missing = [k for k in ("arms", SWEEP_KEY, "corpus", "heldout_n", "sft", "grpo", "echo", "tstar", "eval")
+               if k not in st]
     if missing:
         return [f"{run / 'settings.json'}: no {', '.join(missing)} (a run folder of an older ablation.sh?)"]
     check_model(run / "base" / "model", problems)

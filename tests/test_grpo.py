@@ -249,6 +249,19 @@ def test_loss_under_a_grammar_matches_reference(model, tokenizer, synthetic, nor
     assert_loss_matches_reference(model, tokenizer, synthetic, norm, case, grammar=True)
 
 
+@pytest.mark.parametrize("flags", [[], ["--kl-coef", "0.3"]], ids=["no KL", "KL"])
+def test_every_rank_sums_the_same_stats(model, tokenizer, synthetic, flags):
+    """A rank left without examples (dynamic sampling handed every group with signal to the others) forwards an empty
+    one; its loss stats must name what another rank's do, the step's log sums them over the ranks by position: with
+    a KL term, the KL's sums too (its empty example holds no initial policy's log-probs)."""
+    args = args_for("--temperature", "0.7", *flags)
+    examples = loss_examples(model, tokenizer, synthetic, args, [0.05, -0.05, 0], "ref" if flags else None)
+    obj, norm = grpo.objective(args), grpo.Normalisers(act_tokens=10, seqs=3, echo_seqs=0)
+    keys = [sorted(grpo.pg_loss(model, batches.micro_batch(examples, g, 0, torch.device("cpu")), obj, norm)[1])
+            for g in ([0, 1], [])]
+    assert keys[0] == keys[1] and ("kl_init_sum" in keys[0]) == bool(flags)
+
+
 def test_forced_tokens_carry_no_loss(model, tokenizer, synthetic):
     """Under a grammar, a token its mask allowed alone (log-prob 0 whatever the weights) carries no loss, no KL and
     no count: with every action token forced, pg_loss gives no gradient and counts no action token, though the

@@ -143,8 +143,9 @@ def test_a_grpo_run_without_a_kl_term_says_so(tmp_path):
 def test_build_names_what_is_missing(tmp_path, every):
     """every: a run of `ablation.sh --all` (ECHO and T*), else the main job's, whose report asks for neither."""
     report.write_settings(tmp_path, ["arms=actionsft actobs", "sweep_arms=lam0.5", "loss_lam0.5=--lam 0.5",
-                                     "corpus=--n-rl 2 --n-eval 2", "heldout_n=1", "grpo=--steps 2",
-                                     f"echo={'--echo-coef 0.05' if every else ''}", f"tstar={'1' if every else ''}",
+                                     "corpus=--n-rl 2 --n-eval 2", "heldout_n=1", "sft=--probe-every 2",
+                                     "grpo=--steps 2", f"echo={'--echo-coef 0.05' if every else ''}",
+                                     f"tstar={'1' if every else ''}",
                                      "eval=--attempts 2"])
     problems = report.build(tmp_path)
     text = "\n".join(problems)
@@ -159,8 +160,8 @@ def test_build_names_what_is_missing(tmp_path, every):
 
 def test_build_names_missing_settings(tmp_path):
     report.write_settings(tmp_path, ["arms=actionsft actobs", "grpo=--steps 2", "eval=--attempts 2"])  # no ECHO, no sweep
-    assert report.build(tmp_path) == [f"{tmp_path}/settings.json: no sweep_arms, corpus, heldout_n, echo, tstar (a run "
-                                      "folder of an older ablation.sh?)"]
+    assert report.build(tmp_path) == [f"{tmp_path}/settings.json: no sweep_arms, corpus, heldout_n, sft, echo, tstar "
+                                      "(a run folder of an older ablation.sh?)"]
 
 
 def test_settings_take_new_stages_and_more_sweep_arms_only(tmp_path):
@@ -217,7 +218,8 @@ def synthetic_run(run, sweep=True, before_attempts=None, every=True):
     fewer = [f"eval_sft=--attempts {before_attempts}", f"eval_base=--attempts {before_attempts}"] if before_attempts else []
     report.write_settings(run, ["mode=quick", "seed=0", "arms=actionsft actobs", f"sweep_arms={' '.join(sweep_arms)}",
                                 "loss_actionsft=--lam 0", "loss_actobs=--lam 1", *(["loss_lam0.5=--lam 0.5"] if sweep else []),
-                                "corpus=--n-sft 4 --n-rl 2 --n-eval 3", "heldout_n=1", "grpo=--steps 2",
+                                "corpus=--n-sft 4 --n-rl 2 --n-eval 3", "heldout_n=1", "sft=--probe-every 2",
+                                "grpo=--steps 2",
                                 f"echo={'--echo-coef 0.05' if every else ''}", f"tstar={'1' if every else ''}",
                                 "eval=--attempts 2", *fewer])
     (run / "base" / "model").mkdir(parents=True)
