@@ -777,7 +777,7 @@ def test_a_rank_killed_ends_the_run_and_resume_continues_it(tmp_path, toy_tasks,
     ranks restart from that checkpoint (trainer, Adam's state, engine): after step 2 they hold the same weights,
     their engines sample them, and the row counts both ranks' four episodes; the dead rank's sandboxes are swept."""
     out = tmp_path / "run"
-    proc = run_cli(out, toy_tasks, vllm_dir, *TWO_RANKS, wait=False, ranks=2)
+    proc = run_cli(out, toy_tasks, vllm_dir, *TWO_RANKS, "--kl-coef", "0.01", wait=False, ranks=2)  # KL: logged
     ranks = {}
 
     def rolling_out_step_2():  # step 1's sandboxes are gone before its checkpoint: any now are step 2's
@@ -797,7 +797,7 @@ def test_a_rank_killed_ends_the_run_and_resume_continues_it(tmp_path, toy_tasks,
     assert not (out / "step-000002").exists() and [r["step"] for r in log_rows(out)] == [1]
     first, before = log_rows(out)[0], checksum(out / "step-000001")
 
-    text = run_cli(out, toy_tasks, vllm_dir, *TWO_RANKS, "--resume", ranks=2)
+    text = run_cli(out, toy_tasks, vllm_dir, *TWO_RANKS, "--kl-coef", "0.01", "--resume", ranks=2)
     assert "resumed at step 1" in text and "world 2" in text and daemon.my_containers(ranks[1]) == []
     rows = log_rows(out)
     assert rows[0] == first and [r["step"] for r in rows] == [1, 2] and checksum(out / "step-000001") == before
