@@ -60,7 +60,8 @@ def owner_label(pid=None):
 
 
 def sweep():
-    """Remove leftover sandboxes: those whose owning process on this host is gone (killed runs, crashed tests)."""
+    """Remove leftover sandboxes: those whose owning process on this host is gone (killed runs, crashed tests).
+    Returns how many removals Docker answered with success."""
     removed = 0
     import docker
     # sparse: no inspect per container, which would race with other processes removing theirs
