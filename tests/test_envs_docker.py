@@ -2,6 +2,7 @@
 the scripted expert and the corpus command. Every test must leave no container of this process behind."""
 import concurrent.futures
 import json
+import os
 import random
 import socket
 import time
@@ -54,6 +55,20 @@ def test_first_screen_and_prompt(base_image):
         assert s.send("echo hi\n", 5) == f"New Terminal Output:\nroot@{host}:/app# echo hi\nhi\nroot@{host}:/app#"
         assert s.last_idle  # returned on the prompt, well before 5 s
         assert s.send("echo again\n") == f"New Terminal Output:\n\nroot@{host}:/app# echo again\nagain\nroot@{host}:/app#"
+
+
+def test_without_a_network_loopback_only_and_no_endpoint_in_the_daemon(sb):
+    """A sandbox without a network: a network namespace of its own with loopback only, localhost and its hostname
+    resolved from /etc/hosts, and no libnetwork endpoint in dockerd (on the shared "none" network, teardowns at once
+    can deadlock Debian 12's dockerd)."""
+    sb.container.reload()
+    settings = sb.container.attrs["NetworkSettings"]
+    assert sb.container.attrs["Config"]["NetworkDisabled"] and not settings["SandboxID"] and not settings["Networks"]
+    code, out = sb.exec("ls /sys/class/net; readlink /proc/self/ns/net; getent hosts localhost sandbox | wc -l; "
+                        "exec 3<>/dev/tcp/1.1.1.1/53", user="root")
+    lines = out.decode().splitlines()
+    assert code != 0 and lines[:1] == ["lo"] and lines[1].startswith("net:[") and lines[2] == "2"
+    assert lines[1] != os.readlink("/proc/self/ns/net") and "unreachable" in lines[3]
 
 
 def test_heredoc_interactive_program_and_keys(sb):

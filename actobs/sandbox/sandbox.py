@@ -93,6 +93,9 @@ emit "$state 0 1"$'\n'
 """
 STEP_SHELL = "step"  # $0 of TERMINAL_STEP's bash: its own errors read "step: ..." (a fork it could not make, e.g.)
 
+# /etc/hosts of a sandbox without a network (printf's escapes), as Docker writes it for one with a network
+HOSTS = r"127.0.0.1\tlocalhost\n::1\tlocalhost ip6-localhost ip6-loopback\n127.0.1.1\tsandbox\n"
+
 # PID 1 of every sandbox: bash with every catchable signal ignored. The kernel never delivers SIGKILL/SIGSTOP
 # from inside the container to its init, so nothing the agent does (`kill -9 -1`, `kill 1`) stops the
 # container, and bash reaps the orphans it adopts (daemons the agent leaves behind).
@@ -176,7 +179,11 @@ class Sandbox:
             # The image's own entrypoint is replaced: the container only has to stay up for our execs. PID 1 is
             # bash (INIT). A fixed hostname keeps prompts and observations reproducible from the seed.
             self.image, entrypoint=["bash", "-c", INIT], labels={LABEL: owner_label()},
-            hostname="sandbox", network_mode=self.network or "none", mem_limit=f"{self.memory_mb}m",
+            # No network: NetworkDisabled, so that dockerd makes no libnetwork endpoint at all (the container still
+            # gets a network namespace of its own, loopback only). On the shared "none" network, two containers torn
+            # down at once can deadlock Debian 12's docker.io 20.10.24 for good (moby/libnetwork#2649; a CI run saw it).
+            hostname="sandbox", network_mode=self.network or "none", network_disabled=self.network is None,
+            mem_limit=f"{self.memory_mb}m",
             memswap_limit=f"{self.memory_mb}m", pids_limit=self.pids, nano_cpus=int(host_cpus(self.cpus) * 1e9),
             working_dir=self.workdir, environment=env, tmpfs={path: "exec,mode=700" for path in self.tmpfs},
             **self.disk.create_options())
@@ -189,8 +196,10 @@ class Sandbox:
         upper = (overlay_dirs(self.container) or (None,))[0]  # None: the daemon is asked (slower)
         self.disk.watch(self.container, upper)
         # Harbor tasks expect these to exist and be writable by the agent's user.
+        # without a network Docker writes no /etc/hosts: localhost and the hostname resolve as they would with one
+        hosts = "" if self.network else f" && printf '{HOSTS}' > /etc/hosts"
         code, out = self.exec(f"mkdir -p {self.workdir} /logs/agent /logs/verifier && "
-                              "chmod 777 /logs/agent /logs/verifier", user="root")
+                              f"chmod 777 /logs/agent /logs/verifier{hosts}", user="root")
         if code != 0:
             raise SandboxError(f"{self.image}: could not prepare the container: {decode(out)[-300:]}")
         if self.files:
