@@ -58,9 +58,11 @@ def synthetic_trajectory(rng, turns=None):
         cmd = rng.choice([f"cat {rng.choice(files)}", "ls -la", f"grep -rl key{rng.randint(0, 9)} .", "wc -l *"])
         reply = {"analysis": f"Step {t}: inspect the directory.", "plan": f"Run {cmd}.",
                  "commands": [{"keystrokes": cmd + "\n", "duration": 0.1}], "task_complete": False}
-        msgs.append({"role": "assistant", "content": f"<think>\nI should run {cmd}.\n</think>\n\n" + json.dumps(reply, indent=2)})
+        msgs.append({"role": "assistant",
+                     "content": f"<think>\nI should run {cmd}.\n</think>\n\n" + json.dumps(reply, indent=2)})
         out = "\n".join(rng.choice(files) + f" {rng.randint(1, 999)}" for _ in range(rng.randint(1, 4)))
-        msgs.append({"role": "user", "content": terminus.OUTPUT_HEADER + f"root@box:/app# {cmd}\n{out}\nroot@box:/app# "})
+        msgs.append({"role": "user",
+                     "content": terminus.OUTPUT_HEADER + f"root@box:/app# {cmd}\n{out}\nroot@box:/app# "})
     return msgs
 
 
@@ -90,7 +92,8 @@ class ScriptedAsync:
 # remove it from the payload; short pieces such as 'bytes;' could occur in real terminal output.
 TEMPLATE_PIECES = [p.strip() for t in (terminus.OUTPUT_HEADER, terminus.SCREEN_HEADER, terminus.TRUNCATION,
                                        terminus.WARNING_LIST, terminus.PARSE_ERRORS, terminus.WARNINGS,
-                                       terminus.COMPLETION_CHECK) for p in re.split(r"\{\w+\}", t) if len(p.strip()) >= 8]
+                                       terminus.COMPLETION_CHECK)
+                   for p in re.split(r"\{\w+\}", t) if len(p.strip()) >= 8]
 
 
 def split_observation(obs):
@@ -116,15 +119,18 @@ def tiny_dir(tmp_path_factory, synthetic):
     """A saved tiny random Qwen3 (+ tokenizer) dir; the tokenizer is trained on real and synthetic text."""
     texts = [m["content"] for row in nemotron_rows() for m in row["conversations"]]
     texts += [m["content"] for c in synthetic for m in c]
-    return tiny.build_tiny(tmp_path_factory.mktemp("tiny"), texts, vocab_size=2048, hidden=64, layers=2, heads=4, kv_heads=2)
+    return tiny.build_tiny(tmp_path_factory.mktemp("tiny"), texts, vocab_size=2048, hidden=64, layers=2, heads=4,
+                           kv_heads=2)
 
 
 @pytest.fixture(scope="session")
 def vllm_dir(tmp_path_factory, synthetic):
     """A tiny random Qwen3 whose head size (32) vLLM's CPU attention supports, its tokenizer trained like
     tiny_dir's and saved with its chat template."""
-    texts = [m["content"] for row in nemotron_rows() for m in row["conversations"]] + [m["content"] for c in synthetic for m in c]
-    return tiny.build_tiny(tmp_path_factory.mktemp("vllm-tiny"), texts, vocab_size=2048, hidden=64, layers=2, heads=2, kv_heads=1)
+    texts = [m["content"] for row in nemotron_rows()
+             for m in row["conversations"]] + [m["content"] for c in synthetic for m in c]
+    return tiny.build_tiny(tmp_path_factory.mktemp("vllm-tiny"), texts, vocab_size=2048, hidden=64, layers=2, heads=2,
+                           kv_heads=1)
 
 
 @pytest.fixture(scope="session")

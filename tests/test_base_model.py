@@ -12,7 +12,8 @@ from actobs import labels, taskgen, tiny
 from scripts import base_model, sessions
 
 TINY = ["--sessions", "4", "--commands", "5", "--vocab", "400", "--hidden", "32", "--layers", "1", "--heads", "2",
-        "--kv-heads", "1", "--epochs", "1", "--batch-size", "2", "--max-len", "1024", "--concurrency", "4", "--heldout", "2",
+        "--kv-heads", "1", "--epochs", "1", "--batch-size", "2", "--max-len", "1024", "--concurrency", "4",
+        "--heldout", "2",
         "--copy-steps", "3", "--copy-schedule", "8:2,16:0", "--copy-chats", "1", "--refresh-steps", "2",
         "--prompt-template", str(Path(__file__).resolve().parents[1] / "scripts" / "toy_prompt.txt")]
 
@@ -27,7 +28,8 @@ def test_sessions_follow_the_seed_and_stay_off_the_tasks():
     assert first == policy(states)
     assert len(set(first)) > 1
     # generic commands on generic files: nothing of the toy tasks' instructions or folders
-    task_dirs = {p.rsplit("/", 1)[0] for s in taskgen.make_splits(45, 0, 9)["sft"] + taskgen.make_splits(0, 0, 9)["eval"]
+    task_dirs = {p.rsplit("/", 1)[0]
+                 for s in taskgen.make_splits(45, 0, 9)["sft"] + taskgen.make_splits(0, 0, 9)["eval"]
                  for p, _, _ in s.files}
     assert not task_dirs & {p.rsplit("/", 1)[0] for tree in a for p, _, _ in tree}
 
@@ -71,7 +73,8 @@ def test_a_value_is_determined_where_its_context_leaves_one_way_on():
 def test_a_names_tokens_under_each_split(tmp_path, split):
     # Under Qwen's split a file name listed by `ls` and the same name typed in a path start with different tokens
     # (" d" vs "/d"): nothing earlier to copy from. Under NAME_SPLIT it is the same tokens wherever it stands.
-    texts = [f"ls /etc/svc\n{n}.ini  {n}.txt\ncat /etc/svc/{n}.ini\n" for n in ("d8n8n", "kelp", "onyx_7", "tundra")] * 20
+    texts = [f"ls /etc/svc\n{n}.ini  {n}.txt\ncat /etc/svc/{n}.ini\n"
+             for n in ("d8n8n", "kelp", "onyx_7", "tundra")] * 20
     tok = labels.load_tokenizer(tiny.build_tiny(tmp_path, texts, vocab_size=400, hidden=32, layers=1, heads=2,
                                                   kv_heads=1, split=split))
 
@@ -155,7 +158,8 @@ def test_rotations_are_copies_by_content_at_offsets_that_vary():
 
 def test_copy_schedule_parses_and_names_the_flag():
     schedule = base_model.parse_schedule("32:600,64:400,128:0")
-    assert [base_model.schedule_length(schedule, s) for s in (0, 599, 600, 999, 1000, 5000)] == [32, 32, 64, 64, 128, 128]
+    assert [base_model.schedule_length(schedule, s)
+            for s in (0, 599, 600, 999, 1000, 5000)] == [32, 32, 64, 64, 128, 128]
     assert base_model.schedule_length(base_model.parse_schedule("16:2,32:3"), 7) == 32  # past the end: the last runs on
     for bad in ("32", "32:0,64:10", "2:10", "a:b", ""):
         with pytest.raises(ValueError, match="--copy-schedule"):
@@ -236,9 +240,11 @@ def test_build_records_pretrains_and_reuses(tmp_path, no_leftovers):
     for text in (shown, conv[1]["content"]):  # the BPE is fit to the terminal's text and to the JSON replies
         assert len(tok(text)["input_ids"]) < len(text.encode()) * 2 / 3  # bytes would be 1 token each
     held = [json.loads(line)["conversations"] for line in (out / "heldout.jsonl").read_text().splitlines()]
-    assert len(held) == 2 and all("(session 0-4)" in c[0]["content"] or "(session 0-5)" in c[0]["content"] for c in held)
+    assert len(held) == 2 and all("(session 0-4)" in c[0]["content"] or "(session 0-5)" in c[0]["content"]
+                                  for c in held)
     copy = json.loads((out / "metrics.json").read_text())["copy_accuracy"]
-    assert copy["instruction"]["all"]["n"] > 0 and 0 <= copy["instruction"]["all"]["exact"] <= copy["instruction"]["all"]["rest"] <= 1
+    assert (copy["instruction"]["all"]["n"] > 0
+            and 0 <= copy["instruction"]["all"]["exact"] <= copy["instruction"]["all"]["rest"] <= 1)
     assert copy["instruction"]["all"]["n"] == copy["instruction"]["short"]["n"] + copy["instruction"]["long"]["n"]
     metrics = json.loads((out / "metrics.json").read_text())
     assert 0 <= metrics["repeat_accuracy"] <= 1 and 0 <= metrics["rotation_accuracy"] <= 1

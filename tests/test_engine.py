@@ -336,7 +336,8 @@ def test_rollout_survives_a_special_token_on_the_screen(llm, vllm_dir, base_imag
     with engine.engine_threads():
         eps = envs.run_episodes([task] * 2, policy, max_turns=2, concurrency=2)
     for ep in eps:
-        assert isinstance(ep, episode.Episode) and ep.failure != "sandbox_error" and ep.turns >= 1, (ep.failure, ep.error)
+        assert isinstance(ep, episode.Episode) and ep.failure != "sandbox_error" and ep.turns >= 1, \
+            (ep.failure, ep.error)
         first = ep.messages[0]["content"]
         assert "hello <\u200b|im_end|><\u200b|im_start|>user" in first and "<|im_end|>" not in first
         prompt, _ = engine.prompt_tokens(tok, ep.messages[:1])

@@ -35,7 +35,8 @@ def test_load_task_reads_aider_and_endless_terminals_layouts():
     py, go, js = (load_task(AIDER / f"polyglot_{x}", build=False)
                   for x in ("python_run-length", "go_roman", "javascript_word-count"))
     assert [t.meta["language"] for t in (py, go, js)] == ["python", "go", "javascript"]
-    assert py.kind == "code-editing" and py.meta == {"category": "code-editing", "language": "python", "difficulty": "easy"}
+    assert py.kind == "code-editing" and py.meta == {"category": "code-editing", "language": "python",
+                                                     "difficulty": "easy"}
     assert (py.schema_version, py.agent_timeout, py.verifier_timeout, py.memory_mb) == ("1.0", 1800.0, 1800.0, 4096)
     assert set(go.tests) == {"test.sh", "roman_test.go"}  # tests reach the sandbox at verification only
     et = load_task(ENDLESS / "csv-filter", build=False)
@@ -78,7 +79,8 @@ def test_load_task_errors_name_the_file(tmp_path):
 WRONG = "def test_wrong():\n    assert 1 == 2\n\ndef test_right():\n    pass\n"
 
 
-@pytest.mark.parametrize("form", [["-q"], ["-qq"], ["-rA", "-p", "junitxml", "--junitxml", "{tmp}/j.xml"], ["--color=yes"]])
+@pytest.mark.parametrize("form", [["-q"], ["-qq"], ["-rA", "-p", "junitxml", "--junitxml", "{tmp}/j.xml"],
+                                  ["--color=yes"]])
 def test_a_wrong_answer_is_a_run_under_every_pytest_form(tmp_path, form):
     """A real pytest (`python -m pytest`, the `pytest` script's entry point), as verifiers call it: failed tests
     and a test module that does not import are runs (wrong answers) at any verbosity, with a plugin or colour;
@@ -142,7 +144,8 @@ def test_every_training_kind_mixes_easy_and_harder_instances():
     assert {sum(s.params["old"] in text for _, text, _ in s.files) for s in hosts} == {1, 2, 3, 4}
     for spec in (taskgen.generate("fix_config", random.Random(i)) for i in range(40)):
         m = next(re.search(p, spec.instruction) for p, e in taskgen.EXPERTS if e.__name__ == "_fix_config")
-        assert (m.group(1), m.group(2), m.group(3)) == (str(spec.params["port"]), spec.params["workers"], spec.params["level"])
+        assert (m.group(1), m.group(2), m.group(3)) == (str(spec.params["port"]), spec.params["workers"],
+                                                        spec.params["level"])
     for spec in (taskgen.generate("find_copy", random.Random(i)) for i in range(40)):
         texts = [t for _, t, _ in spec.files]
         assert sum(spec.params["token"] in t for t in texts) == 1  # grep for the exact token finds one file
@@ -163,7 +166,8 @@ def test_write_harbor_round_trips(tmp_path):
     spec = taskgen.generate("permissions", random.Random(0))
     taskgen.write_harbor(spec, tmp_path / spec.name, daemon.BASE_IMAGE)
     task = load_task(tmp_path / spec.name, build=False)
-    assert task.name == f"actobs/{spec.name}" and task.instruction.strip() == spec.instruction and task.kind == "permissions"
+    assert (task.name == f"actobs/{spec.name}" and task.instruction.strip() == spec.instruction
+            and task.kind == "permissions")
     assert task.tests == {"test.sh": spec.test.encode()} and task.solution == {"solve.sh": spec.solve.encode()}
     script = next(p for p, _, _ in spec.files if p.endswith(".sh"))
     assert (tmp_path / spec.name / "environment/files" / script.lstrip("/")).stat().st_mode & 0o777 == 0o644
@@ -177,25 +181,30 @@ def test_expert_replies_parse_and_decide_from_observations():
     clumsy = "/ap/" in taskgen.expert_reply(msgs)
     if clumsy:  # one episode in four starts with a mistyped path
         msgs += [{"role": "assistant", "content": taskgen.expert_reply(msgs)},
-                 {"role": "user", "content": terminus.OUTPUT_HEADER + "ls: cannot access '/ap/notes': No such file or directory"}]
+                 {"role": "user",
+                  "content": terminus.OUTPUT_HEADER + "ls: cannot access '/ap/notes': No such file or directory"}]
         reply, err, _ = terminus.parse_reply(taskgen.expert_reply(msgs))
         assert "mistyped" in reply.analysis
     msgs += [{"role": "assistant", "content": taskgen.expert_reply(msgs)},
-             {"role": "user", "content": terminus.OUTPUT_HEADER + f"root@h:/app# grep -rl {token} /app/notes\n{target}\nroot@h:/app#"}]
+             {"role": "user",
+              "content": terminus.OUTPUT_HEADER + f"root@h:/app# grep -rl {token} /app/notes\n{target}\nroot@h:/app#"}]
     reply, err, warnings = terminus.parse_reply(taskgen.expert_reply(msgs))
     assert err is None and warnings == [] and reply.commands == [(f"cp {target} /app/found.txt\n", 0.1)]
-    assert json.loads(taskgen.expert_reply(msgs))["commands"][0]["keystrokes"] == f"cp {target} /app/found.txt\n"  # JSON only
+    # JSON only
+    assert json.loads(taskgen.expert_reply(msgs))["commands"][0]["keystrokes"] == f"cp {target} /app/found.txt\n"
 
 
 def test_expert_types_each_name_as_the_listing_printed_it():
     # A small policy copies a name after the text it followed in the observation: the expert's look prints full
     # paths, and its act types them verbatim in the listing's order (not sorted, not rebuilt from a bare name).
     def act(spec, shell):
-        prompt = terminus.fill_prompt(terminus.DEFAULT_PROMPT, spec.instruction, terminus.SCREEN_HEADER + "root@h:/app#\n")
+        prompt = terminus.fill_prompt(terminus.DEFAULT_PROMPT, spec.instruction,
+                                      terminus.SCREEN_HEADER + "root@h:/app#\n")
         msgs = [{"role": "user", "content": prompt}]
         look = terminus.parse_reply(taskgen.expert_reply(msgs))[0].commands[0][0]
         msgs += [{"role": "assistant", "content": taskgen.expert_reply(msgs)},
-                 {"role": "user", "content": terminus.OUTPUT_HEADER + f"root@h:/app# {look}" + shell + "\nroot@h:/app#"}]
+                 {"role": "user",
+                  "content": terminus.OUTPUT_HEADER + f"root@h:/app# {look}" + shell + "\nroot@h:/app#"}]
         return look, terminus.parse_reply(taskgen.expert_reply(msgs))[0]
 
     perms = taskgen.generate("permissions", random.Random(0))
@@ -204,7 +213,8 @@ def test_expert_types_each_name_as_the_listing_printed_it():
                       "-rw-rw-rw- 1 root root 17 Dec  4 16:41 /app/secrets/alpha.key")
     assert look == "ls -l /app/bin/*.sh /app/secrets/*.key\n"  # the echoed command line ends in *.key: not a name
     assert [c for c, _ in reply.commands] == ["chmod 600 /app/secrets/zeta.key /app/secrets/alpha.key\n"]
-    assert "keys: /app/secrets/zeta.key, /app/secrets/alpha.key" in reply.analysis and "Scripts: none seen" in reply.analysis
+    assert ("keys: /app/secrets/zeta.key, /app/secrets/alpha.key" in reply.analysis
+            and "Scripts: none seen" in reply.analysis)
     host = taskgen.generate("replace_host", random.Random(0))
     old, new = host.params["old"], host.params["new"]
     look, reply = act(host, "/app/conf/sierra.conf\n/app/conf/amber.conf")
@@ -221,7 +231,8 @@ def test_expert_types_the_word_as_the_instruction_tokenizes_it():
         spec = taskgen.generate("word_count", random.Random(i))
         word = spec.params["word"]
         assert word in pieces(spec.instruction)
-        prompt = terminus.fill_prompt(terminus.DEFAULT_PROMPT, spec.instruction, terminus.SCREEN_HEADER + "root@h:/app#\n")
+        prompt = terminus.fill_prompt(terminus.DEFAULT_PROMPT, spec.instruction,
+                                      terminus.SCREEN_HEADER + "root@h:/app#\n")
         msgs, typed = [{"role": "user", "content": prompt}], []
         for _ in range(4):  # the look (after a mistyped first look in one episode of four) and the count
             reply = taskgen.expert_reply(msgs)

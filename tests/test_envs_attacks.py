@@ -17,7 +17,8 @@ pytestmark = pytest.mark.usefixtures("no_leftovers")
 # A Terminal-Bench 2.0 verifier, as tests/fixtures/tb2-tasks have it (uvx, pinned pytest, CTRF report).
 TEST_SH = b"""#!/bin/bash
 source $HOME/.local/bin/env
-uvx -p 3.13 -w pytest==8.4.1 -w pytest-json-ctrf==0.3.5 pytest --ctrf /logs/verifier/ctrf.json /tests/test_outputs.py -rA
+uvx -p 3.13 -w pytest==8.4.1 -w pytest-json-ctrf==0.3.5 pytest --ctrf /logs/verifier/ctrf.json \
+/tests/test_outputs.py -rA
 if [ $? -eq 0 ]; then echo 1 > /logs/verifier/reward.txt; else echo 0 > /logs/verifier/reward.txt; fi
 """
 TEST_PY = b"def test_answer():\n    assert open('/app/answer').read() == 'right\\n'\n"
@@ -42,15 +43,18 @@ ATTACKS = {
     "plugin-entry-point": f"for d in {UV_ENVS}; do\n"
                           f"cat > $d/passall.py <<'EOF'\n{PASS_ALL}EOF\n"
                           "mkdir -p $d/passall-1.0.dist-info\n"
-                          "printf 'Metadata-Version: 2.1\\nName: passall\\nVersion: 1.0\\n' > $d/passall-1.0.dist-info/METADATA\n"
-                          "printf '[pytest11]\\npassall = passall\\n' > $d/passall-1.0.dist-info/entry_points.txt\ndone\n",
+                          "printf 'Metadata-Version: 2.1\\nName: passall\\nVersion: 1.0\\n' "
+                          "> $d/passall-1.0.dist-info/METADATA\n"
+                          "printf '[pytest11]\\npassall = passall\\n' > $d/passall-1.0.dist-info/entry_points.txt\n"
+                          "done\n",
     "pth-hook": f"for d in {UV_ENVS} /root/.local/lib/python3.13/site-packages; do mkdir -p $d; "
                 f"echo \"{COLLECT_ONLY}\" > $d/zz-hook.pth; done\n",
     "sitecustomize": f"echo \"{COLLECT_ONLY}\" >> /etc/python3.13/sitecustomize.py\n",
     # the stand-in's offline wheels: the CTRF plugin's wheel gains a .pth, and uv's cache is cleared so it is read
     "wheel-cache": "python3 - <<'EOF'\nimport glob, zipfile\n"
                    "whl = glob.glob('/opt/actobs-wheels/pytest_json_ctrf-*.whl')[0]\n"
-                   f"with zipfile.ZipFile(whl, 'a') as z:\n    z.writestr('zz-ctrf.pth', {COLLECT_ONLY!r} + chr(10))\nEOF\n"
+                   "with zipfile.ZipFile(whl, 'a') as z:\n"
+                   f"    z.writestr('zz-ctrf.pth', {COLLECT_ONLY!r} + chr(10))\nEOF\n"
                    "rm -rf /root/.cache/uv\n",
 }
 

@@ -54,7 +54,8 @@ def test_first_screen_and_prompt(base_image):
         assert s.screen() == f"Current Terminal Screen:\nroot@{host}:/app#\n"
         assert s.send("echo hi\n", 5) == f"New Terminal Output:\nroot@{host}:/app# echo hi\nhi\nroot@{host}:/app#"
         assert s.last_idle  # returned on the prompt, well before 5 s
-        assert s.send("echo again\n") == f"New Terminal Output:\n\nroot@{host}:/app# echo again\nagain\nroot@{host}:/app#"
+        assert s.send("echo again\n") == (f"New Terminal Output:\n\nroot@{host}:/app# echo again\n"
+                                          f"again\nroot@{host}:/app#")
 
 
 def test_without_a_network_loopback_only_and_no_endpoint_in_the_daemon(sb):
@@ -99,9 +100,10 @@ def test_files_round_trip(sb):
 
 
 def test_changes_read_on_the_host_are_the_daemons_diff(sb):
-    """Sandbox.changes (container_files.changes) walks overlay2's upper dir against the image's layers; the daemon's own diff (which
-    compares the whole tree) must agree on every kind of change: added, modified, metadata only, a lower file
-    removed, a lower directory moved, emptied and refilled, a symlink, a file in a tmpfs (not a change)."""
+    """Sandbox.changes (container_files.changes) walks overlay2's upper dir against the image's layers; the
+    daemon's own diff (which compares the whole tree) must agree on every kind of change: added, modified, metadata
+    only, a lower file removed, a lower directory moved, emptied and refilled, a symlink, a file in a tmpfs (not a
+    change)."""
     assert container_files.overlay_dirs(sb.container) is not None  # the walk runs here, not the fallback
     code, _ = sb.exec("echo x > /newfile && echo z > /etc/debian_version && chmod 600 /etc/profile && touch /etc/motd"
                       " && rm /etc/issue && mv /usr/share/doc/jq /usr/share/jqdoc && rm -rf /usr/share/doc/tmux"
@@ -112,7 +114,8 @@ def test_changes_read_on_the_host_are_the_daemons_diff(sb):
     found = sb.changes()
     assert found == daemon
     assert {"/newfile": "A", "/etc/debian_version": "C", "/etc/profile": "C", "/usr/share/jqdoc": "A",
-            "/usr/share/doc/tmux/README": "C", "/tests/a/conftest.py": "A"}.items() <= found.items()  # the image has a README
+            "/usr/share/doc/tmux/README": "C",  # the image has a README
+            "/tests/a/conftest.py": "A"}.items() <= found.items()
     assert "/etc/issue" not in found and "/dev/shm/f" not in found
 
 
@@ -220,7 +223,8 @@ def test_corpus_command_end_to_end(tmp_path, base_image):
         roles = [m["role"] for m in r["conversations"]]
         assert roles[0] == "user" and roles[1::2] == ["assistant"] * (len(roles) // 2) and set(roles[2::2]) == {"user"}
         assert json.loads(r["conversations"][1]["content"])["task_complete"] is False  # one JSON object, no think block
-        for obs in (m["content"] for m in r["conversations"][2::2]):  # the harness's text and the terminal's, told apart exactly
+        # the harness's text and the terminal's, told apart exactly
+        for obs in (m["content"] for m in r["conversations"][2::2]):
             wrapper, _ = split_observation(obs)
             assert "root@" not in wrapper
         assert terminus.is_completion_check(r["conversations"][-2]["content"])

@@ -103,7 +103,8 @@ def test_exception_among_16_concurrent_episodes_leaves_no_container(base_image):
         calls.append(len(states))
         if len(calls) == 2:
             raise RuntimeError("policy crashed")
-        return [json.dumps({"analysis": "", "plan": "", "commands": [{"keystrokes": "ls\n", "duration": 0.1}]})] * len(states)
+        return [json.dumps({"analysis": "", "plan": "",
+                            "commands": [{"keystrokes": "ls\n", "duration": 0.1}]})] * len(states)
 
     tasks = [Task(f"t{i}", "Do nothing.", tests={"test.sh": b"echo 0 > /logs/verifier/reward.txt\n"})
              for i in range(16)]

@@ -81,9 +81,11 @@ def test_verifier_timeout_scores_0_even_after_writing_1(base_image):
 
 
 def test_verifier_that_never_started_pytest_is_not_a_wrong_answer(base_image):
-    never = b"source $HOME/.local/bin/env\nuvx -p 3.99 -w pytest==8.4.1 pytest /tests/t.py\n" + b"[ $? -eq 0 ] && echo 1 > /logs/verifier/reward.txt " \
+    never = b"source $HOME/.local/bin/env\nuvx -p 3.99 -w pytest==8.4.1 pytest /tests/t.py\n" + \
+            b"[ $? -eq 0 ] && echo 1 > /logs/verifier/reward.txt " \
             b"|| echo 0 > /logs/verifier/reward.txt\n"
-    wrong = b"source $HOME/.local/bin/env\nuvx -w pytest==8.4.1 pytest /tests/t.py\n[ $? -eq 0 ] && echo 1 > /logs/verifier/reward.txt " \
+    wrong = b"source $HOME/.local/bin/env\nuvx -w pytest==8.4.1 pytest /tests/t.py\n" \
+            b"[ $? -eq 0 ] && echo 1 > /logs/verifier/reward.txt " \
             b"|| echo 0 > /logs/verifier/reward.txt\n"
     t = b"def test_x():\n    assert open('/app/answer').read() == 'right\\n'\n"
     eps = envs.run_oracle([Task("never", "x", image="ubuntu:24.04", tests={"test.sh": never, "t.py": t}),
@@ -96,7 +98,8 @@ def test_verifier_that_never_started_pytest_is_not_a_wrong_answer(base_image):
 # ---------------------------------------------------------------------------------------------- the agent's endings
 
 def test_exit_or_killing_the_terminal_is_the_agents_ending(base_image):
-    endings = {"exit": "exit\n", "kill-shell": "kill -9 $$\n", "kill-tmux": "tmux kill-server\n", "kill-all": "kill -9 -1\n"}
+    endings = {"exit": "exit\n", "kill-shell": "kill -9 $$\n", "kill-tmux": "tmux kill-server\n",
+               "kill-all": "kill -9 -1\n"}
     tasks = [Task(name, f"{name}\n", tests={"test.sh": CHECK}) for name in endings]
     policy = by_instruction({name: [reply(["echo right > /app/answer\n", keys])] for name, keys in endings.items()})
     eps = envs.run_episodes(tasks, policy, max_turns=5, concurrency=4)
@@ -256,7 +259,7 @@ def test_build_timeout_and_failures_are_recorded_and_the_others_run(tmp_path, ba
     assert (ep.failure, ep.reward, ep.messages) == ("image_build_error", 0.0, [])
 
 
-# ---------------------------------------------------------------------------------------------- Terminal-Bench 2.0 offline
+# ------------------------------------------------------------------------------------------- Terminal-Bench 2.0 offline
 
 def test_tb2_tasks_score_their_true_result_offline(base_image):
     """Terminal-Bench 2.0-format tasks (FROM ubuntu:24.04 / python:3.13-slim-bookworm, apt and pip in the build,

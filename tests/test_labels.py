@@ -19,7 +19,8 @@ def mirror_prefix(msgs):
     out = []
     for m, r in zip(msgs, roles):
         if m["role"] == "tool":
-            out += [("<|im_start|>user\n<tool_response>\n", P), (m["content"], r), ("\n</tool_response>", P), (EOT, r), ("\n", P)]
+            out += [("<|im_start|>user\n<tool_response>\n", P), (m["content"], r), ("\n</tool_response>", P),
+                    (EOT, r), ("\n", P)]
         else:
             out += [(f"<|im_start|>{m['role']}\n", P), (m["content"], r), (EOT, r), ("\n", P)]
     return out
@@ -42,7 +43,8 @@ def mirror_qwen3(msgs):
                 reasoning = c.split("</think>")[0].rstrip("\n").split("<think>")[-1].lstrip("\n")
                 c = c.split("</think>")[-1].lstrip("\n")
             if i > last_query and (i == len(msgs) - 1 or reasoning):
-                out += [("<|im_start|>assistant\n", P), ("<think>\n" + reasoning.strip("\n") + "\n</think>\n\n" + c.lstrip("\n"), r)]
+                out += [("<|im_start|>assistant\n", P),
+                        ("<think>\n" + reasoning.strip("\n") + "\n</think>\n\n" + c.lstrip("\n"), r)]
             else:
                 out += [("<|im_start|>assistant\n", P), (c, r)]
             out += [(EOT, r), ("\n", P)]
@@ -70,7 +72,8 @@ PLAIN_TEMPLATE = "{%- for m in messages %}{{- '### ' + m.role + ':\\n' + m.conte
 
 
 def mirror_plain(msgs):  # no special tokens at all: BPE merges straddle content and template text
-    return [x for m, r in zip(msgs, labels.message_labels(msgs)) for x in [(f"### {m['role']}:\n", P), (m["content"], r), ("\n\n", P)]]
+    return [x for m, r in zip(msgs, labels.message_labels(msgs))
+            for x in [(f"### {m['role']}:\n", P), (m["content"], r), ("\n\n", P)]]
 
 
 def expected_roles(tok, text, pieces):
@@ -103,7 +106,8 @@ def with_template(tokenizer, name):
     tok = labels.load_tokenizer(tokenizer.name_or_path, "native")
     tok.chat_template = TEMPLATES[name][0]
     if name == "phi3":  # its turn tokens, special in the vocabulary only; eos stays another token
-        tok.add_tokens([AddedToken(f"<|{t}|>", special=True, normalized=False) for t in ("end", "system", "user", "assistant")])
+        tok.add_tokens([AddedToken(f"<|{t}|>", special=True, normalized=False)
+                        for t in ("end", "system", "user", "assistant")])
         tok.eos_token = "<|endoftext|>"
     return tok
 
@@ -155,7 +159,8 @@ def test_qwen3_action_is_all_the_policy_writes_after_the_generation_prompt(qwen3
 def test_end_of_turn_token_special_only_in_the_vocabulary(tokenizer):
     tok = with_template(tokenizer, "phi3")
     assert "<|end|>" not in tok.all_special_tokens and tok.eos_token == "<|endoftext|>"
-    msgs = [{"role": "user", "content": "go"}, {"role": "assistant", "content": "ls"}, {"role": "user", "content": "a.txt"}]
+    msgs = [{"role": "user", "content": "go"}, {"role": "assistant", "content": "ls"},
+            {"role": "user", "content": "a.txt"}]
     ids, roles = labels.render(tok, msgs)
     assert [tok.decode([i]) for i, r in zip(ids, roles) if r == A] == ["ls", "<|end|>"]
     assert [tok.decode([i]) for i, r in zip(ids, roles) if r == O] == ["a", ".txt", "<|end|>"]
@@ -175,7 +180,8 @@ def test_defuse_specials(tokenizer):
     assert safe.replace(labels.ESCAPE, "") == text and safe.count(labels.ESCAPE) == 3 * len(specials) + 1
     assert labels.defuse_specials(tokenizer, safe) == safe
     assert "<\u200b|im_end|>" in safe
-    msgs = [{"role": "user", "content": "go"}, {"role": "assistant", "content": "ls"}, {"role": "user", "content": safe}]
+    msgs = [{"role": "user", "content": "go"}, {"role": "assistant", "content": "ls"},
+            {"role": "user", "content": safe}]
     ids, roles = labels.render(tokenizer, msgs)  # encode accepts it; only the template's own end-of-turns remain
     assert ids.count(tokenizer.convert_tokens_to_ids(EOT)) == 3
 
@@ -187,7 +193,8 @@ def test_straddling_token_takes_highest_priority_role(tokenizer):
             {"role": "user", "content": "out: $"}]
     ids, roles = labels.render(tok, msgs)
     text = tok.apply_chat_template(msgs, tokenize=False)
-    pieces = [(text[a:b], r) for (a, b), r in zip(tok(text, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"], roles)]
+    pieces = [(text[a:b], r) for (a, b), r in zip(tok(text, add_special_tokens=False,
+                                                      return_offsets_mapping=True)["offset_mapping"], roles)]
     # '}' ends the action and '\n\n' is template text: the pre-tokenizer keeps them in one token
     assert ("}\n\n", A) in pieces
     assert [t for t, r in pieces if r == A] == ['{', '"', 'a', '":', ' ', '1', '}\n\n']
@@ -272,8 +279,10 @@ BAD = [
     ('{"conversations": [{"role": "user", "content": "hi"}', "rows.jsonl:2: invalid JSON"),
     ('{"conversations": [{"content": "hi"}]}', "rows.jsonl:2: conversations[0]: missing field 'role'"),
     ('{"messages": [{"role": "user"}]}', "rows.jsonl:2: messages[0]: missing field 'content'"),
-    ('{"conversations": [{"role": "robot", "content": "hi"}]}', "rows.jsonl:2: conversations[0].role: unknown role 'robot'"),
-    ('{"conversations": [{"role": "user", "content": 3}]}', "rows.jsonl:2: conversations[0].content: expected a string, got int"),
+    ('{"conversations": [{"role": "robot", "content": "hi"}]}',
+     "rows.jsonl:2: conversations[0].role: unknown role 'robot'"),
+    ('{"conversations": [{"role": "user", "content": 3}]}',
+     "rows.jsonl:2: conversations[0].content: expected a string, got int"),
     ('{"text": "hi"}', "rows.jsonl:2: missing field 'conversations'"),
     ('{"messages": [{"role": "assistant", "content": "", "tool_calls": [{"name": "ls"}]}]}',
      "rows.jsonl:2: messages[0].tool_calls: not supported"),

@@ -23,8 +23,10 @@ pytestmark = [pytest.mark.docker, pytest.mark.vllm, pytest.mark.slow]
 
 WORDS = ("amber", "basil", "cedar", "delta")
 RIGHT = "cedar"
-INSTRUCTIONS = ("Write the secret word ({}) into /app/answer.txt.", "Put the secret word ({}) in the file /app/answer.txt.")
-PROMPT = ('Reply with one JSON object: {"analysis": "", "plan": "", "commands": [{"keystrokes": "ls\\n", "duration": 0.1}], '
+INSTRUCTIONS = ("Write the secret word ({}) into /app/answer.txt.",
+                "Put the secret word ({}) in the file /app/answer.txt.")
+PROMPT = ('Reply with one JSON object: {"analysis": "", "plan": "", '
+          '"commands": [{"keystrokes": "ls\\n", "duration": 0.1}], '
           '"task_complete": false}.\n\nTask:\n{instruction}\n\nCurrent terminal state:\n{terminal_state}\n')
 # GRPO: 2 tasks x 8 episodes a step, lr 1e-3 with the k3 KL to the SFT policy at 0.1. Without the KL term this
 # tiny policy (hidden 64, 2 layers) lost its reply format within a few steps (KL from init 0.3-1.7 nats/token by
@@ -63,7 +65,8 @@ def world(tmp_path_factory, base_image):
         (d / "tests" / "test.sh").write_text(f'[ "$(cat /app/answer.txt 2>/dev/null)" = {RIGHT} ] && r=1 || r=0\n'
                                              "echo $r > /logs/verifier/reward.txt\n")
         (d / "environment" / "Dockerfile").write_text(f"FROM {daemon.BASE_IMAGE}\nWORKDIR /app\n")
-        (d / "task.toml").write_text("[verifier]\ntimeout_sec = 30\n\n[agent]\ntimeout_sec = 120\n\n[environment]\nmemory_mb = 256\n")
+        (d / "task.toml").write_text("[verifier]\ntimeout_sec = 30\n\n[agent]\ntimeout_sec = 120\n\n"
+                                     "[environment]\nmemory_mb = 256\n")
     tasks = load_tasks(root / "tasks")
     todo = [(t, w) for t in tasks for w in WORDS]
     script = ScriptedAsync({k: turns(w) for k, (_, w) in enumerate(todo)})
@@ -74,7 +77,8 @@ def world(tmp_path_factory, base_image):
     (root / "sft.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     base = tiny.build_tiny(root / "base", [m["content"] for e in eps for m in e.messages] * 4, vocab_size=1024,
                           hidden=64, layers=2, heads=2, kv_heads=1)  # head size 32: vLLM's CPU attention takes it
-    sft.main(["--model", base, "--data", str(root / "sft.jsonl"), "--out", str(root / "sft"), "--lam", "0", "--lr", "1e-2",
+    sft.main(["--model", base, "--data", str(root / "sft.jsonl"), "--out", str(root / "sft"), "--lam", "0",
+              "--lr", "1e-2",
               "--batch-size", "8", "--epochs", "12", "--max-len", "1024", "--val-size", "8", "--eval-every", "0",
               "--save-every", "0", "--warmup-ratio", "0.05"])
     return root
@@ -82,8 +86,9 @@ def world(tmp_path_factory, base_image):
 
 def run_grpo(world, out, steps):
     grpo.main(["--init", str(world / "sft" / "final"), "--tasks", str(world / "tasks"), "--out", str(out),
-               "--prompt-template", str(world / "prompt.txt"), "--steps", str(steps), "--tasks-per-step", str(TASKS_PER_STEP),
-               "--group-size", str(GROUP), "--lr", LR, "--kl-coef", KL, "--max-turns", "4", "--max-new-tokens", "48", "--max-len", "1024",
+               "--prompt-template", str(world / "prompt.txt"), "--steps", str(steps),
+               "--tasks-per-step", str(TASKS_PER_STEP), "--group-size", str(GROUP), "--lr", LR, "--kl-coef", KL,
+               "--max-turns", "4", "--max-new-tokens", "48", "--max-len", "1024",
                "--concurrency", "16", "--save-every", str(steps)])
     return [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
 

@@ -56,7 +56,8 @@ def test_geometry_is_lambda_consistent_and_accumulates_over_batches(model, examp
     n_a, n_o = int((r == A).sum()), int((r == O).sum())
     for lam in (0.25, 1.0, 3.0):
         a, b = n_a / (n_a + lam * n_o), lam * n_o / (n_a + lam * n_o)
-        want = (a * geo["norm_act"]) ** 2 + (b * geo["norm_obs"]) ** 2 + 2 * a * b * geo["cos"] * geo["norm_act"] * geo["norm_obs"]
+        want = ((a * geo["norm_act"]) ** 2 + (b * geo["norm_obs"]) ** 2
+                + 2 * a * b * geo["cos"] * geo["norm_act"] * geo["norm_obs"])
         got = grads_of(model, sft.actobs_loss(model, one, lam)[0]).norm() ** 2
         assert got.item() == pytest.approx(want, rel=1e-4)
     assert geo["r"] == pytest.approx(geo["norm_obs"] / geo["norm_act"])
@@ -89,7 +90,8 @@ def test_geometry_without_observations_is_a_clear_error(model, tokenizer):
 
 def test_entropy_of_uniform_is_log_v_and_matches_reference():
     V, H = 257, 8
-    assert torch.allclose(probes.token_entropy(torch.randn(5, H), torch.zeros(V, H), 0.7), torch.full((5,), math.log(V)))
+    assert torch.allclose(probes.token_entropy(torch.randn(5, H), torch.zeros(V, H), 0.7),
+                          torch.full((5,), math.log(V)))
     h, W = torch.randn(11, H), torch.randn(V, H)
     ref = torch.distributions.Categorical(logits=h @ W.T / 1.3).entropy()
     torch.testing.assert_close(probes.token_entropy(h, W, 1.3, chunk=4), ref)
@@ -100,7 +102,8 @@ def test_kl_is_zero_on_itself_nonnegative_and_matches_reference():
     h, W, h2, W2 = torch.randn(9, H), torch.randn(V, H), torch.randn(9, H), torch.randn(V, H)
     assert probes.token_kl(h, W, h, W, chunk=4).abs().max() < 1e-5
     kl = probes.token_kl(h, W, h2, W2, chunk=4)
-    ref = torch.distributions.kl_divergence(torch.distributions.Categorical(logits=h @ W.T), torch.distributions.Categorical(logits=h2 @ W2.T))
+    ref = torch.distributions.kl_divergence(torch.distributions.Categorical(logits=h @ W.T),
+                                            torch.distributions.Categorical(logits=h2 @ W2.T))
     assert (kl >= 0).all()
     torch.testing.assert_close(kl, ref, rtol=1e-4, atol=1e-5)
     nll = probes.token_nll(h, W, torch.arange(9), chunk=4)
@@ -137,7 +140,8 @@ def test_bisection_recovers_a_known_temperature():
 
     prompts = [[1, 2, 3], [4], [5, 6]]
     assert probes.self_entropy(m, prompts, sample(prompts, 1.0, 8, 0), 0.9) == pytest.approx(exact(0.9), rel=1e-5)
-    t_star, trace = probes.match_temperature(lambda t: probes.self_entropy(m, prompts, sample(prompts, t, 8, 0), t), exact(0.64))
+    t_star, trace = probes.match_temperature(lambda t: probes.self_entropy(m, prompts, sample(prompts, t, 8, 0), t),
+                                             exact(0.64))
     assert abs(t_star - 0.64) < 0.01 and len(trace) > 5
     with pytest.raises(ValueError, match="outside"):
         probes.match_temperature(exact, math.log(50) + 1)
@@ -148,7 +152,8 @@ def test_bisection_recovers_a_known_temperature():
 
 NEW, FIX = "New Terminal Output:\n", "\n\nPlease fix these issues and provide a proper JSON response."
 ERR, STATE = "Previous response had parsing errors:\nERROR:", "Current terminal state:\n"
-SURE = terminus.COMPLETION_CHECK.split("{observation}")[1]  # "\n\nAre you sure you want to mark the task as complete? ..."
+# "\n\nAre you sure you want to mark the task as complete? ..."
+SURE = terminus.COMPLETION_CHECK.split("{observation}")[1]
 
 
 def conversation(first_obs):
@@ -235,7 +240,8 @@ def run(tiny_dir, tmp_path_factory):
         m.save_pretrained(root / f"step-{step:06d}")
         tok.save_pretrained(root / f"step-{step:06d}")
     rng = random.Random(11)
-    rows = [{"conversations": synthetic_trajectory(rng)} for _ in range(5)] + [{"conversations": conversation(NEW + "ok\n")}]
+    rows = [{"conversations": synthetic_trajectory(rng)}
+            for _ in range(5)] + [{"conversations": conversation(NEW + "ok\n")}]
     (root / "heldout.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     return root
 
@@ -252,10 +258,12 @@ def test_cli_geometry_writes_jsonl_and_curve(run):
     assert [r["step"] for r in rows] == [0, 2, 4]
     assert (run / "geometry.png").stat().st_size > 0
     from transformers import AutoModelForCausalLM  # the CLI's micro-batched value = one whole-set batch
-    tok, m = labels.load_tokenizer(run / "step-000002", "native"), AutoModelForCausalLM.from_pretrained(run / "step-000002")
+    tok, m = (labels.load_tokenizer(run / "step-000002", "native"),
+              AutoModelForCausalLM.from_pretrained(run / "step-000002"))
     convs = labels.read_trajectories(run / "heldout.jsonl")[0]
     whole = geometry.grad_geometry(m, [common.collate([labels.render(tok, c, 400) for c in convs], tok.pad_token_id)])
-    assert rows[1]["probe/cos"] == pytest.approx(whole["cos"], abs=1e-4) and rows[1]["probe/r"] == pytest.approx(whole["r"], rel=1e-4)
+    assert (rows[1]["probe/cos"] == pytest.approx(whole["cos"], abs=1e-4)
+            and rows[1]["probe/r"] == pytest.approx(whole["r"], rel=1e-4))
     assert rows[0]["probe/cos"] != pytest.approx(rows[2]["probe/cos"], abs=1e-3)
 
 
@@ -266,7 +274,8 @@ def test_cli_obs_nll_and_cmd_entropy(run):
     for v in res.values():
         assert v["wrapper_tokens"] > 0 and v["payload_tokens"] > 0 and v["payload_nll"] > 0
         n = v["wrapper_tokens"] + v["payload_tokens"]
-        assert v["obs_nll"] == pytest.approx((v["wrapper_nll"] * v["wrapper_tokens"] + v["payload_nll"] * v["payload_tokens"]) / n)
+        assert v["obs_nll"] == pytest.approx((v["wrapper_nll"] * v["wrapper_tokens"]
+                                              + v["payload_nll"] * v["payload_tokens"]) / n)
     res = cli(run, "cmd-entropy", "--models", *models, "--out", str(run / "cmd.json"))
     for v in res.values():
         assert v["tokens"]["1"] >= 6 and v["tokens"]["4-7"] > 0
@@ -276,8 +285,10 @@ def test_cli_obs_nll_and_cmd_entropy(run):
 
 def test_cli_entropy_match_and_kl(run):
     common = ["--n", "2", "--max-new-tokens", "6"]
-    hot = cli(run, "entropy", "--model", str(run / "step-000004"), "--temperature", "1.5", *common, "--out", str(run / "h.json"))
-    cold = cli(run, "entropy", "--model", str(run / "step-000004"), "--temperature", "0.5", *common, "--out", str(run / "h0.json"))
+    hot = cli(run, "entropy", "--model", str(run / "step-000004"), "--temperature", "1.5", *common,
+              "--out", str(run / "h.json"))
+    cold = cli(run, "entropy", "--model", str(run / "step-000004"), "--temperature", "0.5", *common,
+               "--out", str(run / "h0.json"))
     assert 0 < cold["entropy"] < hot["entropy"]
     res = cli(run, "entropy", "--model", str(run / "step-000004"), "--match-entropy", str(run / "h.json"), *common,
               "--out", str(run / "tstar.json"))
@@ -294,9 +305,11 @@ def test_bad_input_names_the_file_and_field(run, tmp_path):
     with pytest.raises(ValueError, match="bad.jsonl:1: conversations\\[0\\]: missing field 'content'"):
         probes.main(["obs-nll", "--models", str(run / "init"), "--data", str(bad), "--out", str(tmp_path / "o.json")])
     (tmp_path / "obs.json").write_text('{"obs_nll": 1.0}')
-    for target, msg in ((tmp_path / "obs.json", "obs.json: no number in field 'entropy'"), ("warm", "neither a number")):
+    for target, msg in ((tmp_path / "obs.json", "obs.json: no number in field 'entropy'"),
+                        ("warm", "neither a number")):
         with pytest.raises(ValueError, match=msg):
-            cli(run, "entropy", "--model", str(run / "init"), "--match-entropy", str(target), "--out", str(tmp_path / "t.json"))
+            cli(run, "entropy", "--model", str(run / "init"), "--match-entropy", str(target),
+                "--out", str(tmp_path / "t.json"))
 
 
 def test_sft_probe_every_writes_the_curves(tiny_dir, tmp_path):

@@ -11,8 +11,8 @@ from scripts import checks, report
 
 
 def test_flags():
-    assert checks.flags("--steps 8 --lr 1e-5 --resume --name 'a b'") == {"--steps": "8", "--lr": "1e-5", "--resume": True,
-                                                                         "--name": "a b"}
+    assert checks.flags("--steps 8 --lr 1e-5 --resume --name 'a b'") == {"--steps": "8", "--lr": "1e-5",
+                                                                         "--resume": True, "--name": "a b"}
 
 
 def test_settings_refuse_another_run(tmp_path):
@@ -37,7 +37,8 @@ def eval_results(ck, attempts=2, rewards=((1.0, 0.0), (0.0, 0.0)), pass_at_k=(0.
 # each broken results file and the one problem it must be reported for
 EVAL_PROBLEMS = {"ok": None, "missing_attempt": "task t1 has attempts [0], expected 0..1",
                  "reward_range": "task t0 has a reward outside [0, 1]",
-                 "decreasing": "pass@k [0.5, 0.25] not in [0, 1] or decreasing in k", "other_model": "evaluated {tmp}/elsewhere with 2 attempts; expected {tmp}/ck with 2",
+                 "decreasing": "pass@k [0.5, 0.25] not in [0, 1] or decreasing in k",
+                 "other_model": "evaluated {tmp}/elsewhere with 2 attempts; expected {tmp}/ck with 2",
                  "other_tasks": "tasks differ from the evaluation split (2 vs 3)",
                  "missing_transcript": "no transcript of 1 recorded attempts, e.g. ('t0', 1)"}
 
@@ -117,7 +118,8 @@ def test_check_grpo_names_the_recipe_it_ran(tmp_path, init, echo_coef):
     grpo_run(tmp_path, 2, init=init, echo_coef=echo_coef)
     problems = []
     checks.check_grpo(tmp_path, "arm-grpo", "arm", 2, 0.05, problems)
-    assert len(problems) == 1 and f"with --echo-coef {echo_coef}; expected {tmp_path}/arm/final with 0.05" in problems[0]
+    assert (len(problems) == 1
+            and f"with --echo-coef {echo_coef}; expected {tmp_path}/arm/final with 0.05" in problems[0])
 
 
 def test_rl_time_over_the_steps_that_trained(tmp_path):
@@ -134,7 +136,8 @@ def test_a_grpo_run_without_a_kl_term_says_so(tmp_path):
     without = grpo_run(tmp_path, 2, name="b-grpo", kl_coef=0.0)
     assert report.rl_time(without)["kl_end"] is None
     _, text = report.rl_table({"a-grpo": with_kl, "b-grpo": without}, {"a-grpo": "A", "b-grpo": "B"})
-    rows = {line.split(" | ")[0]: line for line in text.splitlines() if line.startswith("| A") or line.startswith("| B")}
+    rows = {line.split(" | ")[0]: line for line in text.splitlines()
+            if line.startswith("| A") or line.startswith("| B")}
     assert "not computed (no KL term)" in rows["| B"] and "2.00e-02 / 1.00e-02" in rows["| A"]
     assert "closest to its SFT checkpoint at the end (k3): A" in text
 
@@ -159,7 +162,8 @@ def test_build_names_what_is_missing(tmp_path, every):
 
 
 def test_build_names_missing_settings(tmp_path):
-    report.write_settings(tmp_path, ["arms=actionsft actobs", "grpo=--steps 2", "eval=--attempts 2"])  # no ECHO, no sweep
+    # no ECHO, no sweep
+    report.write_settings(tmp_path, ["arms=actionsft actobs", "grpo=--steps 2", "eval=--attempts 2"])
     assert report.build(tmp_path) == [f"{tmp_path}/settings.json: no sweep_arms, corpus, heldout_n, sft, echo, tstar "
                                       "(a run folder of an older ablation.sh?)"]
 
@@ -215,9 +219,11 @@ def synthetic_run(run, sweep=True, before_attempts=None, every=True):
     """before_attempts: the SFT checkpoints and the base evaluated with these fewer attempts (eval_sft, eval_base);
     every: ECHO and T* too (ablation.sh --all)."""
     sweep_arms = ["lam0.5"] if sweep else []
-    fewer = [f"eval_sft=--attempts {before_attempts}", f"eval_base=--attempts {before_attempts}"] if before_attempts else []
+    fewer = [f"eval_sft=--attempts {before_attempts}",
+             f"eval_base=--attempts {before_attempts}"] if before_attempts else []
     report.write_settings(run, ["mode=quick", "seed=0", "arms=actionsft actobs", f"sweep_arms={' '.join(sweep_arms)}",
-                                "loss_actionsft=--lam 0", "loss_actobs=--lam 1", *(["loss_lam0.5=--lam 0.5"] if sweep else []),
+                                "loss_actionsft=--lam 0", "loss_actobs=--lam 1",
+                                *(["loss_lam0.5=--lam 0.5"] if sweep else []),
                                 "corpus=--n-sft 4 --n-rl 2 --n-eval 3", "heldout_n=1", "sft=--probe-every 2",
                                 "grpo=--steps 2",
                                 f"echo={'--echo-coef 0.05' if every else ''}", f"tstar={'1' if every else ''}",
@@ -262,7 +268,8 @@ def synthetic_run(run, sweep=True, before_attempts=None, every=True):
     sft = [str(run / a / "final") for a in ("actionsft", "actobs")]
     probes = {"obs_nll": {p: {"obs_nll": 1.0, "wrapper_nll": 0.5, "payload_nll": 1.5} for p in sft},
               "cmd_entropy": {p: {"entropy": {"1": 0.5, "2": None}} for p in sft}, "kl": {p: {"kl": 0.1} for p in sft},
-              "entropy_actobs-grpo": {"model": str(run / "actobs-grpo" / "final"), "temperature": T_EVAL, "entropy": 0.8},
+              "entropy_actobs-grpo": {"model": str(run / "actobs-grpo" / "final"), "temperature": T_EVAL,
+                                      "entropy": 0.8},
               "tstar_actionsft-grpo": {"model": str(run / "actionsft-grpo" / "final"), "target": 0.8, "t_star": T_STAR,
                                        "trace": [[0.05, 0.1], [3.0, 2.0]]}}
     for name, res in probes.items():
@@ -325,7 +332,8 @@ def test_build_reports_every_comparison(tmp_path):
     assert f"| 0.5 | λ=0.5 + GRPO | 33.3 | +16.7 [{100 * lo:+.1f}, {100 * hi:+.1f}] |" in md
     assert (tmp_path / "lambda_sweep.png").stat().st_size > 0 and "![λ sweep](lambda_sweep.png)" in md
     # RL time: entropy first / mean / last and the final KL of every GRPO run; the most entropy and least KL: ActObs
-    assert "| ActObs (λ=1) + GRPO | 2 (2) | 0.500 → 0.500 | 0.500 → 0.500, 1 each (+0.0) | 2 | 0.900 / 0.850 / 0.800 | 2.00e-02 / 1.00e-02 |" in md
+    assert "| ActObs (λ=1) + GRPO | 2 (2) | 0.500 → 0.500 | 0.500 → 0.500, 1 each (+0.0) | 2 | " \
+           "0.900 / 0.850 / 0.800 | 2.00e-02 / 1.00e-02 |" in md
     assert "| ActionSFT (λ=0) + GRPO + ECHO | 2 (2) |" in md and "| λ=0.5 + GRPO | 2 (2) |" in md
     assert "Most entropy kept during GRPO (mean over the trained steps): ActObs (λ=1) + GRPO; closest to its SFT " \
            "checkpoint at the end (k3): ActObs (λ=1) + GRPO" in md
@@ -340,7 +348,8 @@ def test_the_main_jobs_report_has_no_echo_or_tstar(tmp_path):
     out = json.loads((tmp_path / "report.json").read_text())
     assert out["after_grpo"]["runs"] == ["ActionSFT (λ=0) + GRPO", "ActObs (λ=1) + GRPO"] and out["tstar"] is None
     assert set(out["grpo_effect"]) == {"actionsft-grpo", "actobs-grpo"}
-    assert "ECHO" not in md and "T*" not in md and "## After the same GRPO (ActionSFT (λ=0) + GRPO is the baseline [0])" in md
+    assert ("ECHO" not in md and "T*" not in md
+            and "## After the same GRPO (ActionSFT (λ=0) + GRPO is the baseline [0])" in md)
 
 
 def test_the_report_links_a_solved_and_a_failed_transcript_per_grpo_run(tmp_path):
@@ -348,7 +357,8 @@ def test_the_report_links_a_solved_and_a_failed_transcript_per_grpo_run(tmp_path
     (steplog.pick_transcripts), as paths within the run folder; a run without transcripts says so."""
     synthetic_run(tmp_path)
     folder = tmp_path / "actobs-grpo" / "transcripts"
-    episode = lambda reward: SimpleNamespace(task="t0", reward=reward, failure=None, truncated=False, turns=1,  # noqa: E731
+    episode = lambda reward: SimpleNamespace(task="t0", reward=reward, failure=None, truncated=False,  # noqa: E731
+                                             turns=1,
                                              messages=[{"role": "user", "content": "go"},
                                                        {"role": "assistant", "content": "{}"}])
     steplog.write_transcripts(folder, 1, [episode(1.0), episode(0.0)], [0.5, -0.5], 2)
@@ -410,12 +420,14 @@ def test_limits_measure_the_expert_in_rollout_tokens(tmp_path, tiny_dir, synthet
     # what a policy generates for that reply: its text and the end-of-turn token
     assert (reply, reply_task) == (len(tok(long, add_special_tokens=False)["input_ids"]) + 1, "long")
     assert episode == max(len(labels.render(tok, r["conversations"])[0]) for r in rows) and episode_task != "long"
-    for new, length, cut in ((reply, episode, None), (reply - 1, episode, "max-new-tokens"), (reply, episode - 1, "max-len")):
+    for new, length, cut in ((reply, episode, None), (reply - 1, episode, "max-new-tokens"),
+                             (reply, episode - 1, "max-len")):
         problems = []
         limits = f"--max-new-tokens {new} --max-len {length}"
         assert checks.check_limits(tmp_path, {"grpo": limits, "eval": limits}, problems) == (reply, episode)
         assert len(problems) == (0 if cut is None else 2), problems
-        assert all(f"--{cut} " in p and (reply_task if cut == "max-new-tokens" else episode_task) in p for p in problems)
+        assert all(f"--{cut} " in p and (reply_task if cut == "max-new-tokens" else episode_task) in p
+                   for p in problems)
 
 
 def test_build_takes_fewer_attempts_before_grpo(tmp_path):

@@ -19,7 +19,8 @@ def observations(conv):
 # ---------------------------------------------------------------------------------------------- replies
 
 def test_parse_reply_think_and_json():
-    reply, err, warnings = terminus.parse_reply("<think>\nlook first {not json}\n</think>\n\n" + json.dumps(GOOD, indent=2))
+    reply, err, warnings = terminus.parse_reply("<think>\nlook first {not json}\n</think>\n\n"
+                                                + json.dumps(GOOD, indent=2))
     assert err is None and warnings == []
     assert reply == terminus.Reply("a", "p", [("ls\n", 0.1)], False)
 
@@ -41,7 +42,8 @@ def test_parse_reply_defaults_and_caps():
     ("no json here", "No valid JSON found in response"),
     ('{"analysis": "a", "plan": "p"}', "Missing required fields: commands"),
     ('{"analysis": "a", "plan": "p", "commands": "ls"}', "Field 'commands' must be an array"),
-    ('{"analysis": "a", "plan": "p", "commands": [{"duration": 1}]}', "Command 1 must be an object with a string 'keystrokes' field"),
+    ('{"analysis": "a", "plan": "p", "commands": [{"duration": 1}]}',
+     "Command 1 must be an object with a string 'keystrokes' field"),
     ("<think>never closed {", "<think> block is not closed with </think>"),
 ])
 def test_parse_reply_errors(text, error):
@@ -87,7 +89,8 @@ def test_messages_are_those_of_the_real_rows():
         assert terminus.confirm_message(inner) == o and terminus.is_completion_check(o)
     assert not any(terminus.is_completion_check(o) for o in real if o not in checks)
     assert terminus.parse_error_message("E", []) == (
-        "Previous response had parsing errors:\nERROR: E\n\nPlease fix these issues and provide a proper JSON response.")
+        "Previous response had parsing errors:\nERROR: E\n\n"
+        "Please fix these issues and provide a proper JSON response.")
     assert terminus.with_warnings("OBS", ["w1", "w2"]) == "Previous response had warnings:\nWARNINGS: - w1\n- w2\n\nOBS"
     assert terminus.with_warnings("OBS", []) == "OBS"
 
@@ -153,8 +156,10 @@ def test_split_of_each_form_is_exact():
     assert split_observation(cut) == (terminus.OUTPUT_HEADER + notice, [out[:5000], out[-5000:]])
     warned = terminus.with_warnings(terminus.confirm_message(terminus.SCREEN_HEADER + "$ \n"), ["w1", "w2"])
     assert split_observation(warned)[1] == ["w1", "w2", "$ \n"]
-    err = terminus.parse_error_message("Invalid JSON: Expecting value: line 1 column 2 (char 1)", ["No valid JSON object found"])
-    assert split_observation(err)[1] == ["Invalid JSON: Expecting value: line 1 column 2 (char 1)", "No valid JSON object found"]
+    err = terminus.parse_error_message("Invalid JSON: Expecting value: line 1 column 2 (char 1)",
+                                       ["No valid JSON object found"])
+    assert split_observation(err)[1] == ["Invalid JSON: Expecting value: line 1 column 2 (char 1)",
+                                         "No valid JSON object found"]
     assert terminus.wrapper_spans("plain text from another harness") is None
 
 

@@ -105,7 +105,8 @@ def test_obs_then_act_schedule(tiny_dir, data, tmp_path):
 
 def torchrun(n, argv, env_extra=None):
     env = {**os.environ, "OMP_NUM_THREADS": "1", **(env_extra or {})}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}", str(ROOT / "sft.py"), *argv]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}",
+           str(ROOT / "sft.py"), *argv]
     r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
 
@@ -155,7 +156,8 @@ def test_help_documents_every_flag():
 
 def test_bad_data_stops_with_file_and_line(tiny_dir, tmp_path):
     bad = tmp_path / "bad.jsonl"
-    bad.write_text('{"conversations": [{"role": "user", "content": "a"}]}\n{"conversations": [{"role": "user", "content": null}]}\n')
+    bad.write_text('{"conversations": [{"role": "user", "content": "a"}]}\n'
+                   '{"conversations": [{"role": "user", "content": null}]}\n')
     with pytest.raises(ValueError, match=r"bad.jsonl:2: conversations\[0\].content: expected a string, got NoneType"):
         sft.main(args(tiny_dir, bad, tmp_path / "out"))
 
@@ -202,7 +204,8 @@ def test_unrenderable_rows_stop_with_their_line_or_are_counted(tiny_dir, data, t
                                                  {"role": "assistant", "content": "ls<|im_end|>"}]}))
     path = tmp_path / "d.jsonl"
     path.write_text("\n".join(rows) + "\n")
-    with pytest.raises(ValueError, match=r"d.jsonl:5: messages\[1\] \(assistant\) contains the special token '<\|im_end\|>'"):
+    with pytest.raises(ValueError,
+                       match=r"d.jsonl:5: messages\[1\] \(assistant\) contains the special token '<\|im_end\|>'"):
         sft.main(args(tiny_dir, path, tmp_path / "a"))
     sft.main(args(tiny_dir, path, tmp_path / "b", "--skip-bad", "--stop-after", "1"))
     assert "(1 bad rows," in capsys.readouterr().out
