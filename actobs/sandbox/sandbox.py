@@ -182,7 +182,7 @@ class Sandbox:
             # No network: NetworkDisabled, so that dockerd makes no libnetwork endpoint at all (the container still
             # gets a network namespace of its own, loopback only). On the shared "none" network, two containers torn
             # down at once can deadlock Debian 12's docker.io 20.10.24 for good (moby/libnetwork#2649; a CI run saw it).
-            hostname="sandbox", network_mode=self.network or "none", network_disabled=self.network is None,
+            hostname="sandbox", network_mode=self.network or "none", network_disabled=not self.network,
             mem_limit=f"{self.memory_mb}m",
             memswap_limit=f"{self.memory_mb}m", pids_limit=self.pids, nano_cpus=int(host_cpus(self.cpus) * 1e9),
             working_dir=self.workdir, environment=env, tmpfs={path: "exec,mode=700" for path in self.tmpfs},
