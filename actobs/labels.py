@@ -177,7 +177,7 @@ def special_tokens(tokenizer):
     """Every special token of the vocabulary: the named ones (eos, pad...) and each added token marked special
     (e.g. Phi-3's '<|end|>', which closes turns without being eos or a named special token)."""
     added = [t.content for t in tokenizer.added_tokens_decoder.values() if t.special]
-    return sorted({t for t in list(tokenizer.all_special_tokens) + added if t}, key=len, reverse=True)
+    return sorted({t for t in list(tokenizer.all_special_tokens) + added if t}, key=lambda t: (-len(t), t))
 
 
 # Inserted after the first character of a special token's string found in text the environment produced: the

@@ -1,6 +1,7 @@
 """Shared fixtures: a tiny random Qwen3 with a byte-level BPE trained here (Qwen's special tokens, so the real
 Qwen3 chat template renders with it), and synthetic Terminus-2-style trajectories. No hub access."""
 import json
+import os
 import random
 import re
 import time
@@ -22,7 +23,70 @@ QWEN3_TEMPLATE = (FIXTURES / "qwen3_chat_template.jinja").read_text()
 NEEDS = {"base_image": "docker", "vllm_dir": "vllm"}
 
 
+# A directory's entries come in the file system's own order: on ext4 a hash seeded when the file system is made, so it
+# differs between machines, and a test that reads a listing in order passes on one and fails on another. The suite
+# therefore lists in an order of its own: every os.scandir and os.listdir in this process (and through them pathlib's
+# iterdir and glob, glob.glob, os.walk, shutil) gives the names sorted, then, by ACTOBS_LISTING_ORDER:
+# `shuffle:SEED` (the default, with a fresh SEED each run, printed in the header: set it to replay a failure)
+# shuffled by SEED and their count, the same on any machine; `reverse` in reverse name order (a test that takes a
+# listing to be sorted fails every time); `native` the file system's order, untouched. The product sorts where its
+# order matters (a walk, a listing a user sees): there this changes nothing.
+LISTING_ORDER = os.environ.get("ACTOBS_LISTING_ORDER") or f"shuffle:{random.SystemRandom().randrange(10**6)}"
+_LISTERS = {"scandir": os.scandir, "listdir": os.listdir}
+
+
+def _reordered(order, items, name):
+    """items (names, or DirEntry objects named by name(item)) in the order ACTOBS_LISTING_ORDER asks."""
+    kind, _, seed = order.partition(":")
+    items = sorted(items, key=name, reverse=kind == "reverse")
+    if kind == "shuffle":
+        random.Random(f"{seed}:{len(items)}").shuffle(items)
+    return items
+
+
+class _ReorderedScandir:
+    """os.scandir's iterator (a context manager too), its entries read at once and reordered."""
+
+    def __init__(self, order, *args):
+        with _LISTERS["scandir"](*args) as it:
+            self.entries = iter(_reordered(order, it, lambda e: e.name))
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        return next(self.entries)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return None
+
+    def close(self):
+        pass
+
+
+def _reorder_listings(order):
+    kind, _, seed = order.partition(":")
+    if kind == "native":
+        return
+    if not (kind == "reverse" and not seed or kind == "shuffle" and seed):
+        raise pytest.UsageError(f"ACTOBS_LISTING_ORDER={order}: 'shuffle:SEED', 'reverse' or 'native'")
+    os.scandir = lambda *a: _ReorderedScandir(order, *a)
+    os.listdir = lambda *a: _reordered(order, _LISTERS["listdir"](*a), lambda n: n)
+
+
+def pytest_report_header():
+    return f"listing order: {LISTING_ORDER} (ACTOBS_LISTING_ORDER; conftest.py)"
+
+
+def pytest_unconfigure():
+    os.scandir, os.listdir = _LISTERS["scandir"], _LISTERS["listdir"]
+
+
 def pytest_configure(config):
+    _reorder_listings(LISTING_ORDER)
     # The tests' models are tiny: one intra-op thread computes them fastest, and on a shared machine more threads
     # spin against each other (the pure subset under load: 10 min with torch's default 2 threads, 45 s with one).
     # vLLM's CPU engine sets its own threads; torchrun'd tests set OMP_NUM_THREADS=1 themselves.

@@ -243,7 +243,7 @@ def test_sweep_removes_sandboxes_of_dead_processes(base_image, capsys):
     try:
         mine = sandbox.Sandbox(base_image)
         mine.start()
-        assert daemon.sweep() == 1
+        assert daemon.sweep() >= 1  # also any other dead owner's, on a daemon shared with other runs
         ids = {c.id for c in daemon.docker_client().containers.list(all=True, sparse=True)}
         assert dead.id not in ids and mine.container.id in ids  # live owners keep their sandboxes
     finally:

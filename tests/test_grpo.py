@@ -818,7 +818,7 @@ def test_a_task_only_one_rank_draws_that_cannot_build(tmp_path, toy_tasks, vllm_
     tasks = tmp_path / "tasks"
     shutil.copytree(toy_tasks, tasks)
     broken = tasks / "zz-broken"  # sorted last: task index 2
-    shutil.copytree(next(toy_tasks.iterdir()), broken)
+    shutil.copytree(min(toy_tasks.iterdir()), broken)
     (broken / "environment" / "Dockerfile").write_text(f"FROM {daemon.BASE_IMAGE}\nRUN exit 3\n")
     seed = next(s for s in range(100) if grpo.step_groups(3, 2, 0, s)[1] == 2)  # rank 1's group at step 1
     text = run_cli(tmp_path / "run", tasks, vllm_dir, *TWO_RANKS, "--steps", "1", "--seed", str(seed), "--fsdp",

@@ -270,7 +270,7 @@ def test_a_run_sharing_a_process_samples_as_it_does_alone(vllm_dir, tmp_path, ba
 
     def run(model, name):
         return ["--model", str(model), "--tasks", str(tasks), "--attempts", "2", "--max-turns", "1",
-                "--max-new-tokens", "16", "--max-len", "2048", "--concurrency", "4",
+                "--max-new-tokens", "16", "--max-len", "2048", "--concurrency", "4", "--dtype", "float32",
                 "--out", str(tmp_path / f"{name}.json"),
                 "--transcripts", str(tmp_path / f"{name}.jsonl")]
     cli = [sys.executable, str(ROOT / "evaluate.py")]

@@ -131,37 +131,50 @@ def _changed(error, path, vanished):
 
 def walk_layer(top, max_entries, deadline=None, tick=None, vanished=None):
     """Every entry under the folder `top` as (fd of its folder, that folder's path under top: "" or "/a/b", its name,
-    its lstat), depth first. No recursion and no path longer than a name: each folder is opened relative to its
-    parent's descriptor, so a deep tree costs descriptors (MAX_DEPTH at most), never the stack or PATH_MAX. Raises
-    LayerLimit past max_entries entries or MAX_DEPTH levels, or at `deadline` (time.monotonic). An entry that goes
-    away or changes kind while it is read (the tree changes under the walk) is appended to the list `vanished`, if
-    given. tick() is called every 1,024 entries; it may raise to stop the walk."""
+    its lstat): a folder's entries in name order, then its sub-folders', depth first. Name order, because a folder
+    lists in the file system's own (on ext4 a hash seeded when the file system is made): it differs between
+    machines, and what the walk reports (the first limit it meets, the changes a verifier lists) must not. No
+    recursion and no path longer than a name: each folder is opened relative to its parent's descriptor, so a deep
+    tree costs descriptors (MAX_DEPTH at most), never the stack or PATH_MAX. Raises LayerLimit past max_entries
+    entries or MAX_DEPTH levels, or at `deadline` (time.monotonic). An entry that goes away or changes kind while it
+    is read (the tree changes under the walk) is appended to the list `vanished`, if given. tick() is called every
+    1,024 entries listed and again every 1,024 read; it may raise to stop the walk."""
     stack = [[os.open(top, _DIR_FLAGS), "", None]]  # per open folder: its fd, its path under top, sub-folders left
-    entries = 0
+    listed = read = 0
+
+    def every_1024(n):
+        if n % 1024 == 0:
+            if deadline is not None and time.monotonic() > deadline:
+                raise LayerLimit(f"the sandbox's layer was not walked in time ({listed} entries)")
+            if tick is not None:
+                tick()
+
     try:
         while stack:
             level = stack[-1]
             fd, rel, subdirs = level
-            if subdirs is None:  # a folder just opened: its entries
-                level[2] = subdirs = []
+            if subdirs is None:  # a folder just opened: its entries, listed whole (within max_entries), then sorted
+                names = []
                 with os.scandir(fd) as it:  # scandir reads through a copy of fd; fd stays ours
                     for entry in it:
-                        entries += 1
-                        if entries > max_entries:
+                        listed += 1
+                        if listed > max_entries:
                             raise LayerLimit(f"more than {max_entries} entries in the sandbox's layer")
-                        if entries % 1024 == 0:
-                            if deadline is not None and time.monotonic() > deadline:
-                                raise LayerLimit(f"the sandbox's layer was not walked in time ({entries} entries)")
-                            if tick is not None:
-                                tick()
-                        try:
-                            st = entry.stat(follow_symlinks=False)
-                        except OSError as e:
-                            _changed(e, f"{rel}/{entry.name}", vanished)
-                            continue
-                        yield fd, rel, entry.name, st
-                        if stat.S_ISDIR(st.st_mode):
-                            subdirs.append(entry.name)
+                        every_1024(listed)
+                        names.append(entry.name)
+                level[2] = subdirs = []
+                for name in sorted(names):
+                    read += 1
+                    every_1024(read)
+                    try:
+                        st = os.stat(name, dir_fd=fd, follow_symlinks=False)
+                    except OSError as e:
+                        _changed(e, f"{rel}/{name}", vanished)
+                        continue
+                    yield fd, rel, name, st
+                    if stat.S_ISDIR(st.st_mode):
+                        subdirs.append(name)
+                subdirs.reverse()  # popped from the end: the first name first
             if not subdirs:
                 os.close(stack.pop()[0])
                 continue
