@@ -37,6 +37,10 @@ trap 'echo "${BASH_SOURCE[0]}: line $LINENO: exit $?: $BASH_COMMAND" >&2' ERR
 trap 'echo "ablation.sh: stopped by SIGINT; run it again to continue where it stopped" >&2; exit 130' INT
 trap 'echo "ablation.sh: stopped by SIGTERM; run it again to continue where it stopped" >&2; exit 143' TERM
 cd "$(dirname "$0")"
+# bash 5.1: spread() below waits for the first of its evaluations with `wait -n -p` (Debian 12 has 5.2)
+if ((BASH_VERSINFO[0] < 5 || (BASH_VERSINFO[0] == 5 && BASH_VERSINFO[1] < 1))); then
+    echo "ablation.sh needs bash 5.1 or newer; this is $BASH_VERSION" >&2; exit 2
+fi
 USAGE="usage: bash ablation.sh [--quick] [--all] [--sweep[=λ,λ,...]]
        bash ablation.sh --model ID|DIR|tiny [--preset quick|paper] [--all] [--sweep[=...]] [--data ROWS]
                         [--tb2 DIR] [--aider DIR] [--rl-tasks DIR] [--network MODE]"
@@ -151,7 +155,7 @@ if [ $MODE = real ]; then
                  --val-size 256 --eval-every 200 --save-every 200 --keep 2)
             GRPO=(--steps 135 --tasks-per-step 32 --group-size 16 --lr 1e-6 --redraw 4 --max-turns 30
                   --max-new-tokens 4096 --max-len 16384 --micro-tokens 16384 --concurrency 64 --save-every 10 --keep 2)
-            EVAL=(--attempts 16 --max-turns 100 --max-new-tokens 8192 --max-len 65536 --concurrency 32)
+            EVAL=(--attempts 16 --max-turns 100 --max-new-tokens 8192 --max-len 40960 --concurrency 32)
             EVAL_SFT=(--attempts 16) EVAL_BASE=(--attempts 16) PROBE=(--n 256 --max-len 16384) ;;
         rehearsal)  # on CPU: a tiny random Qwen3, the fixtures' 3 rows and tasks, a step or two of everything
             ROWS=2 HELDOUT_N=1 SAMPLE=(--max-new-tokens 32)
@@ -238,7 +242,7 @@ spread() {
         if [ "$a" != ::: ]; then args+=("$a"); continue; fi
         [ ${#args[@]} = 0 ] && continue
         if [ ${#on[@]} = "$GPUS" ]; then wait -n -p finished "${!on[@]}" || rc=$?; unset "on[$finished]"; fi
-        for gpu in $(seq 0 $((GPUS - 1))); do [[ " ${on[*]} " = *" $gpu "* ]] || break; done
+        for gpu in "${VISIBLE[@]}"; do [[ " ${on[*]} " = *" $gpu "* ]] || break; done
         CUDA_VISIBLE_DEVICES=$gpu python "$script" "${args[@]}" & on[$!]=$gpu
         args=()
     done
@@ -251,6 +255,17 @@ evaluated() { if [ "$GPUS" = 0 ]; then together "$1" evaluate.py; elif [ ${#RUNS
     stage "$1" spread evaluate.py "${RUNS[@]}"; RUNS=(); fi; }
 
 GPUS=$(python -c 'import torch; print(torch.cuda.device_count())')  # torchrun's ranks (0: the CPU, one process)
+# A driver older than the CUDA build of the pinned torch leaves torch without a GPU while nvidia-smi answers: stop
+# rather than run the CPU branch on a GPU node
+if [ "$GPUS" = 0 ] && command -v nvidia-smi >/dev/null && nvidia-smi -L >/dev/null 2>&1; then
+    echo "ablation.sh: nvidia-smi sees GPUs (driver $(nvidia-smi --query-gpu=driver_version --format=csv,noheader \
+        | head -1)) but torch $(python -c 'import torch; print(torch.__version__, "built for CUDA", torch.version.cuda)'
+        ) sees none: install the driver that CUDA build needs (CUDA 13.0: 580 or newer)" >&2
+    exit 1
+fi
+# The GPUs this job was given (a scheduler's CUDA_VISIBLE_DEVICES: indices or UUIDs), else all: one evaluation on each
+if [ -n "${CUDA_VISIBLE_DEVICES:-}" ]; then IFS=, read -r -a VISIBLE <<< "$CUDA_VISIBLE_DEVICES"
+else VISIBLE=(); for ((i = 0; i < GPUS; i++)); do VISIBLE+=("$i"); done; fi
 if [ $MODE = real ]; then STAGES=(fetch plan "${STAGES[@]:2}"); fi
 if [ "$GPUS" != 0 ]; then STAGES=(gpu-check "${STAGES[@]}"); fi
 # On a GPU: bench.gpu_check first (the CUDA paths CPU CI cannot run); a failed check stops the run with its line

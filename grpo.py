@@ -478,7 +478,8 @@ def main(argv=None):
                                          print0)
         t_train = time.time()
         # sync: the new weights into the engine (a step without an update leaves them as they are)
-        if device.type == "cuda":
+        if device.type == "cuda":  # the engine wakes into what the trainer released: its cached blocks too
+            torch.cuda.empty_cache()
             llm.wake_up()
         s.checksum, t_gather = engine.sync_weights(llm, lm) if s.gnorm is not None else (None, 0.0)
         t_sync = time.time()

@@ -40,6 +40,58 @@ def kv_bytes(cfg, tokens, dtype_bytes):
     return tokens * 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * head_dim * dtype_bytes
 
 
+def positions(cfg):
+    """(the positions a model of config `cfg` holds, what says so): config.json's max_position_embeddings, or under
+    YaRN rope scaling (rope_scaling, or transformers 5's rope_parameters, of type yarn) its
+    original_max_position_embeddings times the factor, as vLLM derives an engine's longest context."""
+    rope = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
+    if rope.get("rope_type", rope.get("type")) == "yarn":
+        n = int(rope["original_max_position_embeddings"] * rope["factor"])
+        return n, f"YaRN rope scaling: {rope['original_max_position_embeddings']} x {rope['factor']:g}"
+    return cfg["max_position_embeddings"], "config.json max_position_embeddings"
+
+
+# What an engine's share of a GPU holds besides the weights and the KV cache (vLLM's profiling run's activations, the
+# sampler's logits, the CUDA context): an assumption, the big terms only
+ENGINE_OVERHEAD_GIB = 2.0
+
+
+def kv_tokens(cfg, P, *, share, gpu_gib, dtype_bytes=2):
+    """The tokens an engine's KV cache holds when the engine takes `share` of a GPU of gpu_gib GiB (vLLM's
+    gpu_memory_utilization): the share less the weights and ENGINE_OVERHEAD_GIB, over kv_bytes a token."""
+    free = share * gpu_gib * GIB - dtype_bytes * P - ENGINE_OVERHEAD_GIB * GIB
+    return max(0, int(free // kv_bytes(cfg, 1, dtype_bytes)))
+
+
+def length_problems(cfg, P, stages, *, gpu_gib=None):
+    """What stops a run before it starts, one line each: a stage's context (--max-len) beyond the model's positions,
+    a reply (--max-new-tokens) longer than its context, an engine whose KV cache cannot hold one context (vLLM
+    refuses to start then). stages: {name: (max_len, max_new_tokens or None, the engine's GPU share or None)};
+    gpu_gib: each GPU's memory (None: a CPU, whose engines size their cache to the need)."""
+    limit, source = positions(cfg)
+    out = []
+    for name, (max_len, new, share) in stages.items():
+        if max_len > limit:
+            out.append(f"{name}: --max-len {max_len} exceeds the model's {limit} positions ({source}): set --max-len "
+                       f"<= {limit}, or give the model YaRN rope scaling in its config.json")
+        if new is not None and new > max_len:
+            out.append(f"{name}: --max-new-tokens {new} exceeds its --max-len {max_len}")
+        if share is not None and gpu_gib is not None and (kv := kv_tokens(cfg, P, share=share, gpu_gib=gpu_gib)) \
+                < max_len:
+            out.append(f"{name}: an engine's KV cache ({share:g} of {gpu_gib:.0f} GiB, less {2 * P / GIB:.1f} GiB of "
+                       f"weights and {ENGINE_OVERHEAD_GIB:g} GiB) holds {kv} tokens, fewer than --max-len "
+                       f"{max_len}: raise --gpu-memory or lower --max-len")
+    return out
+
+
+def divisible(n, ranks):
+    """None where n splits over `ranks`, else the nearest multiples of ranks (below, above) as a sentence."""
+    if n % ranks == 0:
+        return None
+    below, above = n // ranks * ranks, (n // ranks + 1) * ranks
+    return " or ".join(str(x) for x in (below, above) if x > 0)
+
+
 def trainer_bytes(cfg, P, *, ranks, seq_len, fsdp, grad_ckpt, rank0_save):
     """One training rank's peak (sft.py, grpo.py's trainer): fp32 weights, grads and AdamW's two moments (16 B a
     parameter), sharded over the ranks by FSDP2, else whole (DDP adds its gradient buckets: 4 B a parameter); the
@@ -64,7 +116,9 @@ def memory_gib(stage, cfg, P, *, ranks=1, seq_len, dtype_bytes, device="cpu", fs
     freed), so a GRPO rank's peak is the larger phase; on a CPU the engine's weights, its KV cache (engine.py's size)
     and its (V, H) head twice (oneDNN's packed copy for the logits) stay beside the trainer, plus each process's
     runtime (RUNTIME_GIB). The initial policy (kl: a KL term) is one more copy in the compute dtype, sharded like the
-    policy under --fsdp."""
+    policy under --fsdp. The engine wakes into the memory the trainer released: grpo.py empties the allocator's cache
+    (torch.cuda.empty_cache) between the update and wake_up, so the trainer's activations and cached blocks are not
+    held beside the engine, only its weights, gradients and optimizer state (static)."""
     V, H = cfg["vocab_size"], cfg["hidden_size"]
     cpu = device == "cpu"
     rt = {k: v * GIB if cpu else 0 for k, v in RUNTIME_GIB.items()}

@@ -10,10 +10,15 @@ It prints the plan on stderr and the training stages' memory flags on stdout, fo
 import argparse
 import json
 import os
+import shlex
 import statistics
 import sys
 from pathlib import Path
 
+import evaluate
+import grpo
+import probes
+import sft
 from actobs import labels, plan
 from scripts.checks import flags
 
@@ -47,6 +52,30 @@ def sft_tokens(run, model_dir, max_len, sample=256):
     return len(convs), statistics.mean(lengths)
 
 
+# Each stage's flags read by the stage's own parser (its defaults included), its required paths standing in
+PARSE = {"sft": lambda w: sft.get_parser().parse_args(["--model", "-", "--data", "-", "--out", "-", *w]),
+         "grpo": lambda w: grpo.get_parser().parse_args(["--init", "-", "--tasks", "-", "--out", "-", *w]),
+         "eval": lambda w: evaluate.parse_args(["--model", "-", "--tasks", "-", *w]),
+         "probe": lambda w: probes.get_parser().parse_args(["obs-nll", "--models", "-", "--data", "-", "--out", "-",
+                                                            *w])}
+
+
+def refusals(a, cfg, P, kind, n, gib):
+    """Why the run as set cannot run on this node, one line each, naming ablation.sh's array to change (its preset):
+    a context beyond the model's positions or an engine's KV cache (plan.length_problems), --tasks-per-step not a
+    multiple of the GPUs. a: {stage: its flags as its parser reads them} (PARSE)."""
+    cuda = kind == "cuda"
+    out = plan.length_problems(cfg, P, {
+        "SFT (sft.py)": (a["sft"].max_len, None, None),
+        "GRPO (grpo.py)": (a["grpo"].max_len, a["grpo"].max_new_tokens, a["grpo"].gpu_memory if cuda else None),
+        "EVAL (evaluate.py)": (a["eval"].max_len, a["eval"].max_new_tokens, a["eval"].gpu_memory if cuda else None),
+        "PROBE (probes.py)": (a["probe"].max_len, None, None)}, gpu_gib=gib if cuda else None)
+    if cuda and (near := plan.divisible(a["grpo"].tasks_per_step, n)):
+        out.append(f"GRPO (grpo.py): --tasks-per-step {a['grpo'].tasks_per_step} does not split over the {n} GPUs "
+                   f"(one rank each): {near}")
+    return out
+
+
 def tasks_in(folder):
     return sum(1 for _ in Path(folder).glob("*/task.toml"))
 
@@ -59,22 +88,27 @@ def build(run, node=()):
     cfg = plan.shape(model_dir)
     P = plan.n_params(cfg)
     kind, n, gib, flop_s, name = devices(*node)
-    sft, grpo = flags(st["sft"]), flags(st["grpo"])
+    a = {k: PARSE[k](shlex.split(st[k])) for k in PARSE}
     arms = st["arms"].split() + st.get("sweep_arms", "").split()
-    sft_len, ep_len = int(sft["--max-len"]), int(grpo.get("--max-len", 16384))
+    sft_len, ep_len = a["sft"].max_len, a["grpo"].max_len
+    problems = refusals(a, cfg, P, kind, n, gib)
+    if problems:
+        raise SystemExit("plan: the run cannot start as set (ablation.sh's arrays of the preset "
+                         f"{st.get('preset', '')!r}):\n  " + "\n  ".join(problems))
     rows, mean = sft_tokens(run, model_dir, sft_len)
-    kl = float(grpo.get("--kl-coef", 0)) > 0
+    g = a["grpo"]
+    kl = g.kl_coef > 0
     dtype_bytes = 2 if kind == "cuda" else 4
-    mem_flags, chosen = (plan.choose(cfg, P, ranks=n, seq_len=max(sft_len, int(grpo.get("--micro-tokens", ep_len))),
-                                     gpu_gib=gib, kl=kl) if kind == "cuda" else ([], {}))
+    mem_flags, chosen = (plan.choose(cfg, P, ranks=n, seq_len=max(sft_len, g.micro_tokens), gpu_gib=gib,
+                                     kl=kl, gpu_memory=g.gpu_memory) if kind == "cuda" else ([], {}))
     if mem_flags is None:
         raise SystemExit(f"no memory plan fits {n} x {gib:.0f} GiB: SFT {chosen['sft']:.0f} GiB, GRPO "
                          f"{chosen['grpo']:.0f} GiB a rank at the least (a smaller model, or shorter --max-len)")
     kw = dict(ranks=n, dtype_bytes=dtype_bytes, device=kind, fsdp="--fsdp" in mem_flags, kl=kl, gpu_gib=gib,
               grad_ckpt="--grad-ckpt" in mem_flags or kind == "cpu")
-    epochs = int(sft.get("--epochs", 1)) * (2 if any("obs-then-act" in st.get(f"loss_{a}", "") for a in arms) else 1)
-    sft_tok = rows * mean * int(sft.get("--epochs", 1))
-    episodes = int(grpo["--steps"]) * int(grpo["--tasks-per-step"]) * int(grpo["--group-size"])
+    epochs = a["sft"].epochs * (2 if any("obs-then-act" in st.get(f"loss_{arm}", "") for arm in arms) else 1)
+    sft_tok = rows * mean * a["sft"].epochs
+    episodes = g.steps * g.tasks_per_step * g.group_size
     ep_tokens = ep_len / 2  # assumed: an episode fills half its --max-len
     sets = {s: tasks_in(run / "tasks" / s) for s in ("tb2", "aider")}
     attempts = {k: int(flags(st[k])["--attempts"]) for k in ("eval", "eval_sft", "eval_base")}
@@ -87,15 +121,16 @@ def build(run, node=()):
         {"stage": "sft", "work": f"{len(arms)} arms x {rows} rows x {mean:.0f} tokens x {epochs} epochs",
          "gib": plan.memory_gib("sft", cfg, P, seq_len=sft_len, **kw),
          "hours": len(arms) * hours(train_tokens=sft_tok)},
-        {"stage": "grpo", "work": f"{len(arms) + bool(st.get('echo'))} runs x {episodes} episodes "
-                                  f"({grpo['--steps']} steps x {grpo['--tasks-per-step']} tasks x "
-                                  f"{grpo['--group-size']}) on {tasks_in(run / 'tasks' / 'rl')} RL tasks",
-         "gib": plan.memory_gib("grpo", cfg, P, seq_len=ep_len, max_seqs=int(grpo.get("--concurrency", 64)), **kw),
+        {"stage": "grpo", "work": f"{len(arms) + bool(st.get('echo'))} runs x {episodes} episodes ({g.steps} steps x "
+                                  f"{g.tasks_per_step} tasks x {g.group_size}) on {tasks_in(run / 'tasks' / 'rl')} "
+                                  "RL tasks",
+         "gib": plan.memory_gib("grpo", cfg, P, seq_len=ep_len, max_seqs=g.concurrency, gpu_memory=g.gpu_memory,
+                                **kw),
          # a KL term adds the initial policy's forward: 2 P a token beside training's 6 P
          "hours": (len(arms) + bool(st.get("echo"))) * hours(train_tokens=episodes * ep_tokens * (1 + kl / 3),
                                                              generated_tokens=episodes * ep_tokens)},
         *({"stage": k, "work": f"{v} episodes on {', '.join(f'{s} ({c} tasks)' for s, c in sets.items())}",
-           "gib": plan.memory_gib("evaluate", cfg, P, seq_len=ep_len, **kw),
+           "gib": plan.memory_gib("evaluate", cfg, P, seq_len=ep_len, gpu_memory=a["eval"].gpu_memory, **kw),
            "hours": hours(generated_tokens=v * ep_tokens)} for k, v in evals.items()),
         {"stage": "probes", "work": f"{len(st['arms'].split()) + 1} models on the held-out rows",
          "gib": plan.memory_gib("probes", cfg, P, seq_len=sft_len, **kw), "hours": 0.0}]
