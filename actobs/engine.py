@@ -33,11 +33,10 @@ IN_PROCESS_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
 def make_engine(model_dir, *, max_model_len, max_seqs, seed=0, dtype="auto", gpu_memory=0.35, kv_cache_gb=None,
                 **engine_args):
-    """An in-process vLLM engine (IN_PROCESS_ENV) for up to max_seqs sequences at once.
-    logprobs_mode='processed_logprobs': the log-probs it returns are those of the distribution actually sampled from
-    (after temperature), which the importance ratio needs. Sleep mode (free the engine's GPU memory while training)
-    exists on CUDA only. On CPU the KV cache is kv_cache_gb, or by default what max_seqs sequences of max_model_len
-    tokens need. engine_args: further vLLM engine arguments over these (bench/rollout.py's levers)."""
+    """An in-process vLLM engine (IN_PROCESS_ENV) for up to max_seqs sequences at once, made with engine_kwargs on
+    this process's current GPU (the entry point chose it: under torchrun common.init_distributed's cuda:LOCAL_RANK;
+    make_engine raises if the engine's worker landed elsewhere), or on the CPU. engine_args: further vLLM engine
+    arguments over these (bench/rollout.py's levers)."""
     if any(os.environ.get(k) != v for k, v in IN_PROCESS_ENV.items()):
         raise RuntimeError(f"make_engine: set {IN_PROCESS_ENV} in the environment first (os.environ.update("
                            "engine.IN_PROCESS_ENV) in the entry point): vLLM would run the engine in a child process")
@@ -45,23 +44,43 @@ def make_engine(model_dir, *, max_model_len, max_seqs, seed=0, dtype="auto", gpu
     from vllm import LLM
     if dtype == "auto":  # the trainers' rule (common.resolve_dtype): bf16 where it is fast
         dtype = common.resolve_dtype(dtype, torch.device("cuda" if cuda else "cpu"))[0]
+    gpu = torch.cuda.current_device() if cuda else None
+    llm = LLM(**(engine_kwargs(model_dir, max_model_len=max_model_len, max_seqs=max_seqs, seed=seed, dtype=dtype,
+                               gpu=gpu, gpu_memory=gpu_memory, kv_cache_gb=kv_cache_gb) | engine_args))
+    if cuda and (where := llm.collective_rpc(worker_device)) != [torch.device("cuda", gpu)]:
+        raise RuntimeError(f"make_engine: the engine's worker is on {where}, not cuda:{gpu}, this process's GPU")
+    return llm
+
+
+def engine_kwargs(model_dir, *, max_model_len, max_seqs, seed, dtype, gpu, gpu_memory, kv_cache_gb):
+    """vLLM's LLM(...) arguments of make_engine's engine; gpu: the GPU's index as torch numbers it, or None for the CPU.
+    logprobs_mode='processed_logprobs': the log-probs it returns are those of the distribution actually sampled from
+    (after temperature), which the importance ratio needs. On a GPU: sleep mode (the engine's memory freed while the
+    trainer trains), and the GPU named (device_ids): vLLM's in-process worker puts itself on device_ids[0] (an index
+    into CUDA_VISIBLE_DEVICES when that is set, as torch's is) and makes it the process's current device; without it
+    the worker takes GPU 0, so under torchrun every rank's engine would share the first GPU. On CPU the KV cache is
+    kv_cache_gb, or by default what max_seqs sequences of max_model_len tokens need."""
     dtype = {"bf16": "bfloat16", "fp32": "float32"}.get(dtype, dtype)
-    # On CPU a prefill is scheduled whole: one split across steps makes the engine rewind the request's seeded
-    # generator, which a CPU generator cannot do (RuntimeError: CPU Generator does not use offset), and
-    # VLLMPolicy seeds every turn. A step then takes whole prompts up to the budget (4096, vLLM's CPU default, or
-    # a whole context when that is longer).
-    if cuda:
-        kw = dict(enable_sleep_mode=True, gpu_memory_utilization=gpu_memory)
+    if gpu is not None:
+        kw = dict(enable_sleep_mode=True, gpu_memory_utilization=gpu_memory, device_ids=[gpu])
     else:
         from transformers import AutoConfig
         kv = (int(kv_cache_gb * 2 ** 30) if kv_cache_gb else
               kv_cache_bytes(AutoConfig.from_pretrained(model_dir).get_text_config(), max_model_len=max_model_len,
                              max_seqs=max_seqs, dtype_bytes=getattr(torch, dtype).itemsize))
+        # a prefill scheduled whole: one split across steps makes the engine rewind the request's seeded generator,
+        # which a CPU generator cannot do (RuntimeError: CPU Generator does not use offset), and VLLMPolicy seeds
+        # every turn. A step then takes whole prompts up to the budget (4096, vLLM's CPU default, or a whole context
+        # when that is longer)
         kw = dict(enable_chunked_prefill=False, max_num_batched_tokens=max(max_model_len, 4096),
                   kv_cache_memory_bytes=kv)
-    kw = dict(model=str(model_dir), dtype=dtype, max_model_len=max_model_len, seed=seed, enforce_eager=not cuda,
-              logprobs_mode="processed_logprobs", **kw)
-    return LLM(**(kw | engine_args))
+    return dict(model=str(model_dir), dtype=dtype, max_model_len=max_model_len, seed=seed, enforce_eager=gpu is None,
+                logprobs_mode="processed_logprobs", **kw)
+
+
+def worker_device(worker):
+    """The device an engine's worker runs on (called in the worker by LLM.collective_rpc)."""
+    return worker.device
 
 
 # The weight sync's checksum reads every 97th element of each tensor (a prime stride, so no row length aliases

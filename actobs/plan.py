@@ -41,14 +41,9 @@ def kv_bytes(cfg, tokens, dtype_bytes):
 
 
 def positions(cfg):
-    """(the positions a model of config `cfg` holds, what says so): config.json's max_position_embeddings, or under
-    YaRN rope scaling (rope_scaling, or transformers 5's rope_parameters, of type yarn) its
-    original_max_position_embeddings times the factor, as vLLM derives an engine's longest context."""
-    rope = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
-    if rope.get("rope_type", rope.get("type")) == "yarn":
-        n = int(rope["original_max_position_embeddings"] * rope["factor"])
-        return n, f"YaRN rope scaling: {rope['original_max_position_embeddings']} x {rope['factor']:g}"
-    return cfg["max_position_embeddings"], "config.json max_position_embeddings"
+    """The positions a model of config `cfg` holds: config.json's max_position_embeddings, what vLLM checks an
+    engine's max_model_len against (a YaRN rope scaling in the config does not raise it there: raise both)."""
+    return cfg["max_position_embeddings"]
 
 
 # What an engine's share of a GPU holds besides the weights and the KV cache (vLLM's profiling run's activations, the
@@ -68,12 +63,13 @@ def length_problems(cfg, P, stages, *, gpu_gib=None):
     a reply (--max-new-tokens) longer than its context, an engine whose KV cache cannot hold one context (vLLM
     refuses to start then). stages: {name: (max_len, max_new_tokens or None, the engine's GPU share or None)};
     gpu_gib: each GPU's memory (None: a CPU, whose engines size their cache to the need)."""
-    limit, source = positions(cfg)
+    limit = positions(cfg)
     out = []
     for name, (max_len, new, share) in stages.items():
         if max_len > limit:
-            out.append(f"{name}: --max-len {max_len} exceeds the model's {limit} positions ({source}): set --max-len "
-                       f"<= {limit}, or give the model YaRN rope scaling in its config.json")
+            out.append(f"{name}: --max-len {max_len} exceeds the model's {limit} positions (config.json "
+                       f"max_position_embeddings): set --max-len <= {limit}, or extend the model's positions (YaRN "
+                       "rope scaling in its config.json, max_position_embeddings raised to match)")
         if new is not None and new > max_len:
             out.append(f"{name}: --max-new-tokens {new} exceeds its --max-len {max_len}")
         if share is not None and gpu_gib is not None and (kv := kv_tokens(cfg, P, share=share, gpu_gib=gpu_gib)) \

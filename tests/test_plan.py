@@ -19,11 +19,8 @@ def test_the_8b_count():
     assert plan.n_params(QWEN3_8B) == P_8B
 
 
-def test_positions_from_the_config_or_its_yarn_scaling():
-    assert plan.positions(QWEN3_8B) == (40960, "config.json max_position_embeddings")
-    yarn = QWEN3_8B | {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}}
-    assert plan.positions(yarn)[0] == 131072
-    assert plan.positions(QWEN3_8B | {"rope_scaling": None, "rope_parameters": yarn["rope_scaling"]})[0] == 131072
+def test_positions_are_the_configs():
+    assert plan.positions(QWEN3_8B) == 40960
 
 
 def test_a_context_beyond_the_models_positions_is_refused_with_the_flag_to_change():
@@ -31,8 +28,8 @@ def test_a_context_beyond_the_models_positions_is_refused_with_the_flag_to_chang
                                                 "GRPO (grpo.py)": (16384, 32768, None),
                                                 "SFT (sft.py)": (40960, None, None)})
     assert out == ["EVAL (evaluate.py): --max-len 65536 exceeds the model's 40960 positions (config.json "
-                   "max_position_embeddings): set --max-len <= 40960, or give the model YaRN rope scaling in its "
-                   "config.json",
+                   "max_position_embeddings): set --max-len <= 40960, or extend the model's positions (YaRN rope "
+                   "scaling in its config.json, max_position_embeddings raised to match)",
                    "GRPO (grpo.py): --max-new-tokens 32768 exceeds its --max-len 16384"]
 
 
@@ -70,5 +67,6 @@ def test_the_plan_stops_the_run_before_it_starts(tmp_path, capsys):
     assert str(e.value) == (
         "plan: the run cannot start as set (ablation.sh's arrays of the preset 'paper'):\n"
         "  EVAL (evaluate.py): --max-len 65536 exceeds the model's 40960 positions (config.json "
-        "max_position_embeddings): set --max-len <= 40960, or give the model YaRN rope scaling in its config.json\n"
+        "max_position_embeddings): set --max-len <= 40960, or extend the model's positions (YaRN rope scaling in its "
+        "config.json, max_position_embeddings raised to match)\n"
         "  GRPO (grpo.py): --tasks-per-step 30 does not split over the 8 GPUs (one rank each): 24 or 32")
