@@ -439,7 +439,7 @@ def main(argv=None):
     os.environ.update(engine.IN_PROCESS_ENV)  # vLLM's engine in this process: the weight sync hands it tensors
     llm = engine.make_engine(run.ckpt or args.init, max_model_len=args.max_len, seed=args.seed,
                              max_seqs=args.concurrency, dtype="bf16" if dtype == torch.bfloat16 else "fp32",
-                             gpu_memory=args.gpu_memory, kv_cache_gb=args.kv_cache_gb)
+                             gpu_memory=args.gpu_memory, kv_cache_gb=args.kv_cache_gb, sleep=True)
     log = runlog.open_run_log(run.out, args, start, rank, compute_dtype={"dtype": str(dtype), "why": why})
     print0(f"{len(tasks)} tasks | {sum(p.numel() for p in lm.parameters()) / 1e6:.1f}M params | {args.steps} steps "
            f"x {args.tasks_per_step} tasks x {args.group_size} episodes | {str(dtype)[6:]} ({why}) | world {world} | "

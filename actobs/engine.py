@@ -32,10 +32,11 @@ IN_PROCESS_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
 
 def make_engine(model_dir, *, max_model_len, max_seqs, seed=0, dtype="auto", gpu_memory=0.35, kv_cache_gb=None,
-                **engine_args):
+                sleep=False, **engine_args):
     """An in-process vLLM engine (IN_PROCESS_ENV) for up to max_seqs sequences at once, made with engine_kwargs on
     this process's current GPU (the entry point chose it: under torchrun common.init_distributed's cuda:LOCAL_RANK;
-    make_engine raises if the engine's worker landed elsewhere), or on the CPU. engine_args: further vLLM engine
+    make_engine raises if the engine's worker landed elsewhere), or on the CPU. sleep: the engine can sleep (its
+    memory freed while a trainer trains; vLLM allows one such engine a process). engine_args: further vLLM engine
     arguments over these (bench/rollout.py's levers)."""
     if any(os.environ.get(k) != v for k, v in IN_PROCESS_ENV.items()):
         raise RuntimeError(f"make_engine: set {IN_PROCESS_ENV} in the environment first (os.environ.update("
@@ -46,23 +47,23 @@ def make_engine(model_dir, *, max_model_len, max_seqs, seed=0, dtype="auto", gpu
         dtype = common.resolve_dtype(dtype, torch.device("cuda" if cuda else "cpu"))[0]
     gpu = torch.cuda.current_device() if cuda else None
     llm = LLM(**(engine_kwargs(model_dir, max_model_len=max_model_len, max_seqs=max_seqs, seed=seed, dtype=dtype,
-                               gpu=gpu, gpu_memory=gpu_memory, kv_cache_gb=kv_cache_gb) | engine_args))
+                               gpu=gpu, gpu_memory=gpu_memory, kv_cache_gb=kv_cache_gb, sleep=sleep) | engine_args))
     if cuda and (where := llm.collective_rpc(worker_device)) != [torch.device("cuda", gpu)]:
         raise RuntimeError(f"make_engine: the engine's worker is on {where}, not cuda:{gpu}, this process's GPU")
     return llm
 
 
-def engine_kwargs(model_dir, *, max_model_len, max_seqs, seed, dtype, gpu, gpu_memory, kv_cache_gb):
+def engine_kwargs(model_dir, *, max_model_len, max_seqs, seed, dtype, gpu, gpu_memory, kv_cache_gb, sleep):
     """vLLM's LLM(...) arguments of make_engine's engine; gpu: the GPU's index as torch numbers it, or None for the CPU.
     logprobs_mode='processed_logprobs': the log-probs it returns are those of the distribution actually sampled from
-    (after temperature), which the importance ratio needs. On a GPU: sleep mode (the engine's memory freed while the
-    trainer trains), and the GPU named (device_ids): vLLM's in-process worker puts itself on device_ids[0] (an index
+    (after temperature), which the importance ratio needs. On a GPU: sleep mode if asked (CUDA only), and the GPU
+    named (device_ids): vLLM's in-process worker puts itself on device_ids[0] (an index
     into CUDA_VISIBLE_DEVICES when that is set, as torch's is) and makes it the process's current device; without it
     the worker takes GPU 0, so under torchrun every rank's engine would share the first GPU. On CPU the KV cache is
     kv_cache_gb, or by default what max_seqs sequences of max_model_len tokens need."""
     dtype = {"bf16": "bfloat16", "fp32": "float32"}.get(dtype, dtype)
     if gpu is not None:
-        kw = dict(enable_sleep_mode=True, gpu_memory_utilization=gpu_memory, device_ids=[gpu])
+        kw = dict(enable_sleep_mode=sleep, gpu_memory_utilization=gpu_memory, device_ids=[gpu])
     else:
         from transformers import AutoConfig
         kv = (int(kv_cache_gb * 2 ** 30) if kv_cache_gb else

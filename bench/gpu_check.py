@@ -173,7 +173,7 @@ def engine_check(model_dir, visible):
     dev = torch.device("cuda", 0)
     torch.cuda.set_device(dev)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(dev)
-    llm = engine.make_engine(model_dir, max_model_len=2048, max_seqs=8, dtype="bf16", gpu_memory=0.3)
+    llm = engine.make_engine(model_dir, max_model_len=2048, max_seqs=8, dtype="bf16", gpu_memory=0.3, sleep=True)
     on = f"gpu 0 ({visible[0][2]})"
     check("engine: worker on this process's GPU", llm.collective_rpc(engine.worker_device) == [dev], on)
     prompts = [[random.Random(i).randrange(5, 4000) for _ in range(64)] for i in range(8)]

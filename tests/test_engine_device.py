@@ -49,7 +49,7 @@ def test_the_engine_of_rank_n_runs_on_gpu_n(vllm_dir, monkeypatch, visible, gpu)
     monkeypatch.setenv("LOCAL_RANK", str(gpu))
     monkeypatch.setenv("WORLD_SIZE", "8")
     kw = engine.engine_kwargs(vllm_dir, max_model_len=512, max_seqs=1, seed=0, dtype="fp32", gpu=gpu,
-                              gpu_memory=0.35, kv_cache_gb=None)
+                              gpu_memory=0.35, kv_cache_gb=None, sleep=True)
     assert kw["device_ids"] == [gpu] and kw["enable_sleep_mode"]
     # the same arguments but for what this CPU build refuses (sleep mode, a GPU share) or needs (a KV size)
     cpu_kw = {k: v for k, v in kw.items() if k not in ("enable_sleep_mode", "gpu_memory_utilization")}
