@@ -33,6 +33,7 @@ import zipfile
 import pytest
 
 from actobs import terminus
+from conftest import split_observation
 
 HARBOR = "harbor==0.26.0"
 WHEEL = "harbor-0.26.0-py3-none-any.whl"
@@ -79,7 +80,8 @@ def harbor_wheel(cache):
 def harbor(request, tmp_path_factory):
     """Harbor's parser and the agent methods around it -> a namespace: parser, self (the agent's stand-in
     `self`), handle (_handle_llm_interaction), confirm, limit, and the loop's f-strings parse_prompt, warned."""
-    with harbor_wheel(request.config.cache.mkdir("harbor-wheel")) as z:
+    cache = getattr(request.config, "cache", None)  # pytest's cache dir; a temporary one without the plugin
+    with harbor_wheel(cache.mkdir("harbor-wheel") if cache else tmp_path_factory.mktemp("harbor-wheel")) as z:
         parser_src = z.read(AGENT + "terminus_json_plain_parser.py")
         agent_src = z.read(AGENT + "terminus_2.py").decode()
     path = tmp_path_factory.mktemp("harbor") / "terminus_json_plain_parser.py"
@@ -370,18 +372,19 @@ def test_the_agent_is_told_what_harbor_tells_it(harbor, reasoning):
     assert not differ, f"{len(differ)} differ; the first: {differ[0]}"
 
 
-def test_every_message_splits_into_wrapper_and_payload(harbor):
+def test_every_message_splits_into_wrapper_and_payload():
     """Every text the battery gets told is in a Terminus-2 form the wrapper recogniser splits, with the parser's
-    error and warnings and the terminal's output as payload and no template text left in it."""
-    from conftest import split_observation
+    error and warnings (where the message shows them: not on a completion turn) and the terminal's output as payload
+    and no template text left in it."""
     seen = 0
     for text in BATTERY[::3]:
         reply, error, warnings = terminus.parse_reply(text)
-        for told in (terminus.answer(reply, error, warnings, TERMINALS[0]),
-                     terminus.answer(reply, error, warnings, terminus.truncate_output(TERMINALS[2])),
-                     terminus.cut_message(LIMIT, warnings)):
-            _, payload = split_observation(told)
-            assert [w for w in warnings if w not in "".join(payload)] == [] or reply is not None and \
-                reply.task_complete, told
+        completing = reply is not None and reply.task_complete
+        for told, shown in ((terminus.answer(reply, error, warnings, TERMINALS[0]), [error] * (reply is None)
+                             + warnings * (not completing)),
+                            (terminus.answer(reply, error, warnings, terminus.truncate_output(TERMINALS[2])), []),
+                            (terminus.cut_message(LIMIT, warnings), warnings)):
+            payload = "".join(split_observation(told)[1])
+            assert all(w in payload for w in shown if w is not None), told
             seen += 1
     assert seen > 400
