@@ -106,12 +106,15 @@ SFT=(--lr 2e-3 --warmup-ratio 0.05 --min-lr-ratio 0.1 --batch-size 4 --epochs 2 
 # k3 KL to the SFT policy (0.05): lr 1e-5 moves the policy nowhere, 3e-4 and above break its JSON replies within
 # 8 steps (RESULTS.md has the runs); 8 steps are what the time budget leaves. --redraw 2: the last two steps draw the
 # first two's tasks, so the report's first-vs-last solve rate compares the same tasks (the draw alone moves that z by
-# ~1.7 standard deviations: bench/draw_noise.py)
+# ~1.7 standard deviations: bench/draw_noise.py). The toy world's tight episode limits, 10 turns and 3 parse errors in
+# a row, are passed here: grpo.py and evaluate.py default to Harbor's Terminus-2 (neither; the task's agent timeout)
 GRPO=(--steps 8 --tasks-per-step 4 --group-size 8 --lr 1e-4 --kl-coef 0.05 --scale-std --redraw 2 --max-turns 10
-      --max-new-tokens 384 --max-len 4096 --concurrency 32 --micro-tokens 1 --save-every 4 --keep 1)        # grpo.py
+      --max-parse-errors 3 --max-new-tokens 384 --max-len 4096 --concurrency 32 --micro-tokens 1 --save-every 4
+      --keep 1)                                                                                            # grpo.py
 # 36 evaluation tasks (4 of each kind) x 4 attempts: more tasks rather than more attempts, as the pass@1 interval is
 # bounded by how much tasks differ more than by the attempts on each (8 attempts: pass@8, ~7 more minutes an arm)
-EVAL=(--attempts 4 --max-turns 10 --max-new-tokens 384 --max-len 4096 --concurrency 64)  # evaluate.py, all models
+EVAL=(--attempts 4 --max-turns 10 --max-parse-errors 3 --max-new-tokens 384 --max-len 4096
+      --concurrency 64)                                                                   # evaluate.py, all models
 # The GRPO'd policies are the comparison at pass@n; the SFT checkpoints are compared at pass@1-2 (that they look
 # alike, and what GRPO did to each), and the base only shows that it solves ~nothing: they get 2 attempts and 1
 EVAL_SFT=(--attempts 2)
@@ -127,16 +130,18 @@ if [ $MODE = quick ]; then
     SFT=(--lr 2e-3 --batch-size 4 --epochs 1 --max-len 1024 --micro-tokens 1 --val-size 4 --eval-every 0
          --save-every 0 --keep 1 --probe-every 2)
     GRPO=(--steps 2 --tasks-per-step 1 --group-size 2 --lr 1e-4 --kl-coef 0.05 --scale-std --redraw 1 --max-turns 2
-          --max-new-tokens 48 --max-len 1024 --concurrency 2 --micro-tokens 1 --save-every 1 --keep 1)
-    EVAL=(--attempts 2 --max-turns 2 --max-new-tokens 48 --max-len 1024 --concurrency 4)
+          --max-parse-errors 3 --max-new-tokens 48 --max-len 1024 --concurrency 2 --micro-tokens 1 --save-every 1
+          --keep 1)
+    EVAL=(--attempts 2 --max-turns 2 --max-parse-errors 3 --max-new-tokens 48 --max-len 1024 --concurrency 4)
     EVAL_SFT=(--attempts 2)
     EVAL_BASE=(--attempts 1)
     PROBE=(--n 4 --max-len 1024)
     SAMPLE=(--max-new-tokens 32)
 fi
 # A real model: the same arms, comparisons and recipe, the preset's sizes. GRPO as the paper's (no KL term: no
-# initial policy is held); the network for the tasks that allow it (Endless Terminals' verifiers fetch uv) through
-# the private daemon's host network (.ci/dockerd.sh: no bridge), not the rehearsal's
+# initial policy is held); episodes as Harbor's Terminus-2 runs them (no turn cap, parse errors never end one: the
+# flags' defaults; the CPU rehearsal keeps 2 turns); the network for the tasks that allow it (Endless Terminals'
+# verifiers fetch uv) through the private daemon's host network (.ci/dockerd.sh: no bridge), not the rehearsal's
 if [ $MODE = real ]; then
     HELDOUT_N=256 SAMPLE=(--max-new-tokens 1024)
     [ "$NETWORK" = unset ] && { [ "$PRESET" = rehearsal ] && NETWORK='' || NETWORK=host; }
@@ -145,17 +150,17 @@ if [ $MODE = real ]; then
             ROWS=4000
             SFT=(--lr 1e-5 --warmup-ratio 0.05 --batch-size 64 --epochs 1 --max-len 16384 --micro-tokens 16384
                  --val-size 64 --eval-every 0 --save-every 50 --keep 1)
-            GRPO=(--steps 20 --tasks-per-step 16 --group-size 8 --lr 1e-6 --redraw 2 --max-turns 30
+            GRPO=(--steps 20 --tasks-per-step 16 --group-size 8 --lr 1e-6 --redraw 2
                   --max-new-tokens 4096 --max-len 32768 --micro-tokens 32768 --concurrency 32 --save-every 10 --keep 1)
-            EVAL=(--attempts 4 --max-turns 50 --max-new-tokens 4096 --max-len 32768 --concurrency 32)
+            EVAL=(--attempts 4 --max-new-tokens 4096 --max-len 32768 --concurrency 32)
             EVAL_SFT=(--attempts 4) EVAL_BASE=(--attempts 2) PROBE=(--n 256 --max-len 16384) ;;
         paper)  # the paper's: every row, 135 GRPO steps of 32 tasks x 16 (grpo.py's defaults), 16 attempts a task
             ROWS=0
             SFT=(--lr 1e-5 --warmup-ratio 0.05 --batch-size 64 --epochs 1 --max-len 16384 --micro-tokens 16384
                  --val-size 256 --eval-every 200 --save-every 200 --keep 2)
-            GRPO=(--steps 135 --tasks-per-step 32 --group-size 16 --lr 1e-6 --redraw 4 --max-turns 30
+            GRPO=(--steps 135 --tasks-per-step 32 --group-size 16 --lr 1e-6 --redraw 4
                   --max-new-tokens 4096 --max-len 16384 --micro-tokens 16384 --concurrency 64 --save-every 10 --keep 2)
-            EVAL=(--attempts 16 --max-turns 100 --max-new-tokens 8192 --max-len 40960 --concurrency 32)
+            EVAL=(--attempts 16 --max-new-tokens 8192 --max-len 40960 --concurrency 32)
             EVAL_SFT=(--attempts 16) EVAL_BASE=(--attempts 16) PROBE=(--n 256 --max-len 16384) ;;
         rehearsal)  # on CPU: a tiny random Qwen3, the fixtures' 3 rows and tasks, a step or two of everything
             ROWS=2 HELDOUT_N=1 SAMPLE=(--max-new-tokens 32)

@@ -31,8 +31,8 @@ from actobs.sandbox.images import STANDIN_SUITE, STANDIN_TAGS, build_base_image
 from actobs.sandbox.sandbox import DiskLimit, ProcessLimit, Sandbox, ShellExited
 from actobs.sandbox.verify import Tampered, VERIFIER_DIR, verify
 from actobs.tasks import load_task, task_from_spec
-from actobs.terminus import (DEFAULT_PROMPT, confirm_message, decode, fill_prompt, load_template, network_evidence,
-                             parse_error_message, parse_reply, second_try_message, with_warnings)
+from actobs.terminus import (DEFAULT_PROMPT, CutReply, answer, cut_message, decode, fill_prompt, load_template,
+                             network_evidence, parse_reply, second_try_message)
 
 # ----------------------------------------------------------------------------------------------------------
 # Arguments
@@ -106,15 +106,16 @@ class _Run:
             self.ep.timings["start_s"] = self.sb.start_s
             self.ep.messages.append({"role": "user", "content": fill_prompt(
                 self.template, self.task.instruction, self.sb.screen())})
+            self.clock0 = time.time()
         except Exception as e:
             self.finish(*self._failed(e), verify_=False)
 
     def act(self, reply, max_turns, max_parse_errors):
         t = time.time()
         self.ep.turns += 1
-        self.ep.messages.append({"role": "assistant", "content": reply})
+        self.ep.messages.append({"role": "assistant", "content": str(reply)})
         try:
-            failure, error = self._act(reply, max_parse_errors, last_turn=self.ep.turns - self.turn0 >= max_turns)
+            failure, error = self._act(reply, max_turns, max_parse_errors)
         except DiskLimit as e:
             return self.finish("disk_limit", str(e), verify_=False)
         except ProcessLimit as e:
@@ -136,37 +137,57 @@ class _Run:
             return "disk_limit", self.sb.disk_exceeded
         return "sandbox_error", f"{type(e).__name__}: {e}"
 
-    def _act(self, reply, max_parse_errors, last_turn):
-        """Carry out one reply; returns (failure, error) when the episode ends without a confirmed completion.
-        The messages end with the last reply: they are exactly what the policy saw, plus what it answered."""
+    def _left(self):
+        """Seconds left on the agent's clock. Harbor's agent timeout bounds the wall-clock time of the agent's run
+        (asyncio.wait_for around Terminus-2's run): every model call, queueing behind other trials included, and
+        every terminal step, from the first screen on; the sandbox's start is not in it. Here the same: the clock
+        starts once the sandbox shows its first screen, and the time an episode's reply waits in the engine behind
+        the other episodes' counts. It is read when a reply arrives and before each command, whose wait it
+        shortens: Harbor cancels the run at the deadline, mid-command or mid-call; here a reply that arrives late
+        ends the episode as `timeout` without running."""
+        return self.task.agent_timeout - (time.time() - self.clock0)
+
+    def _act(self, reply, max_turns, max_parse_errors):
+        """Carry out one reply as Terminus-2 does (terminus.answer); returns (failure, error) when the episode ends
+        without a confirmed completion. The messages end with the last reply: they are exactly what the policy saw,
+        plus what it answered. max_turns, max_parse_errors: 0 for none (Harbor's: its turn cap is off and parse
+        errors never end an episode). max_turns counts every reply, a cut one too (Harbor's cap, when set, counts
+        its loop's turns, and the re-ask of a cut reply happens within one)."""
+        timeout = "timeout", f"agent timeout of {self.task.agent_timeout:.0f}s reached"
+        if self._left() <= 0:
+            return timeout
+        last_turn = 0 < max_turns <= self.ep.turns - self.turn0
         max_turns = "max_turns", f"no confirmed completion after {self.ep.turns} turns"
-        parsed, error, warnings = parse_reply(reply)
-        if error:
-            self.parse_errors += 1
-            if self.parse_errors >= max_parse_errors:
-                return "parse_errors", f"{self.parse_errors} replies in a row could not be parsed: {error}"
+        if isinstance(reply, CutReply):  # Terminus-2 asks again; nothing runs
             if last_turn:
                 return max_turns
-            self.ep.messages.append({"role": "user", "content": parse_error_message(error, warnings)})
+            self.ep.messages.append({"role": "user", "content": cut_message(reply.limit, parse_reply(reply)[2])})
+            return None, None
+        parsed, error, warnings = parse_reply(reply)
+        if parsed is None:
+            self.parse_errors += 1
+            if 0 < max_parse_errors <= self.parse_errors:
+                why = error or "; ".join(warnings)  # a reply rejected for its warnings has no error of its own
+                return "parse_errors", f"{self.parse_errors} replies in a row could not be parsed: {why}"
+            if last_turn:
+                return max_turns
+            self.ep.messages.append({"role": "user", "content": answer(parsed, error, warnings)})
             return None, None
         self.parse_errors = 0
-        commands = parsed.commands or [("", 0.0)]
-        t0 = time.time()
-        for i, (keys, duration) in enumerate(commands):
-            # The agent's clock counts its own time (start, steps, policy calls), not waits on other episodes.
-            used = sum(self.ep.timings[k] for k in ("start_s", "env_s", "policy_s")) + time.time() - t0 - self.clock0
-            left = self.task.agent_timeout - used
+        commands = parsed.commands or [("", 0.0)]  # no command: read the terminal
+        for i, (keys, wait) in enumerate(commands):
+            left = self._left()
             if left <= 0:
-                return "timeout", f"agent timeout of {self.task.agent_timeout:.0f}s reached"
-            obs = self.sb.send(keys, min(duration, left), read=i == len(commands) - 1)
-        if parsed.task_complete and self.confirming:
+                return timeout
+            obs = self.sb.send(keys, min(wait, left), read=i == len(commands) - 1)
+        told = answer(parsed, None, warnings, obs, self.confirming)
+        if told is None:  # a completion confirmed
             self.done = True
             return None, None
         if last_turn:
             return max_turns
         self.confirming = parsed.task_complete
-        content = confirm_message(obs) if parsed.task_complete else obs
-        self.ep.messages.append({"role": "user", "content": with_warnings(content, warnings)})
+        self.ep.messages.append({"role": "user", "content": told})
         return None, None
 
     def finish(self, failure, error="", verify_=True):
@@ -193,13 +214,13 @@ class _Run:
         stopped its processes), and goes on with a fresh turn budget and clock; /tests is taken away again."""
         ep = self.ep
         ep.first_reward, self.done, self.confirming = ep.reward, False, False
-        self.turn0, self.clock0 = ep.turns, sum(ep.timings[k] for k in ("start_s", "env_s", "policy_s"))
         try:
             self.sb.exec("rm -rf /tests /logs/verifier/*", user="root")
             screen = self.sb.restart_terminal()
         except Exception as e:
             self.finish("sandbox_error", f"second try: {type(e).__name__}: {e}", verify_=False)
             return
+        self.turn0, self.clock0 = ep.turns, time.time()
         ep.messages.append({"role": "user", "content": second_try_message(ep.verifier_output, screen)})
 
     def close(self):
@@ -257,16 +278,20 @@ class BatchPolicy:
         self.waiting = []
 
 
-def run_episodes(tasks, policy, *, max_turns=30, concurrency=8, template=None, network=None, max_parse_errors=3,
+def run_episodes(tasks, policy, *, max_turns=0, concurrency=8, template=None, network=None, max_parse_errors=0,
                  on_episode=None, stats=None, keep_agent=False, second_try=False, strict=True):
     """Run one episode per entry of `tasks` (repeat a task for several rollouts), up to `concurrency` sandboxes
     live at once; a finished episode's slot starts the next sandbox at once. Sandbox starts and terminal steps
-    run in a thread pool; this thread drives the policy.
+    run in a thread pool; this thread drives the policy. An episode runs as Harbor's Terminus-2 runs one (_Run):
+    until a confirmed completion or the task's agent timeout; max_turns (replies) and max_parse_errors (replies
+    in a row the protocol rejects) end it sooner when not 0 (the toy world's tight limits; Harbor has neither).
 
     `policy` is a plain batch function (wrapped in BatchPolicy: lock-step rounds) or an object with
     submit(key, episode) (the episode's messages end with an observation: queue its next reply),
     poll() -> [(key, reply str, or None to end the episode as `max_len`)] (do some work, return what is
-    finished), pending() (replies still owed) and abort() (drop them). A policy with `lockstep = False`
+    finished; a reply the policy's token limit cut is a terminus.CutReply, which the episode answers with
+    Terminus-2's re-ask instead of running it), pending() (replies still owed) and abort() (drop them). A policy
+    with `lockstep = False`
     (engine.VLLMPolicy) generates while sandboxes step: an episode's next turn is queued the moment its
     observation is back. on_episode(i, episode) is called as each one ends. `stats`, a dict, receives wall_s,
     policy_s (time inside poll: the generator working) and idle_s (the generator waiting for sandboxes).

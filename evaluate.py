@@ -5,11 +5,11 @@ failures, by task kind.
 
     # toy world (CPU): the held-out split written by `python envs.py corpus --out data/corpus ...`
     python evaluate.py --model runs/actobs/final --tasks data/corpus/eval --attempts 4 --max-turns 12 \\
-        --max-new-tokens 512 --max-len 8192 --concurrency 8 --out runs/actobs/eval.json
+        --max-parse-errors 3 --max-new-tokens 512 --max-len 8192 --concurrency 8 --out runs/actobs/eval.json
     python evaluate.py compare runs/actionsft/eval.json runs/actobs/eval.json --png runs/pass_at_k.png
     # Terminal-Bench 2.0 on a GPU: a clone of the benchmark (a folder of its 89 task folders), n = 16
     python evaluate.py --model runs/q4b-actobs-grpo/final --tasks terminal-bench-2 --attempts 16 \\
-        --max-turns 100 --max-new-tokens 8192 --max-len 32768 --concurrency 32 --out runs/q4b-actobs-grpo/tb2.json
+        --max-new-tokens 8192 --max-len 32768 --concurrency 32 --out runs/q4b-actobs-grpo/tb2.json
 
 --tasks takes Harbor task folders or folders of them; the chat template is the checkpoint's, the system prompt
 --prompt-template's, so evaluation sees what training saw. The results JSON is rewritten after every attempt and the
@@ -40,7 +40,10 @@ def parse_args(argv=None):
     p.add_argument("--out", type=Path, default=Path("results.json"), help="results JSON (resumed when it exists)")
     p.add_argument("--attempts", type=int, default=16, help="n: attempts per task")
     p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (top-p 1, top-k off)")
-    p.add_argument("--max-turns", type=int, default=30, help="agent replies per episode")
+    p.add_argument("--max-turns", type=int, default=0, help="agent replies per episode before it ends as max_turns; "
+                   "0 (default): no cap, as Harbor's Terminus-2 (the task's agent timeout bounds an episode)")
+    p.add_argument("--max-parse-errors", type=int, default=0, help="replies in a row the protocol rejects before the "
+                   "episode ends as parse_errors; 0 (default): never, as Harbor's")
     p.add_argument("--max-new-tokens", type=int, default=2048, help="tokens per reply")
     p.add_argument("--max-len", type=int, default=16384, help="tokens per episode (prompt + all turns)")
     p.add_argument("--prompt-template", type=Path, help="system prompt with {instruction} and {terminal_state} "
@@ -206,10 +209,10 @@ def attempt_record(attempt, ep):
 def settings_of(args):
     prompt = terminus.load_template(args.prompt_template)
     return {"model": str(args.model), "tasks": [str(p.resolve()) for p in args.tasks], "attempts": args.attempts,
-            "temperature": args.temperature, "max_turns": args.max_turns, "max_new_tokens": args.max_new_tokens,
-            "max_len": args.max_len, "prompt": prompt, "seed": args.seed, "dtype": args.dtype,
-            "network": args.network, "keep_agent_processes": args.keep_agent_processes, "second_try": args.second_try,
-            "grammar": args.grammar, "concurrency": args.concurrency}
+            "temperature": args.temperature, "max_turns": args.max_turns, "max_parse_errors": args.max_parse_errors,
+            "max_new_tokens": args.max_new_tokens, "max_len": args.max_len, "prompt": prompt, "seed": args.seed,
+            "dtype": args.dtype, "network": args.network, "keep_agent_processes": args.keep_agent_processes,
+            "second_try": args.second_try, "grammar": args.grammar, "concurrency": args.concurrency}
 
 
 def open_results(path, settings):
@@ -244,7 +247,8 @@ def vllm_rollout(args, session):
                                    max_len=args.max_len, seed=args.seed + session, grammar=args.grammar,
                                    logprobs=False)  # nothing trains on them
         with engine.engine_threads():
-            episodes = envs.run_episodes(tasks, policy, max_turns=args.max_turns, concurrency=args.concurrency,
+            episodes = envs.run_episodes(tasks, policy, max_turns=args.max_turns,
+                                         max_parse_errors=args.max_parse_errors, concurrency=args.concurrency,
                                          template=template, on_episode=on_episode, stats=stats, network=args.network,
                                          keep_agent=args.keep_agent_processes, second_try=args.second_try,
                                          strict=False)  # Harbor's semantics: tampering is counted, not scored

@@ -14,7 +14,8 @@ docs/training.md. Log rows and transcripts: steplog.py.
 
 CPU toy run (tasks from `python envs.py corpus --out data/corpus`, an SFT checkpoint from sft.py):
     python grpo.py --init runs/actobs/final --tasks data/corpus/rl --out runs/grpo-actobs \
-        --steps 20 --tasks-per-step 4 --group-size 4 --lr 1e-5 --max-len 4096 --max-new-tokens 512
+        --steps 20 --tasks-per-step 4 --group-size 4 --lr 1e-5 --max-len 4096 --max-new-tokens 512 \
+        --max-turns 10 --max-parse-errors 3
 1 GPU, the paper's settings (the flag defaults: lr 1e-6, 135 steps, 32 tasks x 16 episodes, binary reward):
     python grpo.py --init runs/q4b-actobs/final --tasks tasks/rl --out runs/q4b-actobs-grpo
 8 GPUs (each rank: its own engine and 4 of the 32 groups; FSDP2 shards the model):
@@ -52,7 +53,10 @@ def get_parser():
     g.add_argument("--tasks-per-step", type=int, default=32, help="groups per step (global, across ranks)")
     g.add_argument("--group-size", type=int, default=16, help="episodes per task per step")
     g.add_argument("--temperature", type=float, default=1.0, help="sampling temperature; log-probs use logits / T")
-    g.add_argument("--max-turns", type=int, default=30)
+    g.add_argument("--max-turns", type=int, default=0, help="replies per episode before it ends as max_turns; 0: no "
+                   "cap, as Harbor's Terminus-2 (the task's agent timeout bounds an episode)")
+    g.add_argument("--max-parse-errors", type=int, default=0, help="replies in a row the protocol rejects before the "
+                   "episode ends as parse_errors; 0: never, as Harbor's")
     g.add_argument("--max-new-tokens", type=int, default=4096, help="tokens per reply")
     g.add_argument("--max-len", type=int, default=16384, help="tokens per episode; longer ones are cut and flagged")
     g.add_argument("--network", metavar="MODE", help="Docker network for the tasks that allow the internet: bridge, "
@@ -344,7 +348,8 @@ def draw_episodes(llm, tok, tasks, template, args, step, rank, gen, draw, groups
                                max_len=args.max_len, seed=step_seed(args.seed, step, rank, draw), grammar=args.grammar)
     with engine.engine_threads():
         episodes = envs.run_episodes([tasks[g] for g in groups for _ in range(args.group_size)], policy,
-                                     max_turns=args.max_turns, concurrency=args.concurrency, template=template,
+                                     max_turns=args.max_turns, max_parse_errors=args.max_parse_errors,
+                                     concurrency=args.concurrency, template=template,
                                      on_episode=lambda i, e: bar.update(), stats=gen, network=args.network)
     bar.close()
     return episodes

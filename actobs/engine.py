@@ -244,7 +244,9 @@ class VLLMPolicy:
     runs that do not train on them. grammar ('reply' or 'think': terminus.GRAMMAR_FLAG's choices): every reply
     decoded under terminus.reply_grammar, the think form with 'think'; with logprobs, each reply's masks are replayed
     into the episode (ep.masks, one per distinct mask, and ep.mask_ids, per token
-    its mask's index or -1 where nothing was masked)."""
+    its mask's index or -1 where nothing was masked). A reply cut at max_new_tokens comes back as a
+    terminus.CutReply (Terminus-2 asks again); under a grammar the engine instead closes it (terminus.close_reply:
+    the closing's tokens forced) and it runs, unless the closing does not fit the context."""
 
     def __init__(self, engine, tok, *, temperature, max_new_tokens, max_len, seed=0, lockstep=False, logprobs=True,
                  grammar=None):
@@ -359,6 +361,8 @@ class VLLMPolicy:
             if c.finish_reason == "length" and not closing and len(ep.token_ids) >= self.max_len:
                 ep.truncated = True  # the episode's context is full
                 out.append((key, None))
+            elif c.finish_reason == "length" and not closing:  # cut at max_new_tokens: the episode asks again
+                out.append((key, terminus.CutReply(reply, self.max_new_tokens)))
             else:
                 out.append((key, reply))
         return out

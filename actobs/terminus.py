@@ -1,17 +1,21 @@
 """
 The Terminus-2 protocol as text, the one home of every string an agent and its harness exchange: the system
-prompt template, the observation headers, the truncation notice, the parse-error / warnings / completion-check
-messages, the reply parser, and the recogniser that splits an observation into the harness's wrapper text and
-its payload (derived from the same templates, so the two cannot drift apart); and the readers of what tools print
-in the terminal that the harness acts on (a verifier's pytest that ran no test, a command that wanted the network).
+prompt template, the observation headers, the truncation notice, the reply parser with its errors, warnings and
+auto-corrections, the parse-error / warnings / completion-check / cut-reply messages, and the recogniser that
+splits an observation into the harness's wrapper text and its payload (derived from the same templates, so the two
+cannot drift apart); and the readers of what tools print in the terminal that the harness acts on (a verifier's
+pytest that ran no test, a command that wanted the network).
 
-The wording of the observation messages is Terminus-2's, as it appears in Nemotron-Terminal-Corpus rows
-(tests/fixtures/nemotron_terminal_sample.json); the default system prompt is ours (pass a corpus's own prompt
-with load_template). Pure: no Docker, no torch. envs.py runs the protocol in sandboxes, taskgen.py's expert
-speaks it, probes.py splits observations with it.
+The protocol is Harbor's Terminus-2 (the agent that wrote Nemotron-Terminal-Corpus): every text an agent is told,
+which commands run and when an episode is complete are what Harbor's TerminusJSONPlainParser and agent loop give
+(tests/test_terminus_harbor.py compares them on a battery of replies against Harbor's own parser, fetched from its
+pinned wheel; the differences that remain are named where they arise). The wording appears in the corpus's rows
+(tests/fixtures/nemotron_terminal_sample.json); the default system prompt is ours (pass a corpus's own prompt with
+load_template). Pure: no Docker, no torch. envs.py runs the protocol in sandboxes, taskgen.py's expert speaks it,
+probes.py splits observations with it.
 
-    reply, error, warnings = parse_reply(text)      # Reply(analysis, plan, commands [(keys, duration)], task_complete)
-    obs = OUTPUT_HEADER + truncate_output(diff)      # what the agent sees after its commands ran
+    reply, error, warnings = parse_reply(text)      # Reply(analysis, plan, commands [(keys, wait)], task_complete)
+    obs = answer(reply, error, warnings, terminal)   # what the agent is told next (its commands' output)
     wrapper_spans(obs)                               # [(start, end)] of harness text; None if not Terminus-2's
 """
 import dataclasses
@@ -28,21 +32,54 @@ MAX_DURATION = 60.0  # longest wait one command may ask for
 DEFAULT_DURATION = 1.0  # a command's wait when its reply gives none
 
 # Observation text. A template's {fields} are filled by the harness: the terminal's output, the parser's
-# error and warnings; everything else in it is fixed wrapper text.
+# error and warnings, the reply's token limit; everything else in it is fixed wrapper text.
 OUTPUT_HEADER = "New Terminal Output:\n"  # + the new output since the last read (a pane diff)
 SCREEN_HEADER = "Current Terminal Screen:\n"  # + the visible screen, when no diff can be found
 TRUNCATION = "\n[... output limited to {limit} bytes; {omitted} interior bytes omitted ...]\n"
-WARNING_LIST = "\nWARNINGS: - {warnings}"  # the warnings joined by WARNING_SEP
+# The parser's feedback: its error line, its warnings as a list (joined by WARNING_SEP), or both, one per line.
+ERROR_LINE = "ERROR: {error}"
+WARNING_LIST = "WARNINGS: - {warnings}"
 WARNING_SEP = "\n- "
-PARSE_ERRORS = ("Previous response had parsing errors:\nERROR: {error}{warnings}\n\n"
+PARSE_ERRORS = ("Previous response had parsing errors:\n{feedback}\n\n"
                 "Please fix these issues and provide a proper JSON response.")
-WARNINGS = "Previous response had warnings:{warnings}\n\n{observation}"
+WARNINGS = "Previous response had warnings:\n{feedback}\n\n{observation}"
 COMPLETION_CHECK = ("Current terminal state:\n{observation}\n\nAre you sure you want to mark the task as complete? "
                     "This will trigger your solution to be graded and you won't be able to make any further "
                     'corrections. If so, include "task_complete": true in your JSON response again.')
+# The answer to a reply cut at the policy's token limit: none of it ran; the parser's warnings on the cut text, if any.
+CUT_REPLY = ("ERROR!! NONE of the actions you just requested were performed because you exceeded {limit} tokens. "
+             "Your outputs must be less than {limit} tokens. Re-issue this request, breaking it into chunks each of "
+             "which is less than {limit} tokens.{warnings}")
+CUT_WARNINGS = "\n\nParser warnings from your truncated response:\n- {warnings}"
 # aider's second try (evaluate.py --second-try; not Terminus-2's): the verifier's output once, then a new terminal.
 SECOND_TRY = ("The tests failed. Their output:\n{output}\n\nFix the problem and mark the task complete again "
               "when it is done. The terminal was restarted:\n{observation}")
+
+# The parser's errors (the reply is not run) and warnings (it is), in Terminus-2's words.
+NO_JSON = "No valid JSON found in response"
+NO_OBJECT = "No valid JSON object found"
+INVALID_JSON = "Invalid JSON: {error}"
+JSON_SHOWN = " | Content: {content}"  # the object's text (repr), when shorter than 200 characters
+JSON_PREVIEW = " | Content preview: {content}..."  # else its first 100 characters
+TEXT_BEFORE = "Extra text detected before JSON object"
+TEXT_AFTER = "Extra text detected after JSON object"
+MISSING_FIELDS = "Missing required fields: {fields}"
+NOT_A_STRING = "Field '{field}' should be a string"
+COMMANDS_NOT_ARRAY = "Field 'commands' must be an array"
+WRONG_ORDER = "Fields appear in wrong order. Found: {found}, expected: {expected}"
+ORDER_SEP = " \u2192 "  # the arrow between field names in WRONG_ORDER
+BAD_TASK_COMPLETE = "Field 'task_complete' should be a boolean or string"
+NOT_AN_OBJECT = "Command {i} must be an object"
+NO_KEYSTROKES = "Command {i} missing required 'keystrokes' field"
+KEYSTROKES_NOT_STRING = "Command {i} 'keystrokes' must be a string"
+BAD_DURATION = "Command {i}: Invalid duration value, using default {default}"
+NO_DURATION = "Command {i}: Missing duration field, using default {default}"
+UNKNOWN_FIELDS = "Command {i}: Unknown fields: {fields}"
+NO_NEWLINE = ("Command {i} should end with newline when followed by another command. Otherwise the two commands "
+              "will be concatenated together on the same line.")
+AUTO_CORRECTED = "AUTO-CORRECTED: {fix} - please fix this in future responses"
+ADDED_BRACES = "Fixed incomplete JSON by adding missing closing brace"
+EXTRACTED = "Extracted JSON from mixed content"
 
 DEFAULT_PROMPT = """\
 You are an agent working in a Linux shell. You get a task and the terminal's state, and you answer with \
@@ -178,66 +215,190 @@ def network_evidence(text):
 
 @dataclasses.dataclass
 class Reply:
-    analysis: str
-    plan: str
-    commands: list  # [(keystrokes, duration)]
+    analysis: object  # as the reply gave them: strings, unless the parser warned
+    plan: object
+    commands: list  # [(keystrokes, wait in seconds)]
     task_complete: bool
 
 
+class CutReply(str):
+    """A reply the policy's token limit cut before its end (vLLM's finish reason 'length'): its text, and `limit`,
+    the tokens a reply may have. The episode loop runs none of it and asks again (cut_message), as Terminus-2 does
+    when its model call raises OutputLengthExceededError."""
+
+    def __new__(cls, text, limit):
+        self = super().__new__(cls, text)
+        self.limit = limit
+        return self
+
+
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+REQUIRED = ("analysis", "plan", "commands")
+TRUE_WORDS = ("true", "1", "yes")  # task_complete given as a string: complete when it is one of these (any case)
+
+
+def reply_content(text):
+    """The part of a reply Terminus-2's parser reads. Harbor gets a model's reply from a vLLM server whose
+    reasoning parser (Qwen3's, vLLM 0.32-0.33) moves the think block out of the content, so its parser never sees
+    the block (nor its braces and quotes); this is that content: the text after the first </think> (any later
+    </think> dropped, as that parser drops it), nothing for a reply that opens a <think> block and never closes it
+    (all reasoning), and the whole text of a reply with no think block (the parser with thinking off: the toy
+    world's policies write none). Only the parser reads the content: the project's conversation and token sequence
+    keep the whole reply, what the policy sampled (Harbor's chat history keeps the content alone, as its
+    interleaved_thinking is off by default)."""
+    if THINK_CLOSE in text:
+        return text.split(THINK_CLOSE, 1)[1].replace(THINK_CLOSE, "")
+    return "" if text.lstrip().startswith(THINK_OPEN) else text
+
+
 def parse_reply(text):
-    """Parse a reply: an optional <think>...</think> block, then one JSON object (text around it is tolerated
-    with a warning). Returns (Reply or None, error or None, warnings)."""
-    warnings = []
-    body = text.rsplit("</think>", 1)[1] if "</think>" in text else text
-    if "<think>" in body:
-        return None, "<think> block is not closed with </think>", warnings
-    decoder, obj, first_error = json.JSONDecoder(), None, None
-    for m in list(re.finditer(r"\{", body))[:50]:  # the object may follow prose that itself contains braces
-        try:
-            obj, end = decoder.raw_decode(body, m.start())
-        except json.JSONDecodeError as e:
-            first_error = first_error or e
-            continue
-        if isinstance(obj, dict):
-            break
-        obj = None
-    if obj is None:
-        if first_error:
-            return None, f"Invalid JSON: {first_error}", warnings
-        return None, "No valid JSON found in response", warnings + ["No valid JSON object found"]
-    if body[:m.start()].strip():
-        warnings.append("Extra text detected before JSON object")
-    if body[end:].strip():
-        warnings.append("Extra text detected after JSON object")
-    missing = [k for k in ("analysis", "plan", "commands") if k not in obj]
+    """Parse a reply as Terminus-2 does -> (Reply, or None when the harness rejects it; the error, or None;
+    warnings). The content (reply_content) is read once as it is; when that fails, two corrections are tried in
+    turn and the first that parses is taken, with an AUTO-CORRECTED warning first: the missing closing braces
+    appended (for a reply with no JSON object or invalid JSON), then the first object in the text with braces nested
+    at most one level deep that is valid JSON. A command error on a reply that marks the task complete is only a
+    warning (no command runs). A reply whose warnings say "ERROR:" (an unknown command field so named) is rejected
+    without an error of its own: Terminus-2's loop takes any feedback holding that word for a parse error. Where
+    Harbor's parser raises instead (an integer duration past a float's range), the command waits the longest."""
+    content = reply_content(text)
+    reply, error, warnings = _read(content)
+    if error is not None:
+        for fix, fixed in ((ADDED_BRACES, _closing_braces(content, error)), (EXTRACTED, _flat_object(content))):
+            if fixed is None:
+                continue
+            reply, error2, warnings2 = _read(fixed)
+            if error2 is None:
+                warnings = [AUTO_CORRECTED.format(fix=fix)] + warnings2
+                break
+        else:
+            return None, error, warnings
+    if any("ERROR:" in w for w in warnings):
+        return None, None, warnings
+    return reply, None, warnings
+
+
+def _object_span(text):
+    """(start, end) of the first JSON object in text as Terminus-2 finds it, or None: a scan in which a backslash
+    skips the next character and a double quote opens or closes a string wherever they are (in prose too), and
+    braces outside strings count up and down (one before the first '{' too); the object is the first '{' met at
+    depth 0 through the '}' that brings the depth back to 0."""
+    depth, start, in_string, escaped = 0, -1, False, False
+    for i, ch in enumerate(text):
+        if escaped:
+            escaped = False
+        elif ch == "\\":
+            escaped = True
+        elif ch == '"':
+            in_string = not in_string
+        elif not in_string and ch == "{":
+            start = i if depth == 0 else start
+            depth += 1
+        elif not in_string and ch == "}":
+            depth -= 1
+            if depth == 0 and start >= 0:
+                return start, i + 1
+    return None
+
+
+def _read(text):
+    """One reading of a reply's content -> (Reply or None, error or None, warnings)."""
+    span = _object_span(text)
+    if span is None:
+        return None, NO_JSON, [NO_OBJECT]
+    start, end = span
+    warnings = [w for w, extra in ((TEXT_BEFORE, text[:start]), (TEXT_AFTER, text[end:])) if extra.strip()]
+    body = text[start:end]
+    try:
+        obj = json.loads(body)
+    except (ValueError, RecursionError) as e:  # JSONDecodeError; an integer of over 4300 digits
+        shown = JSON_SHOWN.format(content=repr(body)) if len(body) < 200 else \
+            JSON_PREVIEW.format(content=repr(body[:100]))
+        return None, INVALID_JSON.format(error=e) + shown, warnings
+    missing = [k for k in REQUIRED if k not in obj]
     if missing:
-        return None, f"Missing required fields: {', '.join(missing)}", warnings
+        return None, MISSING_FIELDS.format(fields=", ".join(missing)), warnings
+    warnings += [NOT_A_STRING.format(field=k) for k in ("analysis", "plan") if not isinstance(obj[k], str)]
     if not isinstance(obj["commands"], list):
-        return None, "Field 'commands' must be an array", warnings
+        return None, COMMANDS_NOT_ARRAY, warnings
+    # The order in which the required fields' names first appear in the object's text (strings included)
+    seen = {k: m.start() for k in REQUIRED if (m := re.search(f'"{k}"\\s*:', body))}
+    found = sorted(seen, key=seen.get)
+    if len(found) > 1 and found != [k for k in REQUIRED if k in seen]:
+        warnings.append(WRONG_ORDER.format(found=ORDER_SEP.join(found),
+                                           expected=ORDER_SEP.join(k for k in REQUIRED if k in seen)))
+    done = obj.get("task_complete")
+    if done is not None and not isinstance(done, (bool, str)):
+        warnings.append(BAD_TASK_COMPLETE)
+    done = done.lower() in TRUE_WORDS if isinstance(done, str) else bool(done)  # else by truth value (1, [], ...)
+    commands, error = _read_commands(obj["commands"], warnings)
+    if error is not None and not done:
+        return None, error, warnings
+    if error is not None:  # completing: the error is a warning and nothing runs
+        warnings.append(error)
+    return Reply(obj["analysis"], obj["plan"], commands, done), None, warnings
+
+
+def _read_commands(items, warnings):
+    """A reply's commands -> ([(keystrokes, wait)], None), or ([], the first command's error); appends the
+    commands' warnings (those of the commands before an error stay)."""
     commands = []
-    for i, cmd in enumerate(obj["commands"], 1):
-        if not isinstance(cmd, dict) or not isinstance(cmd.get("keystrokes"), str):
-            return None, f"Command {i} must be an object with a string 'keystrokes' field", warnings
+    for i, cmd in enumerate(items, 1):
+        if not isinstance(cmd, dict):
+            return [], NOT_AN_OBJECT.format(i=i)
+        if "keystrokes" not in cmd:
+            return [], NO_KEYSTROKES.format(i=i)
+        keys = cmd["keystrokes"]
+        if not isinstance(keys, str):
+            return [], KEYSTROKES_NOT_STRING.format(i=i)
         duration = cmd.get("duration", DEFAULT_DURATION)
-        if isinstance(duration, bool) or not isinstance(duration, (int, float)):
-            warnings.append(f"Command {i}: 'duration' is not a number, using {DEFAULT_DURATION}")
+        if "duration" not in cmd:
+            warnings.append(NO_DURATION.format(i=i, default=DEFAULT_DURATION))
+        elif not isinstance(duration, (int, float)):  # a bool is an int: true waits 1 s
+            warnings.append(BAD_DURATION.format(i=i, default=DEFAULT_DURATION))
             duration = DEFAULT_DURATION
-        commands.append((cmd["keystrokes"], min(max(float(duration), 0.0), MAX_DURATION)))
-    done = obj.get("task_complete", False)
-    if isinstance(done, str):  # "true"/"false" are common enough to accept
-        warnings.append("Field 'task_complete' should be a boolean")
-        done = done.strip().lower() == "true"
-    return Reply(str(obj["analysis"]), str(obj["plan"]), commands, bool(done)), None, warnings
+        unknown = [k for k in cmd if k not in ("keystrokes", "duration")]  # Terminus-2 lists them in no set order
+        if unknown:
+            warnings.append(UNKNOWN_FIELDS.format(i=i, fields=", ".join(unknown)))
+        if i < len(items) and keys and not keys.endswith("\n"):
+            warnings.append(NO_NEWLINE.format(i=i))
+        # Terminus-2 caps a wait at MAX_DURATION and sleeps only a positive one (a negative or NaN one: none)
+        commands.append((keys, float(min(duration, MAX_DURATION)) if duration > 0 else 0.0))
+    return commands, None
+
+
+def _closing_braces(text, error):
+    """The text with its missing closing braces appended ('{' minus '}' anywhere in it), for a reply that has no
+    object or invalid JSON; None when that does not apply."""
+    missing = text.count("{") - text.count("}")
+    json_error = error == NO_JSON or error.startswith(INVALID_JSON.format(error=""))
+    return text + "}" * missing if json_error and missing > 0 else None
+
+
+# An object whose braces nest at most one level deep, braces in strings counted as braces: '{', then text without
+# braces or a flat {...}, any number of times, then '}'
+_FLAT_OBJECT = re.compile(r"\{ [^{}]* (?: \{[^{}]*\} [^{}]* )* \}", re.X)
+
+
+def _flat_object(text):
+    """The first of the text's non-overlapping flat objects (_FLAT_OBJECT, left to right) that is valid JSON, or
+    None."""
+    for m in _FLAT_OBJECT.finditer(text):
+        try:
+            json.loads(m[0])
+        except ValueError:
+            continue
+        return m[0]
+    return None
 
 
 # The reply as a grammar (xgrammar's EBNF, which vLLM's structured outputs take): exactly the text the toy expert's
 # replies are (taskgen._reply: json.dumps with its default separators and key order, one line, ASCII with \u
 # escapes), so a constrained policy chooses only the free values: the strings, each duration, task_complete. No free
 # whitespace: a random policy cannot fill a reply with blanks. A string's characters are printable ASCII (plain) or
-# escapes, and a '<' is never followed by 't' or '/' (write \u003c there): '<think>' or '</think>' inside a value
-# would break parse_reply, which looks for them in the raw text (the expert's '<<' and '< file' pass). A duration
-# has at most two digits either side of its point (parse_reply caps it at MAX_DURATION anyway). With think, an
-# optional <think>...</think> block first, as Qwen3-style models write it and parse_reply skips it; its text holds
+# escapes, and a '<' is never followed by 't' or '/' (write \u003c there): a '</think>' inside a value would cut
+# the reply where reply_content splits the think block off (the expert's '<<' and '< file' pass). A duration has at
+# most two digits either side of its point (parse_reply caps it at MAX_DURATION anyway). With think, an optional
+# <think>...</think> block first, as Qwen3-style models write it and reply_content strips it; its text holds
 # no '<', so the block ends only with </think>. Strings are right-recursive rules: xgrammar then computes a token
 # mask inside a string in ~30 us on a 2k vocabulary; as one `(a | b | c)*` loop it took 1.6 ms (measured).
 # The reply's parts in order: fixed text, or a free value (a rule of _VALUE_EBNF); a command's the same. The grammar's
@@ -247,7 +408,7 @@ _REPLY_PARTS = ('{"analysis": ', STRING, ', "plan": ', STRING, ', "commands": ['
                 '], "task_complete": ', BOOL, "}")
 _COMMAND_PARTS = ('{"keystrokes": ', STRING, ', "duration": ', NUMBER, "}")
 _COMMAND_SEP = ", "
-_THINK_OPEN, _THINK_CLOSE = "<think>", "</think>\n\n"
+_THINK_END = THINK_CLOSE + "\n\n"  # a think block's end in the grammar
 _VALUE_EBNF = r"""
 commands ::= (command (COMMAND_SEP command)*)?
 bool ::= "true" | "false"
@@ -271,7 +432,7 @@ def reply_grammar(think=False):
     """The grammar of a reply (xgrammar's EBNF), with or without the optional <think> block before its JSON."""
     return "\n".join(["root ::= think? reply" if think else "root ::= reply", _ebnf_rule("reply", _REPLY_PARTS),
                       _ebnf_rule("command", _COMMAND_PARTS),
-                      f"think ::= {json.dumps(_THINK_OPEN)} [^<]* {json.dumps(_THINK_CLOSE)}",
+                      f"think ::= {json.dumps(THINK_OPEN)} [^<]* {json.dumps(_THINK_END)}",
                       _VALUE_EBNF.replace("COMMAND_SEP", json.dumps(_COMMAND_SEP)).strip()])
 
 
@@ -358,13 +519,13 @@ def close_reply(text, think=False):
     is no such prefix."""
     pos = 0
     if think and text.startswith("<"):  # the think block: its text holds no '<' but the one of its end
-        pos = _fixed(_THINK_OPEN, text, 0)
+        pos = _fixed(THINK_OPEN, text, 0)
         if isinstance(pos, str):
-            return pos + _THINK_CLOSE + _shortest(_REPLY_PARTS)
+            return pos + _THINK_END + _shortest(_REPLY_PARTS)
         end = text.find("<", pos)
-        pos = len(text) if end < 0 else _fixed(_THINK_CLOSE, text, end)
+        pos = len(text) if end < 0 else _fixed(_THINK_END, text, end)
         if end < 0 or isinstance(pos, str):
-            return (_THINK_CLOSE if end < 0 else pos) + _shortest(_REPLY_PARTS)
+            return (_THINK_END if end < 0 else pos) + _shortest(_REPLY_PARTS)
     pos = _parts(text, pos, _REPLY_PARTS)
     if isinstance(pos, str):
         return pos
@@ -380,18 +541,20 @@ GRAMMAR_FLAG = dict(nargs="?", const="reply", choices=["reply", "think"], help="
                     "an optional <think> block before it (reasoning models)")
 
 
-def _warning_list(warnings):
-    return WARNING_LIST.format(warnings=WARNING_SEP.join(warnings)) if warnings else ""
+def _feedback(error, warnings):
+    """The parser's feedback: its error line, its warnings, or both, one per line."""
+    return "\n".join(([ERROR_LINE.format(error=error)] if error is not None else [])
+                     + ([WARNING_LIST.format(warnings=WARNING_SEP.join(warnings))] if warnings else []))
 
 
 def parse_error_message(error, warnings):
-    """The observation that answers a reply that could not be parsed."""
-    return PARSE_ERRORS.format(error=error, warnings=_warning_list(warnings))
+    """The observation that answers a reply the harness rejected (error None: one whose warnings read as one)."""
+    return PARSE_ERRORS.format(feedback=_feedback(error, warnings))
 
 
 def with_warnings(observation, warnings):
     """An observation with the parser's warnings about the reply that produced it in front, if any."""
-    return WARNINGS.format(warnings=_warning_list(warnings), observation=observation) if warnings else observation
+    return WARNINGS.format(feedback=_feedback(None, warnings), observation=observation) if warnings else observation
 
 
 def confirm_message(observation):
@@ -399,63 +562,88 @@ def confirm_message(observation):
     return COMPLETION_CHECK.format(observation=observation)
 
 
-# ----------------------------------------------------------------------------------------------------------
-# Recognising the wrapper: the templates above turned into regexes (literal text escaped, fields captured)
+def answer(reply, error, warnings, terminal=None, confirming=False):
+    """What Terminus-2's loop tells the agent after a reply (parse_reply's result), or None when the episode ends
+    there: a rejected reply's parse error (nothing ran); a task_complete reply ends the episode when a completion
+    was pending (confirming: the reply before asked to complete and was answered with the check; a parse error
+    between them keeps it pending), else gets the completion check around `terminal`, the terminal's output after
+    its commands ran (the warnings are not shown: Terminus-2 drops them on a completion turn); any other reply gets
+    that output with the warnings in front. The output is limited to MAX_OBS_BYTES again off the completion turn,
+    as Terminus-2 limits it once when it reads it and once more there (a second notice then stands for the
+    first)."""
+    if reply is None:
+        return parse_error_message(error, warnings)
+    if reply.task_complete:
+        return None if confirming else confirm_message(terminal)
+    return with_warnings(truncate_output(terminal), warnings)
+
+
+def cut_message(limit, warnings):
+    """The answer to a reply cut at `limit` tokens (CutReply): nothing ran, ask again; `warnings`: the parser's on
+    the cut text."""
+    return CUT_REPLY.format(limit=limit, warnings=CUT_WARNINGS.format(warnings=WARNING_SEP.join(warnings))
+                            if warnings else "")
+
 
 def second_try_message(verifier_output, observation):
     return SECOND_TRY.format(output=truncate_output(verifier_output.strip()), observation=observation)
 
+
+# ----------------------------------------------------------------------------------------------------------
+# Recognising the wrapper: the templates above turned into regexes (literal text escaped, fields captured)
 
 def _regex(template, **fields):
     parts = re.split(r"\{(\w+)\}", template)  # literal, field, literal, ...
     return "".join(fields[p] if i % 2 else re.escape(p) for i, p in enumerate(parts))
 
 
-_WARNED = re.compile(_regex(WARNINGS, warnings=_regex(WARNING_LIST, warnings="(?P<list>.*?)"),
-                            observation="(?P<rest>.*)"), re.S)
+def _list(group):
+    return _regex(WARNING_LIST, warnings=f"(?P<{group}>.*?)")
+
+
+# A parse error's feedback is its error line with the warnings on the next line, or the warnings alone
+_PARSE = re.compile(_regex(PARSE_ERRORS, feedback=f"(?:{_regex(ERROR_LINE, error='(?P<error>.*?)')}"
+                                                  f"(?:\n{_list('list')})?|{_list('alone')})"), re.S)
+_WARNED = re.compile(_regex(WARNINGS, feedback=_list("list"), observation="(?P<rest>.*)"), re.S)
 _CHECK = re.compile(_regex(COMPLETION_CHECK, observation="(?P<rest>.*)"), re.S)
+_CUT = re.compile(_regex(CUT_REPLY, limit=r"\d+", warnings=f"(?:{_regex(CUT_WARNINGS, warnings='(?P<list>.*)')})?"),
+                  re.S)
 _TERMINAL = re.compile(f"(?:{re.escape(OUTPUT_HEADER)}|{re.escape(SCREEN_HEADER)})(?P<rest>.*)", re.S)
-_PARSE = re.compile(_regex(PARSE_ERRORS, error="(?P<error>.*?)",
-                           warnings="(?:" + _regex(WARNING_LIST, warnings="(?P<list>.*?)") + ")?"), re.S)
 _TRUNCATION = re.compile(_regex(TRUNCATION, limit=r"\d+", omitted=r"\d+"))
 _SEP = re.compile(re.escape(WARNING_SEP))
 
 
 def is_parse_error(observation):
-    """Whether an observation is the protocol's answer to a reply it could not parse."""
+    """Whether an observation is the protocol's answer to a reply it rejected."""
     return _PARSE.fullmatch(observation) is not None
 
 
 def unparsed_replies(messages):
-    """One bool per assistant reply of a conversation, in turn order: whether the protocol could not parse it, read
-    from the parse error it was answered with; the last reply has no answer (an episode ended by its third parse
-    error among them) and is parsed here."""
+    """One bool per assistant reply of a conversation, in turn order: whether the protocol rejected it, read from
+    the parse error it was answered with; the last reply has no answer (the episode ended there) and is parsed
+    here."""
     m = messages
-    return [is_parse_error(m[i + 1]["content"]) if i + 1 < len(m) else parse_reply(m[i]["content"])[1] is not None
+    return [is_parse_error(m[i + 1]["content"]) if i + 1 < len(m) else parse_reply(m[i]["content"])[0] is None
             for i in range(len(m)) if m[i]["role"] == "assistant"]
 
 
 def is_completion_check(observation):
-    return _CHECK.fullmatch(observation) is not None or (
-        (m := _WARNED.fullmatch(observation)) is not None and _CHECK.fullmatch(m["rest"]) is not None)
+    return _CHECK.fullmatch(observation) is not None
 
 
 def wrapper_spans(observation):
     """Character spans [(start, end)] of the harness's fixed text in an observation turn; the rest is payload:
     the terminal's output, and the parser's error and warning texts. None when the text is not in one of the
-    forms above (an observation of another harness)."""
-    m = _PARSE.fullmatch(observation)
+    forms above (an observation of another harness). The forms: a parse error; a cut reply's answer; the terminal
+    (its header, its output, the truncation notices), alone, after warnings or inside the completion check."""
+    m = _PARSE.fullmatch(observation) or _CUT.fullmatch(observation)
     if m:
-        payload = [m.span("error")] + _items(m)
-        return _complement(payload, len(observation))
-    payload, pos = [], 0
-    m = _WARNED.fullmatch(observation)
+        payload = [m.span("error")] if m.re is _PARSE and m.start("error") >= 0 else []
+        return _complement(payload + _items(m, "list") + _items(m, "alone"), len(observation))
+    payload, pos, end = [], 0, len(observation)
+    m = _WARNED.fullmatch(observation) or _CHECK.fullmatch(observation)
     if m:
-        payload, pos = _items(m), m.start("rest")
-    end = len(observation)
-    m = _CHECK.fullmatch(observation, pos)
-    if m:
-        pos, end = m.span("rest")
+        payload, (pos, end) = _items(m, "list"), m.span("rest")
     m = _TERMINAL.fullmatch(observation, pos, end)
     if m is None:
         return None
@@ -466,11 +654,12 @@ def wrapper_spans(observation):
     return _complement(payload + [(pos, end)], len(observation))
 
 
-def _items(m):
-    """Spans of the warnings in a matched WARNING_LIST (group 'list'), without the separators."""
-    if m.start("list") < 0:
+def _items(m, group):
+    """Spans of the warnings in a matched warning list (`group`), without the separators; none if the group is
+    not in the pattern or did not match."""
+    if group not in m.re.groupindex or m.start(group) < 0:
         return []
-    (pos, end), spans = m.span("list"), []
+    (pos, end), spans = m.span(group), []
     for k in _SEP.finditer(m.string, pos, end):
         spans.append((pos, k.start()))
         pos = k.end()

@@ -156,7 +156,7 @@ class ScriptedAsync:
 # remove it from the payload; short pieces such as 'bytes;' could occur in real terminal output.
 TEMPLATE_PIECES = [p.strip() for t in (terminus.OUTPUT_HEADER, terminus.SCREEN_HEADER, terminus.TRUNCATION,
                                        terminus.WARNING_LIST, terminus.PARSE_ERRORS, terminus.WARNINGS,
-                                       terminus.COMPLETION_CHECK)
+                                       terminus.COMPLETION_CHECK, terminus.CUT_REPLY, terminus.CUT_WARNINGS)
                    for p in re.split(r"\{\w+\}", t) if len(p.strip()) >= 8]
 
 

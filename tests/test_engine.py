@@ -6,6 +6,7 @@ import contextlib
 import json
 import os
 import random
+import re
 import time
 
 import pytest
@@ -253,18 +254,25 @@ def grammar_replies(llm, vllm_dir):
 
 
 def test_a_random_model_writes_only_parseable_replies_under_the_grammar(llm, vllm_dir, grammar_replies):
-    """The random model writes no reply terminus.parse_reply accepts on its own; under the grammar every reply
-    parses, without a warning, into the reply the grammar's JSON says, those it ended and those max_new_tokens cut
-    alike (the engine closes a cut one: its closing tokens forced, log-prob 0, the template's end of turn last)."""
+    """The random model writes no reply terminus.parse_reply accepts on its own, and those max_new_tokens cut come
+    back as CutReply; under the grammar every reply parses, with no warning but for a command without its newline
+    before the next, into the reply the grammar's JSON says, those it ended and those max_new_tokens cut alike (the
+    engine closes a cut one: its closing tokens forced, log-prob 0, the template's end of turn last)."""
     engine.sync_weights(llm, hf_model(vllm_dir))
     tok = labels.load_tokenizer(vllm_dir, "prefix")
-    _, free, _ = sample_replies(llm, tok, 16, 200, None)
+    _, free, free_closed = sample_replies(llm, tok, 16, 200, None)
     assert not any(terminus.parse_reply(r)[0] for r in free)
+    # a reply cut at max_new_tokens comes back marked for the episode's re-ask; under the grammar none does
+    assert [isinstance(r, terminus.CutReply) for r in free] == [not c for c in free_closed] and not all(free_closed)
+    assert all(r.limit == 200 for r in free if isinstance(r, terminus.CutReply))
     eps, replies, closed = grammar_replies
     assert all(closed) and sum(e.cut_replies for e in eps) >= 4, [e.cut_replies for e in eps]
+    assert not any(isinstance(r, terminus.CutReply) for r in replies)
+    # the one warning a reply of the grammar can draw: a command without its newline before the next
+    newline = re.compile(re.escape(terminus.NO_NEWLINE).replace(r"\{i\}", r"\d+"))
     for ep, text in zip(eps, replies):
         reply, error, warnings = terminus.parse_reply(text)
-        assert error is None and warnings == [], (error, text)
+        assert error is None and all(newline.fullmatch(w) for w in warnings), (error, warnings, text)
         assert json.dumps(json.loads(text)) == text  # json.dumps's own form, as the SFT data
         forced = engine.forced_tokens(ep.masks, ep.mask_ids)
         n = ep.roles.count(ACTION)

@@ -187,11 +187,40 @@ def test_episode_failures(base_image):
                    "C": scripted(*[[("echo more\n", 0.1)]] * 9)([states[0]])[0]}
         return [by_task[msgs[0]["content"].split("Task:\n")[1][0]] for msgs in states]
     tasks = [echo_task(instruction="A"), echo_task(instruction="B", agent_timeout=3), echo_task(instruction="C")]
-    eps = envs.run_episodes(tasks, policy, max_turns=4, concurrency=3)
+    eps = envs.run_episodes(tasks, policy, max_turns=4, max_parse_errors=3, concurrency=3)
     assert [e.failure for e in eps] == ["parse_errors", "timeout", "max_turns"]
     assert eps[0].messages[2]["content"].startswith("Previous response had parsing errors:\nERROR: No valid JSON")
-    assert eps[0].turns == 3 and eps[1].timings["total_s"] < 15 and eps[2].turns == 4
+    assert eps[0].turns == 3 and eps[1].timings["env_s"] < 15 and eps[2].turns == 4  # the 60 s wait cut at 3 s
     assert all(e.reward == 0.0 and e.messages[-1]["role"] == "assistant" for e in eps)
+
+
+def test_episode_runs_as_terminus_2(base_image):
+    """The loop answers as Terminus-2's: a reply cut at the token limit is asked again and none of it runs; a reply
+    with warnings runs, its output under them; a completing reply with a bad command runs nothing and gets the
+    completion check without its warnings; a parse error in between keeps the completion pending, so the next
+    task_complete confirms it."""
+    good = json.dumps({"analysis": "", "plan": "", "commands": [{"keystrokes": "echo hi > /app/out.txt\n"}]})
+    done = json.dumps({"analysis": "", "plan": "", "commands": [{"keystrokes": "echo no > /app/out.txt\n"}, 3],
+                       "task_complete": True})
+    turns = [terminus.CutReply(done.replace("true", "false")[:40], 64), good, done, "oops", done]
+    ep, = envs.run_episodes([echo_task()], lambda convs: [turns[len(c) // 2] for c in convs])
+    told = [m["content"] for m in ep.messages[2::2]]
+    assert (ep.reward, ep.failure, ep.turns, len(told)) == (1.0, None, 5, 4)
+    assert told[0] == terminus.cut_message(64, ["No valid JSON object found"])
+    assert told[1].startswith("Previous response had warnings:\nWARNINGS: - Command 1: Missing duration field, "
+                              "using default 1.0\n\nNew Terminal Output:\n")
+    assert terminus.is_completion_check(told[2]) and "Command 2 must be an object" not in told[2]
+    assert terminus.is_parse_error(told[3])
+
+
+def test_without_limits_only_the_agent_timeout_ends_an_episode(base_image):
+    """By default (Harbor's) parse errors never end an episode and there is no turn cap: replies that never parse
+    go on until the agent timeout, which is read at every reply (none of these runs a command)."""
+    t0 = time.time()
+    ep, = envs.run_episodes([echo_task(agent_timeout=3)], lambda convs: ["not json"] * len(convs))
+    assert ep.failure == "timeout" and ep.turns > 3 and ep.reward == 0.0
+    assert all(terminus.is_parse_error(m["content"]) for m in ep.messages[2::2])
+    assert time.time() - t0 < 60
 
 
 def test_sandbox_error_is_recorded(base_image):

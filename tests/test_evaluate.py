@@ -3,6 +3,7 @@ synthetic results with known answers, the bootstrap interval, infrastructure fai
 FLOP count, resume (real sandboxes, the scripted expert as the policy) and an end-to-end evaluation with real vLLM."""
 import json
 import math
+import re
 from fractions import Fraction
 
 import numpy as np
@@ -433,8 +434,9 @@ def test_resume_runs_only_missing_attempts(toy_tasks, tmp_path, no_leftovers):
 @pytest.mark.slow
 def test_end_to_end_under_the_grammar_every_reply_parses(vllm_dir, tmp_path, base_image, no_leftovers):
     """evaluate.py --grammar on the tiny random checkpoint, which writes no valid reply on its own (the test below):
-    in real sandboxes every reply it ends parses without a warning (a random policy's free strings run long: a
-    reply max_new_tokens cut is the only exception), and the results say the replies were constrained."""
+    in real sandboxes every reply it ends parses, warned at most of a command without its newline before the next
+    (a random policy's free strings run long: a reply max_new_tokens cut is the only exception), and the results say
+    the replies were constrained."""
     root = tmp_path / "eval"
     for spec in taskgen.make_splits(0, 0, 2, seed=0)["eval"]:
         taskgen.write_harbor(spec, root / spec.name, base_image)
@@ -448,8 +450,10 @@ def test_end_to_end_under_the_grammar_every_reply_parses(vllm_dir, tmp_path, bas
                for m in json.loads(line)["conversations"] if m["role"] == "assistant"]
     cut = [r for r in replies if len(tok(r)["input_ids"]) > 850]
     assert len(replies) >= 4 and len(cut) <= len(replies) // 4, len(cut)
+    newline = re.compile(re.escape(terminus.NO_NEWLINE).replace(r"\{i\}", r"\d+"))  # the one warning it can draw
     for r in replies:
-        assert r in cut or terminus.parse_reply(r)[1:] == (None, []), r
+        error, warnings = terminus.parse_reply(r)[1:]
+        assert r in cut or error is None and all(newline.fullmatch(w) for w in warnings), r
 
 
 def test_end_to_end_tiny_checkpoint_with_vllm(vllm_dir, tmp_path, base_image, no_leftovers):

@@ -88,7 +88,7 @@ def run_grpo(world, out, steps):
     grpo.main(["--init", str(world / "sft" / "final"), "--tasks", str(world / "tasks"), "--out", str(out),
                "--prompt-template", str(world / "prompt.txt"), "--steps", str(steps),
                "--tasks-per-step", str(TASKS_PER_STEP), "--group-size", str(GROUP), "--lr", LR, "--kl-coef", KL,
-               "--max-turns", "4", "--max-new-tokens", "48", "--max-len", "1024",
+               "--max-turns", "4", "--max-parse-errors", "3", "--max-new-tokens", "48", "--max-len", "1024",
                "--concurrency", "16", "--save-every", str(steps)])
     return [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
 

@@ -42,18 +42,111 @@ def test_parse_reply_defaults_and_caps():
     ("no json here", "No valid JSON found in response"),
     ('{"analysis": "a", "plan": "p"}', "Missing required fields: commands"),
     ('{"analysis": "a", "plan": "p", "commands": "ls"}', "Field 'commands' must be an array"),
-    ('{"analysis": "a", "plan": "p", "commands": [{"duration": 1}]}',
-     "Command 1 must be an object with a string 'keystrokes' field"),
-    ("<think>never closed {", "<think> block is not closed with </think>"),
+    ('{"analysis": "a", "plan": "p", "commands": [{"duration": 1}]}', "Command 1 missing required 'keystrokes' field"),
+    ('{"analysis": "a", "plan": "p", "commands": [{"keystrokes": "ls\\n"}, 3]}', "Command 2 must be an object"),
+    ('{"analysis": "a", "plan": "p", "commands": [{"keystrokes": 1}]}', "Command 1 'keystrokes' must be a string"),
+    ("<think>never closed {", "No valid JSON found in response"),  # all of it reasoning: no content
 ])
 def test_parse_reply_errors(text, error):
     reply, err, _ = terminus.parse_reply(text)
     assert reply is None and err == error
 
 
-def test_parse_reply_invalid_json_names_the_problem():
-    reply, err, _ = terminus.parse_reply('{"analysis": "a", "plan": "p", "commands": [}')
-    assert reply is None and err.startswith("Invalid JSON: ")
+def test_parse_reply_invalid_json_names_the_problem_and_shows_the_object():
+    text = '{"analysis": "a", "plan": "p", "commands": [}'
+    reply, err, _ = terminus.parse_reply(text)
+    assert reply is None and err == f"Invalid JSON: Expecting value: line 1 column 45 (char 44) | Content: {text!r}"
+    long = '{"analysis": "' + "x" * 300 + '", "plan": "p", "commands": [}'
+    err = terminus.parse_reply(long)[1]
+    assert err.endswith(f" | Content preview: {long[:100]!r}...")
+
+
+def test_parse_reply_auto_corrections_say_so():
+    """A missing closing brace is added, and an object is taken out of text that confuses the object scan (an odd
+    double quote in the prose), each with an AUTO-CORRECTED warning first; the corrected reply runs."""
+    reply, err, warnings = terminus.parse_reply(json.dumps(GOOD)[:-1])
+    assert err is None and reply.commands == [("ls\n", 0.1)]
+    assert warnings == ["AUTO-CORRECTED: Fixed incomplete JSON by adding missing closing brace - please fix this in "
+                        "future responses"]
+    reply, err, warnings = terminus.parse_reply('He said "hi then ' + json.dumps(GOOD))
+    assert err is None and reply.commands == [("ls\n", 0.1)]
+    assert warnings == ["AUTO-CORRECTED: Extracted JSON from mixed content - please fix this in future responses"]
+
+
+def test_parse_reply_warnings_in_order():
+    text = json.dumps({"plan": 1, "analysis": "a", "commands": [{"keystrokes": "cd /app", "x": 1},
+                                                                 {"keystrokes": "ls\n", "duration": "1"}],
+                       "task_complete": 2})
+    reply, err, warnings = terminus.parse_reply(text)
+    assert err is None and reply.commands == [("cd /app", 1.0), ("ls\n", 1.0)] and reply.task_complete
+    assert warnings == ["Field 'plan' should be a string",
+                        "Fields appear in wrong order. Found: plan \u2192 analysis \u2192 commands, expected: "
+                        "analysis \u2192 plan \u2192 commands",
+                        "Field 'task_complete' should be a boolean or string",
+                        "Command 1: Missing duration field, using default 1.0", "Command 1: Unknown fields: x",
+                        "Command 1 should end with newline when followed by another command. Otherwise the two "
+                        "commands will be concatenated together on the same line.",
+                        "Command 2: Invalid duration value, using default 1.0"]
+
+
+@pytest.mark.parametrize("value, done", [(True, True), ("true", True), ("Yes", True), ("1", True), (" true", False),
+                                         ("no", False), (1, True), (0, False), ([], False), (None, False)])
+def test_task_complete_reading(value, done):
+    assert terminus.parse_reply(json.dumps({**GOOD, "task_complete": value}))[0].task_complete is done
+
+
+def test_a_completing_reply_with_a_bad_command_completes_with_a_warning_and_runs_nothing():
+    text = json.dumps({**GOOD, "commands": [{"keystrokes": "ls\n", "duration": 1}, "rm -rf /"], "task_complete": True})
+    reply, err, warnings = terminus.parse_reply(text)
+    assert err is None and reply.task_complete and reply.commands == [] and warnings == ["Command 2 must be an object"]
+    reply, err, _ = terminus.parse_reply(text.replace("true", "false"))
+    assert reply is None and err == "Command 2 must be an object"
+
+
+def test_a_warning_that_says_error_rejects_the_reply():
+    """Terminus-2's loop takes any feedback holding "ERROR:" for a parse error: an unknown command field so named."""
+    reply, err, warnings = terminus.parse_reply(json.dumps({**GOOD, "commands": [{"keystrokes": "ls\n", "duration": 1,
+                                                                               "ERROR: no": 1}]}))
+    assert (reply, err, warnings) == (None, None, ["Command 1: Unknown fields: ERROR: no"])
+    told = terminus.answer(reply, err, warnings)
+    assert told == ("Previous response had parsing errors:\nWARNINGS: - Command 1: Unknown fields: ERROR: no\n\n"
+                    "Please fix these issues and provide a proper JSON response.") and terminus.is_parse_error(told)
+
+
+@pytest.mark.parametrize("text, content", [
+    ("<think>\nhm\n</think>\n\n{}", "\n\n{}"), ("{}", "{}"), ("<think>a</think>b</think>c", "bc"),
+    ("x</think>y", "y"), ("  <think>never closed {}", ""), ("{} <think>", "{} <think>"), ("<think>a</think>", ""),
+])
+def test_reply_content_is_what_a_reasoning_parser_hands_over(text, content):
+    assert terminus.reply_content(text) == content
+
+
+def test_answer_follows_terminus_2s_loop():
+    """A parse error, the completion check without the warnings, the end on a confirmation, the output limited
+    once more with the warnings in front."""
+    done = json.dumps({**GOOD, "task_complete": True, "commands": [{"keystrokes": "ls\n"}]})
+    reply, err, warnings = terminus.parse_reply(done)
+    assert warnings and terminus.answer(reply, err, warnings, "OUT") == terminus.confirm_message("OUT")
+    assert terminus.answer(reply, err, warnings, "OUT", confirming=True) is None
+    reply, err, warnings = terminus.parse_reply(done.replace("true", "false"))
+    long = terminus.truncate_output(terminus.OUTPUT_HEADER + "x" * 20_000)
+    told = terminus.answer(reply, err, warnings, long, confirming=True)
+    assert told == terminus.with_warnings(terminus.truncate_output(long), warnings) and told.count("[... output") == 1
+    assert "; 71 interior bytes omitted ...]" in told  # the second notice counts the first one's bytes
+    assert terminus.answer(*terminus.parse_reply("oops"), "OUT") == terminus.parse_error_message(
+        "No valid JSON found in response", ["No valid JSON object found"])
+
+
+def test_a_cut_reply_is_asked_again_with_the_parsers_warnings():
+    cut = terminus.CutReply(json.dumps(GOOD)[:30], 512)
+    assert cut == json.dumps(GOOD)[:30] and cut.limit == 512
+    told = terminus.cut_message(cut.limit, terminus.parse_reply(cut)[2])
+    assert told == ("ERROR!! NONE of the actions you just requested were performed because you exceeded 512 tokens. "
+                    "Your outputs must be less than 512 tokens. Re-issue this request, breaking it into chunks each of "
+                    "which is less than 512 tokens.\n\nParser warnings from your truncated response:\n"
+                    "- No valid JSON object found")
+    assert split_observation(told)[1] == ["No valid JSON object found"] and not terminus.is_parse_error(told)
+    assert terminus.cut_message(512, []).endswith("less than 512 tokens.")
 
 
 DONE = '{"analysis": "", "plan": "", "commands": [], "task_complete": true}'
@@ -154,8 +247,13 @@ def test_split_of_each_form_is_exact():
     cut = terminus.OUTPUT_HEADER + terminus.truncate_output(out)
     notice = "\n[... output limited to 10000 bytes; 2035 interior bytes omitted ...]\n"
     assert split_observation(cut) == (terminus.OUTPUT_HEADER + notice, [out[:5000], out[-5000:]])
-    warned = terminus.with_warnings(terminus.confirm_message(terminus.SCREEN_HEADER + "$ \n"), ["w1", "w2"])
+    warned = terminus.with_warnings(terminus.SCREEN_HEADER + "$ \n", ["w1", "w2"])
     assert split_observation(warned)[1] == ["w1", "w2", "$ \n"]
+    assert split_observation(terminus.confirm_message(terminus.SCREEN_HEADER + "$ \n"))[1] == ["$ \n"]
+    assert split_observation(terminus.parse_error_message(None, ["w1", "w2"]))[1] == ["w1", "w2"]
+    assert split_observation(terminus.cut_message(64, ["w1", "w2"]))[1] == ["w1", "w2"]
+    no_such_form = terminus.with_warnings(terminus.confirm_message(terminus.SCREEN_HEADER + "$ \n"), ["w"])
+    assert terminus.wrapper_spans(no_such_form) is None  # Terminus-2 shows no warnings on a completion turn
     err = terminus.parse_error_message("Invalid JSON: Expecting value: line 1 column 2 (char 1)",
                                        ["No valid JSON object found"])
     assert split_observation(err)[1] == ["Invalid JSON: Expecting value: line 1 column 2 (char 1)",

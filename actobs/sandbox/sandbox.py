@@ -288,9 +288,10 @@ class Sandbox:
         screen, diff = self._step(keystrokes, min(max(float(duration), 0.0), MAX_DURATION), read)
         if not read:
             return None
+        # limited with its header, as Terminus-2 limits what it reads
         if diff is None or not diff.strip():
-            return SCREEN_HEADER + screen
-        return OUTPUT_HEADER + truncate_output(diff)
+            return truncate_output(SCREEN_HEADER + screen)
+        return truncate_output(OUTPUT_HEADER + diff)
 
     def _step_result(self, out):
         """The step's result without its head (step number, length), or None if `out` is not all of this step's."""
