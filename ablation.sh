@@ -174,6 +174,11 @@ if [ $MODE = real ]; then
             for k in --data=$F/nemotron_terminal_sample.json --tb2=$F/tb2-tasks --aider=$F/aider --rl-tasks=$F/harbor
             do [ -n "${INPUT[${k%%=*}]:-}" ] || INPUT[${k%%=*}]=${k#*=}; done ;;
     esac
+    # Sampling as the paper's, every preset: GRPO's rollouts at T 0.6 (the paper's RL temperature as a published
+    # summary of it gives; top-p 1 and top-k off, so the trainer's log-probs, of logits / T, are the distribution
+    # sampled); evaluations at Qwen3's recommended thinking-mode sampling (T 0.6, top-p 0.95, top-k 20), colder than
+    # the paper's T* = 0.64, to which it raised ActionSFT + GRPO's evaluation (--all: T* replaces the temperature)
+    GRPO+=(--temperature 0.6) EVAL+=(--temperature 0.6 --top-p 0.95 --top-k 20)
     FETCH=(--model "$MODEL" --rows "$ROWS" --heldout "$HELDOUT_N" ${NETWORK:+--network "$NETWORK"})
     for k in --data --tb2 --aider --rl-tasks; do [ -z "${INPUT[$k]:-}" ] || FETCH+=("$k" "${INPUT[$k]}"); done
     NET=(${NETWORK:+--network "$NETWORK"})  # grpo.py's and evaluate.py's

@@ -39,7 +39,10 @@ def parse_args(argv=None):
     p.add_argument("--tasks", nargs="+", required=True, type=Path, help="Harbor task folders, or folders of them")
     p.add_argument("--out", type=Path, default=Path("results.json"), help="results JSON (resumed when it exists)")
     p.add_argument("--attempts", type=int, default=16, help="n: attempts per task")
-    p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (top-p 1, top-k off)")
+    p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: the smallest set of tokens with this "
+                   "much probability (1: all)")
+    p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0: all)")
     p.add_argument("--max-turns", type=int, default=0, help="agent replies per episode before it ends as max_turns; "
                    "0 (default): no cap, as Harbor's Terminus-2 (the task's agent timeout bounds an episode)")
     p.add_argument("--max-parse-errors", type=int, default=0, help="replies in a row the protocol rejects before the "
@@ -209,7 +212,7 @@ def attempt_record(attempt, ep):
 def settings_of(args):
     prompt = terminus.load_template(args.prompt_template)
     return {"model": str(args.model), "tasks": [str(p.resolve()) for p in args.tasks], "attempts": args.attempts,
-            "temperature": args.temperature, "max_turns": args.max_turns, "max_parse_errors": args.max_parse_errors,
+            "temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k, "max_turns": args.max_turns, "max_parse_errors": args.max_parse_errors,
             "max_new_tokens": args.max_new_tokens, "max_len": args.max_len, "prompt": prompt, "seed": args.seed,
             "dtype": args.dtype, "network": args.network, "keep_agent_processes": args.keep_agent_processes,
             "second_try": args.second_try, "grammar": args.grammar, "concurrency": args.concurrency}
@@ -220,8 +223,7 @@ def open_results(path, settings):
     if not path.exists():
         return {"settings": settings, "configs": [], "tasks": {}}
     results = json.loads(path.read_text())
-    changed = [k for k in RESUME_KEYS if results["settings"].get(k) != settings[k]
-               and not (k in NEWER_KEYS and k not in results["settings"] and not settings[k])]
+    changed = [k for k in RESUME_KEYS if results["settings"].get(k, NEWER_KEYS.get(k)) != settings[k]]
     if changed:
         raise SystemExit(f"{path} holds a run with other settings ({', '.join(changed)} differ): "
                          "use another --out, or the settings it was run with")
@@ -243,7 +245,8 @@ def vllm_rollout(args, session):
     def rollout(tasks, on_episode, stats):
         # Each episode samples with a seed from (seed, its index in `tasks`): a resumed session gets another seed,
         # so its first attempts do not replay the random streams of the first session's.
-        policy = engine.VLLMPolicy(llm, tokenizer, temperature=args.temperature, max_new_tokens=args.max_new_tokens,
+        policy = engine.VLLMPolicy(llm, tokenizer, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                                   max_new_tokens=args.max_new_tokens,
                                    max_len=args.max_len, seed=args.seed + session, grammar=args.grammar,
                                    logprobs=False)  # nothing trains on them
         with engine.engine_threads():

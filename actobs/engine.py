@@ -249,14 +249,17 @@ class VLLMPolicy:
     the closing's tokens forced) and it runs, unless the closing does not fit the context."""
 
     def __init__(self, engine, tok, *, temperature, max_new_tokens, max_len, seed=0, lockstep=False, logprobs=True,
-                 grammar=None):
+                 grammar=None, top_p=1.0, top_k=0):
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
         self.engine, self.tok, self.max_new_tokens, self.max_len, self.seed = engine, tok, max_new_tokens, max_len, seed
         self.lockstep = lockstep
-        # top_p 1 and top_k 0 (off): the ratio's denominator is the full softmax at T; a model's generation
-        # config (Qwen3: top_k 20) must not apply. logprobs=0: the sampled token's own log-prob.
-        self.params = dict(temperature=temperature, top_p=1.0, top_k=0, logprobs=0 if logprobs else None,
+        # top_p and top_k as asked, 1 and 0 (off) by default: a model's generation config (Qwen3: top_k 20) must not
+        # apply, and a trainer's ratio needs the full softmax at T as its denominator (grpo.py keeps the defaults).
+        # logprobs=0: the sampled token's own log-prob.
+        if logprobs and (top_p < 1.0 or top_k > 0):
+            raise ValueError("VLLMPolicy: log-probs for training are the full softmax's at T: top_p 1 and top_k 0")
+        self.params = dict(temperature=temperature, top_p=top_p, top_k=top_k, logprobs=0 if logprobs else None,
                            detokenize=False, output_kind=RequestOutputKind.FINAL_ONLY)
         self.compiled, self.grammar = None, grammar
         if grammar:

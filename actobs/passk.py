@@ -10,10 +10,12 @@ from collections import Counter
 from actobs import episode
 
 # Settings that change what an attempt means; a resumed run must have the same ones.
-RESUME_KEYS = ("model", "tasks", "attempts", "temperature", "max_turns", "max_parse_errors", "max_new_tokens",
-               "max_len", "prompt", "seed", "dtype", "network", "keep_agent_processes", "second_try", "grammar")
-# absent from older results files: they were off
-NEWER_KEYS = ("network", "keep_agent_processes", "second_try", "grammar")
+RESUME_KEYS = ("model", "tasks", "attempts", "temperature", "top_p", "top_k", "max_turns", "max_parse_errors",
+               "max_new_tokens", "max_len", "prompt", "seed", "dtype", "network", "keep_agent_processes", "second_try",
+               "grammar")
+# absent from older results files: {key: the value they ran with}
+NEWER_KEYS = {"network": None, "keep_agent_processes": False, "second_try": False, "grammar": None, "top_p": 1.0,
+              "top_k": 0}
 
 
 def pass_at_k(n, c, k):

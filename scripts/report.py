@@ -190,8 +190,11 @@ def tstar_section(results, probes, names):
     e, t = probes["entropy_actobs-grpo"], probes["tstar_actionsft-grpo"]
     cmp = compare_within_kinds([(names[m], results[m]) for m in ("actionsft-grpo", TSTAR, "actobs-grpo")])
     moved = max(abs(r["diff"][1]) for r in cmp["rows"])
+    # the paper's T* raises ActionSFT + GRPO's temperature (its entropy fell below ActObs + GRPO's); a T* below the
+    # evaluation's is a lowering, and the report says so
+    way = "a raise" if t["t_star"] > e["temperature"] else "not a raise: a lowering"
     text = (f"Self-entropy of {names['actobs-grpo']} at the evaluation temperature T = {e['temperature']:g}: "
-            f"{e['entropy']:.3f} nats/token; {names['actionsft-grpo']} matches it at T* = {t['t_star']:.3f} "
+            f"{e['entropy']:.3f} nats/token; {names['actionsft-grpo']} matches it at T* = {t['t_star']:.3f}, {way} "
             f"(probes/tstar_actionsft-grpo.json, .png). At T* its pass@k moves by at most {100 * moved:.1f} points "
             f"and it solves {cmp['solved'][1] - cmp['solved'][0]:+d} distinct tasks (the paper: T* = 0.64, at most "
             "0.7 points, no extra task: ActObs's gain is not the randomness of a higher temperature).")

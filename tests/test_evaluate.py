@@ -168,6 +168,19 @@ def test_results_from_before_the_network_options_resume_with_them_off(tmp_path):
     with pytest.raises(SystemExit, match="network differ"):
         evaluate.open_results(tmp_path / "r.json", evaluate.settings_of(evaluate.parse_args(
             ["--model", "m", "--tasks", str(tmp_path), "--network", "host"])))
+    with pytest.raises(SystemExit, match="top_p, top_k differ"):  # they sampled the full softmax
+        evaluate.open_results(tmp_path / "r.json", evaluate.settings_of(evaluate.parse_args(
+            ["--model", "m", "--tasks", str(tmp_path), "--top-p", "0.95", "--top-k", "20"])))
+
+
+def test_a_policy_that_trains_samples_the_full_softmax(tokenizer):
+    """Log-probs a trainer's ratio divides by are the full softmax's at T: a truncated sampler (top-p, top-k) is
+    refused where the replies carry log-probs, and allowed for evaluation, which carries none."""
+    from actobs import engine
+    kw = dict(temperature=0.6, max_new_tokens=8, max_len=64)
+    with pytest.raises(ValueError, match="top_p 1 and top_k 0"):
+        engine.VLLMPolicy(None, tokenizer, top_p=0.95, **kw)
+    assert engine.VLLMPolicy(None, tokenizer, top_p=0.95, top_k=20, logprobs=False, **kw).params["top_k"] == 20
 
 
 def test_results_say_whether_replies_were_constrained(tmp_path):
