@@ -165,7 +165,11 @@ def test_sandboxes_bind_one_port_and_never_reach_each_other(base_image):
             list(pool.map(lambda sb: sb.start(), boxes))
         for sb in boxes:
             sb.exec(serve)
-        time.sleep(1)
+        for sb in boxes:  # each server up (python's start, on a loaded host) before anything is concluded
+            for _ in range(60):
+                if connect(sb, "127.0.0.1", 8000, "x") == "me":
+                    break
+                time.sleep(0.5)
         assert len({sb.address for sb in boxes}) == 8
         for i, sb in enumerate(boxes):
             assert connect(sb, sb.address, 8000, "x") == "me", i
