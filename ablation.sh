@@ -43,7 +43,7 @@ if ((BASH_VERSINFO[0] < 5 || (BASH_VERSINFO[0] == 5 && BASH_VERSINFO[1] < 1))); 
 fi
 USAGE="usage: bash ablation.sh [--quick] [--all] [--sweep[=λ,λ,...]]
        bash ablation.sh --model ID|DIR|tiny [--preset quick|paper] [--all] [--sweep[=...]] [--data ROWS]
-                        [--tb2 DIR] [--aider DIR] [--rl-tasks DIR] [--network MODE]"
+                        [--tb2 DIR] [--aider DIR] [--rl-tasks DIR] [--network egress|host|none]"
 MODE=full LAMBDAS='' ALL='' MODEL='' PRESET='' NETWORK=unset
 declare -A INPUT=()  # scripts/fetch.py's flags: --data, --tb2, --aider, --rl-tasks
 while [ $# -gt 0 ]; do
@@ -57,7 +57,8 @@ while [ $# -gt 0 ]; do
             case $1 in
                 --model) MODEL=$2 ;;
                 --preset) PRESET=$2 ;;
-                --network) NETWORK=$2 ;;
+                --network) [[ $2 =~ ^(egress|host|none)$ ]] || { echo "--network: egress, host or none" >&2; exit 2; }
+                           NETWORK=${2/#none/} ;;
                 *) INPUT[$1]=$2 ;;
             esac
             shift ;;
@@ -140,11 +141,14 @@ if [ $MODE = quick ]; then
 fi
 # A real model: the same arms, comparisons and recipe, the preset's sizes. GRPO as the paper's (no KL term: no
 # initial policy is held); episodes as Harbor's Terminus-2 runs them (no turn cap, parse errors never end one: the
-# flags' defaults; the CPU rehearsal keeps 2 turns); the network for the tasks that allow it (Endless Terminals'
-# verifiers fetch uv) through the private daemon's host network (.ci/dockerd.sh: no bridge), not the rehearsal's
+# flags' defaults; the CPU rehearsal keeps 2 turns); the tasks that allow the internet (Endless Terminals' verifiers
+# fetch uv) get it through the egress network (the internet, nothing of the node's: docs/sandboxes.md; a node that
+# cannot have it stops the run here), not the rehearsal's
 if [ $MODE = real ]; then
     HELDOUT_N=256 SAMPLE=(--max-new-tokens 1024)
-    [ "$NETWORK" = unset ] && { [ "$PRESET" = rehearsal ] && NETWORK='' || NETWORK=host; }
+    [ "$NETWORK" = unset ] && { [ "$PRESET" = rehearsal ] && NETWORK='' || NETWORK=egress; }
+    # made (or refused, saying why) now, not after hours of SFT
+    [ "$NETWORK" != egress ] || python -c 'from actobs.sandbox import network; network.ensure()'
     case $PRESET in
         quick)  # an afternoon on one 8-GPU node: a small Qwen3, 4,000 rows, 20 GRPO steps, 4 attempts a task
             ROWS=4000

@@ -12,7 +12,7 @@ Needs a Docker daemon (DOCKER_HOST); `. .ci/dockerd.sh start` starts a private o
                                                            # and ubuntu:22.04 (Endless Terminals')
     python envs.py oracle tests/fixtures/harbor/*          # run solution/solve.sh, print rewards (expect 1.0)
     python envs.py oracle --noop tests/fixtures/harbor/*   # do nothing, print rewards (expect 0.0)
-    python envs.py oracle --network host tests/fixtures/harbor/pip-install   # a task that downloads at solve time
+    python envs.py oracle --network egress tests/fixtures/harbor/pip-install # a task that downloads at solve time
     python envs.py corpus --out data/corpus --n-sft 200 --n-rl 64 --n-eval 64 --seed 0
     python envs.py sweep                                   # remove sandboxes left by dead processes
 """
@@ -28,6 +28,7 @@ from actobs.episode import Episode
 from actobs.sandbox.container_files import LayerLimit, put_files
 from actobs.sandbox.daemon import BASE_IMAGE, sweep
 from actobs.sandbox.images import STANDIN_SUITE, STANDIN_TAGS, build_base_image
+from actobs.sandbox.network import EGRESS, HOST, ensure
 from actobs.sandbox.sandbox import DiskLimit, ProcessLimit, Sandbox, ShellExited
 from actobs.sandbox.verify import Tampered, VERIFIER_DIR, verify
 from actobs.tasks import load_task, task_from_spec
@@ -55,8 +56,8 @@ def parse_args(argv=None):
     o.add_argument("tasks", nargs="+", type=Path, help="Harbor task folders")
     o.add_argument("--noop", action="store_true", help="do nothing instead of solving (the reward must be 0)")
     o.add_argument("--concurrency", type=int, default=4)
-    o.add_argument("--network", metavar="MODE", help="give tasks that allow the internet this Docker network "
-                   "(bridge, host, a network's name; Sandbox's docstring says which isolates); default: none")
+    o.add_argument("--network", choices=(EGRESS, HOST), help="give tasks that allow the internet a network: egress "
+                   "(the internet, nothing of the host's: docs/sandboxes.md) or host (not isolated); default: none")
     o.add_argument("--keep-agent-processes", action="store_true", help="leave what solve.sh started running for "
                    "the verifier (tests of a service); see evaluate.py --keep-agent-processes")
 
@@ -79,8 +80,8 @@ def parse_args(argv=None):
 # Episodes
 
 def open_sandbox(task, network=None):
-    """network: a Docker network mode ("bridge", "host", a network's name) for a task that allows the internet;
-    None, or a task with allow_internet = false: no network."""
+    """network: "egress" or "host" (Sandbox) for a task that allows the internet; None, or a task with
+    allow_internet = false: no network."""
     return Sandbox(task.image, workdir=task.workdir, user=task.user, cpus=task.cpus, memory_mb=task.memory_mb,
                    storage_mb=task.storage_mb, inodes=task.inodes, network=network if task.allow_internet else None,
                    files=task.files, tmpfs=(VERIFIER_DIR,))
@@ -295,13 +296,16 @@ def run_episodes(tasks, policy, *, max_turns=0, concurrency=8, template=None, ne
     (engine.VLLMPolicy) generates while sandboxes step: an episode's next turn is queued the moment its
     observation is back. on_episode(i, episode) is called as each one ends. `stats`, a dict, receives wall_s,
     policy_s (time inside poll: the generator working) and idle_s (the generator waiting for sandboxes).
-    Sandboxes are removed even if the policy raises. network: a Docker network mode for the tasks that allow the
-    internet (open_sandbox), None for none. keep_agent: verify(..., keep_agent). second_try: after a confirmed
-    completion that the verifier scores below 1, the agent sees its output and goes on once (_Run.retry).
+    Sandboxes are removed even if the policy raises. network: "egress" or "host" for the tasks that allow the
+    internet (open_sandbox), None for none; where this host cannot have the egress network nothing runs
+    (network.ensure raises). keep_agent: verify(..., keep_agent). second_try: after a confirmed completion that the
+    verifier scores below 1, the agent sees its output and goes on once (_Run.retry).
     strict: an agent that changed what the verifier loads or runs scores 0 as `tampered` (verify): what RL needs;
     evaluate.py passes False (Harbor's semantics; the evidence is counted)."""
     template = template or DEFAULT_PROMPT
     policy = policy if hasattr(policy, "submit") else BatchPolicy(policy)
+    if network == EGRESS and any(t.allow_internet for t in tasks):
+        ensure()  # a host without the egress network stops the run here, saying why (not a sandbox_error each)
     sweep()
     runs = [_Run(t, template, network, keep_agent, second_try, strict) for t in tasks]
     todo, env, live, asked = list(range(len(runs)))[::-1], {}, 0, {}  # env: future of a pool job -> episode
@@ -372,6 +376,8 @@ def run_oracle(tasks, *, noop=False, concurrency=4, network=None, keep_agent=Fal
             ep.failure, ep.error = "sandbox_error", f"{type(e).__name__}: {e}"
         ep.timings["total_s"] = time.time() - t0
         return ep
+    if network == EGRESS and any(t.allow_internet for t in tasks):
+        ensure()  # as in run_episodes
     sweep()
     with ThreadPoolExecutor(max(1, concurrency)) as pool:
         return list(pool.map(one, tasks))

@@ -54,11 +54,11 @@ def parse_args(argv=None):
     p.add_argument("--concurrency", type=int, default=8, help="sandboxes live at once")
     p.add_argument("--transcripts", type=Path, help="also append every episode to this JSONL: its record, the "
                    "verifier's output and the conversation (the SFT corpus's form), to read what the policy did")
-    p.add_argument("--network", metavar="MODE", help="give the tasks that allow the internet (task.toml "
-                   "allow_internet, Harbor's default: true) this Docker network: bridge (NAT, isolated from the host's "
-                   "network; a daemon with --bridge=none has none), host (the host's network namespace: not isolated) "
-                   "or a network's name. Default: no network for any task (an attempt that failed for want of it is "
-                   "counted apart as 'needs network')")
+    p.add_argument("--network", choices=("egress", "host"), help="give the tasks that allow the internet (task.toml "
+                   "allow_internet, Harbor's default: true) a network: egress (the internet through NAT, nothing of "
+                   "the host's nor of another sandbox: docs/sandboxes.md; where this host cannot have it the run "
+                   "stops) or host (the host's network namespace: not isolated). Default: no network for any task "
+                   "(an attempt that failed for want of it is counted apart as 'needs network')")
     p.add_argument("--keep-agent-processes", action="store_true", help="leave the agent's processes running while "
                    "the verifier runs (tests that probe a service the agent started, as Harbor does). Trade-off: "
                    "anything the agent left behind can then write the reward file or change the tests, so a reward "

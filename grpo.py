@@ -59,8 +59,8 @@ def get_parser():
                    "episode ends as parse_errors; 0: never, as Harbor's")
     g.add_argument("--max-new-tokens", type=int, default=4096, help="tokens per reply")
     g.add_argument("--max-len", type=int, default=16384, help="tokens per episode; longer ones are cut and flagged")
-    g.add_argument("--network", metavar="MODE", help="Docker network for the tasks that allow the internet: bridge, "
-                   "host or a network's name (evaluate.py --network); default: none for any task")
+    g.add_argument("--network", choices=("egress", "host"), help="a network for the tasks that allow the internet: "
+                   "egress or host (evaluate.py --network); default: none for any task")
     g.add_argument("--grammar", **terminus.GRAMMAR_FLAG)
     g = p.add_argument_group("objective")
     g.add_argument("--clip", type=float, default=0.2, help="PPO clip epsilon on the importance ratio (both sides)")

@@ -7,8 +7,10 @@
 #
 # State lives under $ACTOBS_DOCKER_ROOT (default /var/lib/actobs-docker): data-root, exec-root, pidfile,
 # socket and log. Sourcing `start` exports DOCKER_HOST; running it prints the export line.
-# The daemon runs without iptables and without a bridge: sandboxes use network_mode="none", and image
-# builds use --network host, so no NAT rules are touched on the host.
+# The daemon runs without iptables and without a bridge: sandboxes are NetworkDisabled (the egress network is the
+# project's own bridge, actobs/sandbox/network.py), and image builds use --network host, so it touches no NAT rule.
+# It may run beside a node's own Docker (whose dockerd binary it then is): its own data, sockets and containerd
+# namespace, no iptables rule (a dockerd with iptables removes the other's DOCKER chains when it starts).
 #
 # The daemon's store sits in a file system of fixed size: a sparse file under $ACTOBS_DOCKER_ROOT
 # ($ACTOBS_DOCKER_DISK_GB, default half the free space where it is made), loop-mounted, so the kernel stops every
@@ -170,7 +172,10 @@ _actobs_start() {
             fi
         fi
         mkdir -p "$data" || return 1
+        # the containerd namespaces: a node's containerd (containerd.io), which dockerd uses where it runs, keeps
+        # these containers apart from the node's daemon's
         nohup dockerd --iptables=false --ip6tables=false --bridge=none --storage-driver="${driver/xfs/overlay2}" \
+            --containerd-namespace actobs --containerd-plugins-namespace actobs-plugins \
             --data-root "$data" --exec-root "$ACTOBS_DOCKER_ROOT/exec" \
             --pidfile "$_actobs_pid" -H "unix://$_actobs_sock" \
             >>"$ACTOBS_DOCKER_ROOT/dockerd.log" 2>&1 </dev/null &

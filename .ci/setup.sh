@@ -1,14 +1,10 @@
 # shellcheck shell=bash
-# Sourced by .ci/run and ablation.sh: installs what ActObs needs on a fresh Debian machine (as root), starts a
-# private Docker daemon (stopped again when the sourcing shell exits) and builds the sandbox base image (reused
-# when present).
+# Sourced by .ci/run and ablation.sh: installs what ActObs needs on a fresh Debian machine or a GPU node (as root;
+# a Docker engine already there is used, nothing that conflicts with it installed: .ci/packages.sh), starts a
+# private Docker daemon beside it (stopped again when the sourcing shell exits) and builds the sandbox base image
+# (reused when present).
 export DEBIAN_FRONTEND=noninteractive
-# xfsprogs: the daemon's disk quota (.ci/dockerd.sh; btrfs-progs: the opt-in one); without them budgets are only
-# watched
-if ! command -v dockerd >/dev/null || ! command -v debootstrap >/dev/null || ! command -v mkfs.xfs >/dev/null \
-        || ! command -v mkfs.btrfs >/dev/null; then
-    apt-get update -qq && apt-get install -y -qq docker.io debootstrap xfsprogs btrfs-progs >/dev/null
-fi
+.ci/packages.sh
 [ -x .venv/bin/python ] || python3 -m venv .venv
 # shellcheck source=/dev/null  # made by the line above
 . .venv/bin/activate
@@ -25,7 +21,10 @@ if ! cmp -s $REQ ".venv/${REQ%.txt}.installed"; then
     cp $REQ ".venv/${REQ%.txt}.installed"
 fi
 # The daemon is stopped when the sourcing shell exits only if this started it: one already up serves another run.
-if ! .ci/dockerd.sh status >/dev/null 2>&1; then trap '.ci/dockerd.sh stop' EXIT; fi
-. .ci/dockerd.sh start >/dev/null
+# Without a dockerd here (a Docker engine that only answers on its socket) the node's daemon runs the sandboxes.
+if command -v dockerd >/dev/null; then
+    if ! .ci/dockerd.sh status >/dev/null 2>&1; then trap '.ci/dockerd.sh stop' EXIT; fi
+    . .ci/dockerd.sh start >/dev/null
+fi
 python envs.py base-image  # the generated tasks' image; the tests' base_image fixture adds the Terminal-Bench stand-in
                            # (base-image --standin, ~3.5 min once), which the ablation does not need

@@ -1,6 +1,8 @@
 """
 Sandbox benchmark: start latency, the terminal step next to a raw `docker exec` round trip, and throughput with
-1, 8 and 32 concurrent sandboxes. All numbers come from the same run, on the same daemon.
+1, 8 and 32 concurrent sandboxes; then the egress network's cost (root: actobs/sandbox/network.py): a sandbox's start
+and its removal with it and without a network, alternately, and the largest concurrency's start with it. All numbers
+come from the same run, on the same daemon.
 
 With --daemons, the same run instead compares Docker daemons (e.g. one with a kernel-enforced disk quota against
 plain overlay2; each must hold the base image): rounds of `--episodes` concurrent one-command episodes
@@ -27,7 +29,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import envs
-from actobs.sandbox import daemon, disk, sandbox, verify
+from actobs.sandbox import daemon, disk, network, sandbox, verify
 from actobs.tasks import Task
 
 
@@ -61,9 +63,10 @@ def timed(fn, reps):
     return out
 
 
-def throughput(image, n, steps):
-    """n sandboxes started together, each runs `steps` quick commands; returns (start wall s, steps/s, step times)."""
-    boxes, step_times = [sandbox.Sandbox(image, memory_mb=256) for _ in range(n)], []
+def throughput(image, n, steps, net=None):
+    """n sandboxes started together (on network `net`), each runs `steps` quick commands; returns (start wall s,
+    steps/s, step times)."""
+    boxes, step_times = [sandbox.Sandbox(image, memory_mb=256, network=net) for _ in range(n)], []
 
     def start(sb):
         sb.start()
@@ -92,6 +95,37 @@ def throughput(image, n, steps):
 # step returns once the shell is idle: 10 s is only its bound, for a daemon slow under load).
 ONE_COMMAND = json.dumps({"analysis": "", "plan": "", "commands": [{"keystrokes": "echo hi > /app/out\n",
                                                                      "duration": 10}], "task_complete": True})
+
+
+def start_stop(image, net):
+    """Seconds to start a sandbox on network `net` (container, network, terminal, first screen), and to remove it."""
+    t0 = time.perf_counter()
+    sb = sandbox.Sandbox(image, memory_mb=256, network=net)
+    try:
+        sb.start()
+        sb.screen()
+    finally:
+        t1 = time.perf_counter()
+        sb.close()
+    return t1 - t0, time.perf_counter() - t1
+
+
+def compare_networks(args):
+    """Start and removal with no network and with egress, alternating (so load drifts touch both), and the largest
+    concurrency's start on each."""
+    network.ensure()  # made outside the timed part
+    times = {None: [], network.EGRESS: []}
+    for r in range(args.reps):
+        for net in (None, network.EGRESS) if r % 2 == 0 else (network.EGRESS, None):
+            times[net].append(start_stop(args.image, net))
+    for i, what in enumerate(("start", "removal")):
+        base, egress = ([t[i] for t in times[net]] for net in (None, network.EGRESS))
+        print(f"sandbox {what:7s} no network: {ms(base)} | egress: {ms(egress)} | "
+              f"ratio {statistics.median(egress) / statistics.median(base):.2f}x")
+    n = max(args.concurrency)
+    walls = {net: throughput(args.image, n, 1, net)[0] for net in (None, network.EGRESS)}
+    print(f"concurrency {n:3d}: start all, no network {walls[None]:5.1f} s | egress {walls[network.EGRESS]:5.1f} s | "
+          f"ratio {walls[network.EGRESS] / walls[None]:.2f}x")
 
 
 def use_daemon(host):
@@ -197,6 +231,7 @@ def main(argv=None):
     for n in args.concurrency:
         t_start, rate, step_times = throughput(args.image, n, args.steps)
         print(f"concurrency {n:3d}: start all {t_start:5.1f} s | {rate:6.1f} steps/s | step {ms(step_times)}")
+    compare_networks(args)
     assert daemon.my_containers() == []
 
 

@@ -22,6 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
     (["--model", "tiny", "--preset", "huge"], {}, "--preset huge: quick, paper or rehearsal"),
     (["--model", "tiny", "--quick"], {}, "--quick is the CPU world's; with --model pick a --preset"),
     (["--tb2", "tasks/tb2"], {}, "--preset, --data, --tb2, --aider, --rl-tasks and --network go with --model"),
+    (["--model", "tiny", "--network", "bridge"], {}, "--network: egress, host or none"),
 ])
 def test_bad_input_stops_the_run_before_it_installs_anything(args, env, message):
     # input let through would start the install (minutes): the 30 s timeout fails the test then

@@ -7,6 +7,7 @@ import re
 import time
 
 from actobs.sandbox import disk
+from actobs.sandbox import network as net
 from actobs.sandbox.container_files import changes, overlay_dirs, put_files
 from actobs.sandbox.daemon import LABEL, SandboxError, docker_client, host_cpus, owner_label
 from actobs.sandbox.images import STANDIN_ONLINE
@@ -93,7 +94,7 @@ emit "$state 0 1"$'\n'
 """
 STEP_SHELL = "step"  # $0 of TERMINAL_STEP's bash: its own errors read "step: ..." (a fork it could not make, e.g.)
 
-# /etc/hosts of a sandbox without a network (printf's escapes), as Docker writes it for one with a network
+# /etc/hosts of a sandbox not on the host's network (printf's escapes), as Docker writes it for one with a network
 HOSTS = r"127.0.0.1\tlocalhost\n::1\tlocalhost ip6-localhost ip6-loopback\n127.0.1.1\tsandbox\n"
 
 # PID 1 of every sandbox: bash with every catchable signal ignored. The kernel never delivers SIGKILL/SIGSTOP
@@ -138,18 +139,20 @@ class Sandbox:
     """A container with the task's limits and a tmux terminal; use as a context manager (always removed).
     storage_mb, inodes: the disk budget of the container's writable layer, its bytes and its entries (disk.Budget: what
     holds it on each kind of daemon; inodes None: its default for storage_mb).
-    network: None (no network: only loopback) or a Docker network mode: "bridge" (the daemon's NAT network: the
-    internet, not the host's own network), "host" (the host's network namespace, its local services included: the
-    only way out on a daemon started with --bridge=none and no iptables, like .ci/dockerd.sh's, whose user-defined
-    bridges reach nothing), or a user-defined network's name."""
+    network: None (no network: only loopback), "egress" (the internet through NAT, nothing of the host's nor of
+    another sandbox: network.py) or "host" (the host's network namespace, its local services included: not
+    isolated)."""
 
     def __init__(self, image, *, workdir="/app", user="root", cpus=1.0, memory_mb=2048, storage_mb=DEFAULT_STORAGE_MB,
                  inodes=None, pids=1024, network=None, files=(), tmpfs=()):
         self.image, self.workdir, self.user = image, workdir, user
         self.tmpfs = tmpfs  # folders mounted as tmpfs (exec, root's): scratch space outside the disk budget
         self.cpus, self.memory_mb, self.storage_mb = cpus, memory_mb, storage_mb
+        if network not in (None, net.EGRESS, net.HOST):
+            raise ValueError(f"network {network!r}: none (None), {net.EGRESS!r} or {net.HOST!r}")
         self.pids, self.network, self.files = pids, network, files
         self.container = None
+        self.address = None  # on the egress network: the sandbox's IPv4 address (network.attach)
         self.disk = disk.Budget(storage_mb, inodes)
         self._start = 0  # pane line where the next observation begins
         self._anchor = ""  # that line's text when it was read
@@ -179,10 +182,12 @@ class Sandbox:
             # The image's own entrypoint is replaced: the container only has to stay up for our execs. PID 1 is
             # bash (INIT). A fixed hostname keeps prompts and observations reproducible from the seed.
             self.image, entrypoint=["bash", "-c", INIT], labels={LABEL: owner_label()},
-            # No network: NetworkDisabled, so that dockerd makes no libnetwork endpoint at all (the container still
-            # gets a network namespace of its own, loopback only). On the shared "none" network, two containers torn
-            # down at once can deadlock Debian 12's docker.io 20.10.24 for good (moby/libnetwork#2649; a CI run saw it).
-            hostname="sandbox", network_mode=self.network or "none", network_disabled=not self.network,
+            # Every sandbox not on the host's network is NetworkDisabled, so that dockerd makes no libnetwork
+            # endpoint (the container still gets a network namespace of its own, loopback only; egress is plumbed into
+            # it below). On a shared network, two containers torn down at once can deadlock Debian 12's docker.io
+            # 20.10.24 for good (moby/libnetwork#2649; a CI run saw it on "none").
+            hostname="sandbox", network_mode="host" if self.network == net.HOST else "none",
+            network_disabled=self.network != net.HOST,
             mem_limit=f"{self.memory_mb}m",
             memswap_limit=f"{self.memory_mb}m", pids_limit=self.pids, nano_cpus=int(host_cpus(self.cpus) * 1e9),
             working_dir=self.workdir, environment=env, tmpfs={path: "exec,mode=700" for path in self.tmpfs},
@@ -196,10 +201,17 @@ class Sandbox:
         upper = (overlay_dirs(self.container) or (None,))[0]  # None: the daemon is asked (slower)
         self.disk.watch(self.container, upper)
         # Harbor tasks expect these to exist and be writable by the agent's user.
-        # without a network Docker writes no /etc/hosts: localhost and the hostname resolve as they would with one
-        hosts = "" if self.network else f" && printf '{HOSTS}' > /etc/hosts"
-        code, out = self.exec(f"mkdir -p {self.workdir} /logs/agent /logs/verifier && "
-                              f"chmod 777 /logs/agent /logs/verifier{hosts}", user="root")
+        setup = f"mkdir -p {self.workdir} /logs/agent /logs/verifier && chmod 777 /logs/agent /logs/verifier"
+        # Docker writes no /etc/hosts or /etc/resolv.conf for a NetworkDisabled container: localhost and the hostname
+        # resolve as they would with a network, and names through the host's name servers with egress
+        if self.network != net.HOST:
+            setup += f" && printf '{HOSTS}' > /etc/hosts"
+        if self.network == net.EGRESS:
+            egress = net.ensure()
+            self.address = net.attach(self.container, egress)
+            servers = "".join(f"nameserver {s}\\n" for s in egress.nameservers)
+            setup += f" && rm -f /etc/resolv.conf && printf '{servers}' > /etc/resolv.conf"
+        code, out = self.exec(setup, user="root")
         if code != 0:
             raise SandboxError(f"{self.image}: could not prepare the container: {decode(out)[-300:]}")
         if self.files:
