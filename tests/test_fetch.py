@@ -303,3 +303,30 @@ def test_the_oracle_pass_builds_concurrently_resumes_and_splits(tmp_path, monkey
     tasks.mkdir()
     fetch.rl_split(src, tasks, None, False, 2, 7, concurrency=2, build_concurrency=2)
     assert sorted(p.name for p in (tasks / "rl-heldout").iterdir()) == held
+
+
+def test_the_prompt_written_for_rl_and_evaluation(tmp_path):
+    """RUN/prompt_template.txt: the rows' (written by the draw's rows), Harbor's current one from its published wheel
+    (its str.format braces undone; a line of its instructions differs from the rows'), or a user's file, which must
+    have both placeholders."""
+    run = tmp_path / "run"
+    run.mkdir()
+    real = json.loads((FIXTURES / "nemotron_terminal_sample.json").read_text())
+    rows.draw([FIXTURES / "nemotron_terminal_sample.json"], run / "train.jsonl", run / "heldout.jsonl", 2, 1, 0)
+    assert fetch.prompt("rows", run, tmp_path) == {"source": "rows", **rows.prompt_template(
+        [run / "train.jsonl", run / "heldout.jsonl"])[1]}
+    ours = (run / "prompt_template.txt").read_text()
+    assert ours == rows.row_template(real[0]["conversations"])
+    fetch.prompt("harbor", run, tmp_path / "cache")
+    harbor = (run / "prompt_template.txt").read_text()
+    assert terminus.load_template(run / "prompt_template.txt") == harbor and "{{" not in harbor
+    changed = [a for a, b in zip(ours.splitlines(), harbor.splitlines()) if a != b]
+    assert len(ours.splitlines()) == len(harbor.splitlines()) and 1 <= len(changed) <= 3
+    mine = tmp_path / "mine.txt"
+    mine.write_text("Solve {instruction}. Screen: {terminal_state}")
+    assert fetch.prompt(str(mine), run, tmp_path)["file"] == str(mine)
+    assert (run / "prompt_template.txt").read_text() == mine.read_text()
+    mine.write_text("no placeholders")
+    with pytest.raises(ValueError, match="lacks the {instruction} placeholder"):
+        fetch.prompt(str(mine), run, tmp_path)
+    assert (run / "prompt_template.txt").read_text() == "Solve {instruction}. Screen: {terminal_state}"
