@@ -162,8 +162,8 @@ if [ $MODE = real ]; then
             EVAL=(--attempts 16 --max-turns 100 --max-new-tokens 8192 --max-len 65536 --concurrency 32)
             EVAL_SFT=(--attempts 16) EVAL_BASE=(--attempts 16) PROBE=(--n 256 --max-len 16384) ;;
         rehearsal)  # on CPU: a tiny random Qwen3, the fixtures' 3 rows and tasks, a step or two of everything; offline:
-            # the stand-in images, one solvable RL task held out
-            ROWS=2 HELDOUT_N=1 SAMPLE=(--max-new-tokens 32) OFFLINE_IMAGES=1 FETCH_MORE=(--rl-heldout 1)
+            # the stand-in images; every solvable RL task trains (a set with one still rehearses)
+            ROWS=2 HELDOUT_N=1 SAMPLE=(--max-new-tokens 32) OFFLINE_IMAGES=1 FETCH_MORE=(--rl-heldout 0)
             SFT=(--lr 2e-3 --batch-size 1 --epochs 1 --max-len 4096 --micro-tokens 1 --val-size 1 --eval-every 0
                  --save-every 0 --keep 1 --probe-every 1)
             GRPO=(--steps 2 --tasks-per-step 1 --group-size 2 --lr 1e-4 --scale-std --redraw 1 --max-turns 2

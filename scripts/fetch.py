@@ -42,6 +42,8 @@ import zipfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from tqdm import tqdm
+
 import envs
 from actobs import terminus, tiny
 from actobs.tasks import load_task
@@ -195,9 +197,11 @@ def prompt(spec, run, cache):
         text, info = rows.prompt_template([run / "train.jsonl", run / "heldout.jsonl"])
         print(f"prompt: {info['agree']} of {info['rows']} rows share one template; {info['differ']} differ "
               f"({info['no_layout']} not in Terminus-2's layout)", *info["differ_examples"], sep="\n  ")
-        if text is None:
-            raise SystemExit("no row has Terminus-2's layout (its first user turn: the prompt, 'Task Description:', "
-                             "the task, 'Current terminal state:'): pass --prompt-template FILE or harbor")
+        if text is None:  # rows of another agent: nothing to take; RL and evaluation then prompt as terminus does
+            print("prompt: no row has Terminus-2's layout (its first user turn: the prompt, 'Task Description:', the "
+                  "task, 'Current terminal state:'); terminus.DEFAULT_PROMPT is used, which SFT never saw: pass "
+                  "--prompt-template FILE or harbor", file=sys.stderr)
+            text, info = terminus.DEFAULT_PROMPT, {**info, "default": "no row in Terminus-2's layout"}
     elif spec == "harbor":
         text, info = harbor_template(cache), {"harbor": HARBOR_VERSION}
     else:
@@ -301,7 +305,7 @@ def oracle_pass(folders, results, network, pull, concurrency, build_concurrency)
         os.replace(results.with_suffix(".tmp"), results)
     done = read_results(results)
     todo = [f for f in folders if f.name not in done]
-    lock = threading.Lock()
+    lock, progress = threading.Lock(), tqdm(total=len(todo), desc="oracle pass", unit="task")
 
     def record(folder, **fields):
         line = json.dumps({"task": folder.name, **fields}) + "\n"
@@ -309,6 +313,7 @@ def oracle_pass(folders, results, network, pull, concurrency, build_concurrency)
             f.write(line)
             f.flush()
             os.fsync(f.fileno())
+            progress.update()
 
     def run(folder, task):
         ep, = envs.run_oracle([task], concurrency=1, network=network)
@@ -328,6 +333,7 @@ def oracle_pass(folders, results, network, pull, concurrency, build_concurrency)
                 record(folder, reward=None, failure="no_solution", image=None)
         for r in runs:
             r.result()
+    progress.close()
     return read_results(results)
 
 

@@ -224,7 +224,8 @@ def _count(path, offsets):
 def token_stats(model, path, workers=None, chunk=64):
     """Tokens of the rows of `path` with the model's tokenizer, whole rows (sft.py's --max-len cuts longer ones),
     labelled as labels.py labels them; the observation share is OBS / (ACTION + OBS): of the tokens that carry loss.
-    Rendered in `workers` processes (default: every core), each reading its rows from the file."""
+    Rendered in `workers` processes (default: every core, at most 16: each holds its own tokenizer), each reading its
+    rows from the file."""
     offsets, pos = [], 0
     with open(path, "rb") as f:
         for line in f:
@@ -232,7 +233,7 @@ def token_stats(model, path, workers=None, chunk=64):
             pos += len(line)
     totals, failed = np.zeros(3, dtype=np.int64), 0
     ctx = multiprocessing.get_context("spawn")  # a fresh interpreter: no forked tokenizer threads
-    with concurrent.futures.ProcessPoolExecutor(workers or os.cpu_count(), mp_context=ctx, initializer=_load,
+    with concurrent.futures.ProcessPoolExecutor(workers or min(os.cpu_count(), 16), mp_context=ctx, initializer=_load,
                                                 initargs=(str(model),)) as pool:
         jobs = [pool.submit(_count, str(path), offsets[i: i + chunk]) for i in range(0, len(offsets), chunk)]
         for job in jobs:

@@ -330,3 +330,9 @@ def test_the_prompt_written_for_rl_and_evaluation(tmp_path):
     with pytest.raises(ValueError, match="lacks the {instruction} placeholder"):
         fetch.prompt(str(mine), run, tmp_path)
     assert (run / "prompt_template.txt").read_text() == "Solve {instruction}. Screen: {terminal_state}"
+    # rows of another agent: nothing to take, terminus's own prompt, and the record says why
+    (run / "train.jsonl").write_text("".join(json.dumps({"conversations": conv(i)}) + "\n" for i in range(2)))
+    (run / "heldout.jsonl").write_text(json.dumps({"conversations": conv(2)}) + "\n")
+    info = fetch.prompt("rows", run, tmp_path)
+    assert (info["agree"], info["no_layout"], info["default"]) == (0, 3, "no row in Terminus-2's layout")
+    assert (run / "prompt_template.txt").read_text() == terminus.DEFAULT_PROMPT
