@@ -305,6 +305,7 @@ def oracle_pass(folders, results, network, pull, concurrency, build_concurrency)
         os.replace(results.with_suffix(".tmp"), results)
     done = read_results(results)
     todo = [f for f in folders if f.name not in done]
+    print(f"oracle pass: {len(done)} of {len(folders)} tasks done before, {len(todo)} to run")
     lock, progress = threading.Lock(), tqdm(total=len(todo), desc="oracle pass", unit="task")
 
     def record(folder, **fields):
@@ -323,7 +324,6 @@ def oracle_pass(folders, results, network, pull, concurrency, build_concurrency)
         task = load_task(folder, build=False)
         return task if not task.solution else load_task(folder, pull=pull)
 
-    print(f"oracle pass: {len(done)} of {len(folders)} tasks done before, {len(todo)} to run")
     with ThreadPoolExecutor(max(1, build_concurrency)) as builds, ThreadPoolExecutor(max(1, concurrency)) as sandboxes:
         runs = []
         for folder, task in zip(todo, builds.map(build, todo)):
