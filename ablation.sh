@@ -23,8 +23,12 @@
 #
 #   bash ablation.sh --model Qwen/Qwen3-1.7B                    # --preset quick: an afternoon on one node
 #   bash ablation.sh --model Qwen/Qwen3-4B --preset paper       # the paper's sizes (8B too)
-#   bash ablation.sh --model DIR --data rows.jsonl --tb2 DIR --aider DIR --rl-tasks DIR   # offline: local paths
+#   bash ablation.sh --model DIR --data rows.jsonl --tb2 DIR --aider DIR --rl-tasks DIR --offline-images
+#                                 # offline: local paths, and the task images that are here (the stand-in)
 #   bash ablation.sh --model tiny # the same on CPU: a tiny random Qwen3, the fixture rows and tasks (CI's rehearsal)
+# RL and evaluation prompt the policy as its SFT rows were written (--prompt-template rows, the default), with Harbor's
+# current Terminus-2 template (harbor) or a file's; task images are the benchmarks' own, pulled, unless
+# --offline-images
 #
 # Re-running resumes: every stage skips or continues when its output exists. settings.json in the run folder
 # records every size and the seed; a run folder is only continued with the same ones, or with more: the settings
@@ -43,16 +47,18 @@ if ((BASH_VERSINFO[0] < 5 || (BASH_VERSINFO[0] == 5 && BASH_VERSINFO[1] < 1))); 
 fi
 USAGE="usage: bash ablation.sh [--quick] [--all] [--sweep[=λ,λ,...]]
        bash ablation.sh --model ID|DIR|tiny [--preset quick|paper] [--all] [--sweep[=...]] [--data ROWS]
-                        [--tb2 DIR] [--aider DIR] [--rl-tasks DIR] [--network egress|host|none]"
-MODE=full LAMBDAS='' ALL='' MODEL='' PRESET='' NETWORK=unset
-declare -A INPUT=()  # scripts/fetch.py's flags: --data, --tb2, --aider, --rl-tasks
+                        [--tb2 DIR] [--aider DIR] [--rl-tasks DIR] [--prompt-template rows|harbor|FILE]
+                        [--network egress|host|none] [--offline-images]"
+MODE=full LAMBDAS='' ALL='' MODEL='' PRESET='' NETWORK=unset OFFLINE_IMAGES=''
+declare -A INPUT=()  # scripts/fetch.py's flags: --data, --tb2, --aider, --rl-tasks, --prompt-template
 while [ $# -gt 0 ]; do
     case $1 in
         --quick) MODE=quick ;;
         --all) ALL=1 ;;
         --sweep) LAMBDAS=default ;;
         --sweep=*) LAMBDAS=${1#--sweep=} ;;
-        --model|--preset|--data|--tb2|--aider|--rl-tasks|--network)
+        --offline-images) OFFLINE_IMAGES=1 ;;
+        --model|--preset|--data|--tb2|--aider|--rl-tasks|--prompt-template|--network)
             [ $# -ge 2 ] || { echo "$1 needs a value" >&2; echo "$USAGE" >&2; exit 2; }
             case $1 in
                 --model) MODEL=$2 ;;
@@ -75,8 +81,9 @@ if [ -n "$MODEL" ]; then
     [ -n "$PRESET" ] || { [ "$MODEL" = tiny ] && PRESET=rehearsal || PRESET=quick; }
     [[ $PRESET =~ ^(quick|paper|rehearsal)$ ]] || { echo "--preset $PRESET: quick, paper or rehearsal" >&2; exit 2; }
     MODE=real
-elif [ -n "$PRESET" ] || [ ${#INPUT[@]} != 0 ] || [ "$NETWORK" != unset ]; then
-    echo "--preset, --data, --tb2, --aider, --rl-tasks and --network go with --model" >&2; exit 2
+elif [ -n "$PRESET" ] || [ ${#INPUT[@]} != 0 ] || [ "$NETWORK" != unset ] || [ -n "$OFFLINE_IMAGES" ]; then
+    echo "--preset, --data, --tb2, --aider, --rl-tasks, --prompt-template, --network and --offline-images go with" \
+        "--model" >&2; exit 2
 fi
 export PYTHONUNBUFFERED=1  # each stage's lines as they come, also into a file (`bash ablation.sh > log`)
 . .ci/setup.sh  # installs, starts Docker (and stops it on exit if it was not up), builds the base image
@@ -145,7 +152,7 @@ fi
 # fetch uv) get it through the egress network (the internet, nothing of the node's: docs/sandboxes.md; a node that
 # cannot have it stops the run here), not the rehearsal's
 if [ $MODE = real ]; then
-    HELDOUT_N=256 SAMPLE=(--max-new-tokens 1024)
+    HELDOUT_N=256 SAMPLE=(--max-new-tokens 1024) FETCH_MORE=()
     [ "$NETWORK" = unset ] && { [ "$PRESET" = rehearsal ] && NETWORK='' || NETWORK=egress; }
     # made (or refused, saying why) now, not after hours of SFT
     [ "$NETWORK" != egress ] || python -c 'from actobs.sandbox import network; network.ensure()'
@@ -158,16 +165,18 @@ if [ $MODE = real ]; then
                   --max-new-tokens 4096 --max-len 32768 --micro-tokens 32768 --concurrency 32 --save-every 10 --keep 1)
             EVAL=(--attempts 4 --max-new-tokens 4096 --max-len 32768 --concurrency 32)
             EVAL_SFT=(--attempts 4) EVAL_BASE=(--attempts 2) PROBE=(--n 256 --max-len 16384) ;;
-        paper)  # the paper's: every row, 135 GRPO steps of 32 tasks x 16 (grpo.py's defaults), 16 attempts a task
-            ROWS=0
+        paper)  # the paper's: 50k rows (its SFT set), 135 GRPO steps of 32 tasks x 16 (grpo.py's defaults), 16
+            # attempts a task
+            ROWS=50000
             SFT=(--lr 1e-5 --warmup-ratio 0.05 --batch-size 64 --epochs 1 --max-len 16384 --micro-tokens 16384
                  --val-size 256 --eval-every 200 --save-every 200 --keep 2)
             GRPO=(--steps 135 --tasks-per-step 32 --group-size 16 --lr 1e-6 --redraw 4
                   --max-new-tokens 4096 --max-len 16384 --micro-tokens 16384 --concurrency 64 --save-every 10 --keep 2)
             EVAL=(--attempts 16 --max-new-tokens 8192 --max-len 40960 --concurrency 32)
             EVAL_SFT=(--attempts 16) EVAL_BASE=(--attempts 16) PROBE=(--n 256 --max-len 16384) ;;
-        rehearsal)  # on CPU: a tiny random Qwen3, the fixtures' 3 rows and tasks, a step or two of everything
-            ROWS=2 HELDOUT_N=1 SAMPLE=(--max-new-tokens 32)
+        rehearsal)  # on CPU: a tiny random Qwen3, the fixtures' 3 rows and tasks, a step or two of everything; offline:
+            # the stand-in images; every solvable RL task trains (a set with one still rehearses)
+            ROWS=2 HELDOUT_N=1 SAMPLE=(--max-new-tokens 32) OFFLINE_IMAGES=1 FETCH_MORE=(--rl-heldout 0)
             SFT=(--lr 2e-3 --batch-size 1 --epochs 1 --max-len 4096 --micro-tokens 1 --val-size 1 --eval-every 0
                  --save-every 0 --keep 1 --probe-every 1)
             GRPO=(--steps 2 --tasks-per-step 1 --group-size 2 --lr 1e-4 --scale-std --redraw 1 --max-turns 2
@@ -183,8 +192,12 @@ if [ $MODE = real ]; then
     # sampled); evaluations at Qwen3's recommended thinking-mode sampling (T 0.6, top-p 0.95, top-k 20), colder than
     # the paper's T* = 0.64, to which it raised ActionSFT + GRPO's evaluation (--all: T* replaces the temperature)
     GRPO+=(--temperature 0.6) EVAL+=(--temperature 0.6 --top-p 0.95 --top-k 20)
-    FETCH=(--model "$MODEL" --rows "$ROWS" --heldout "$HELDOUT_N" ${NETWORK:+--network "$NETWORK"})
-    for k in --data --tb2 --aider --rl-tasks; do [ -z "${INPUT[$k]:-}" ] || FETCH+=("$k" "${INPUT[$k]}"); done
+    IMAGES=own; [ -z "$OFFLINE_IMAGES" ] || IMAGES=standin  # the report says which
+    FETCH=(--model "$MODEL" --seed "$SEED" --rows "$ROWS" --heldout "$HELDOUT_N" ${NETWORK:+--network "$NETWORK"}
+           ${OFFLINE_IMAGES:+--offline-images} "${FETCH_MORE[@]}")
+    for k in --data --tb2 --aider --rl-tasks --prompt-template; do
+        [ -z "${INPUT[$k]:-}" ] || FETCH+=("$k" "${INPUT[$k]}")
+    done
     NET=(${NETWORK:+--network "$NETWORK"})  # grpo.py's and evaluate.py's
 fi
 # The comparisons beyond the SFT arms: ECHO (--all: grpo.py's observation loss on the policy's own rollouts, at the
@@ -200,10 +213,10 @@ R=runs/ablation
 if [ $MODE = quick ]; then R=runs/ablation-quick; fi
 if [ $MODE = real ]; then R=runs/real-$PRESET; fi
 R=${RUN_DIR:-$R}
-# The system prompt of the toy corpus's tasks, RL's and evaluation's; a real run's rows carry their own, and its
-# rollouts take Terminus-2's (terminus.DEFAULT_PROMPT)
+# The system prompt of the toy corpus's tasks, RL's and evaluation's; a real run's RL and evaluation take the one its
+# rows were written with (or --prompt-template's), which scripts/fetch.py writes into the run folder
 PT=scripts/toy_prompt.txt PTF=(--prompt-template scripts/toy_prompt.txt)
-if [ $MODE = real ]; then PT='' PTF=(); BASE=(); CORPUS=("${FETCH[@]}"); fi
+if [ $MODE = real ]; then PT=$R/prompt_template.txt PTF=(--prompt-template "$PT"); BASE=(); CORPUS=("${FETCH[@]}"); fi
 mkdir -p "$R/eval" "$R/probes"
 if [ $MODE = real ]; then mkdir -p "$R/eval/aider"; else NET=(); fi
 ARM_LOSS=(); for A in "${ARMS[@]}" "${SWEEP_ARMS[@]}"; do ARM_LOSS+=("loss_$A=${LOSS[$A]}"); done
@@ -211,7 +224,7 @@ python -m scripts.report settings "$R" mode="$MODE" seed="$SEED" prompt_template
     corpus="${CORPUS[*]}" heldout_n=$HELDOUT_N arms="${ARMS[*]}" sweep_arms="${SWEEP_ARMS[*]}" "${ARM_LOSS[@]}" \
     sft="${SFT[*]}" grpo="${GRPO[*]}" echo="${ECHO[*]}" tstar="$TSTAR" eval="${EVAL[*]}" eval_sft="${EVAL_SFT[*]}" \
     eval_base="${EVAL_BASE[*]}" probe="${PROBE[*]}" sample="${SAMPLE[*]}" \
-    ${PRESET:+preset="$PRESET" model="$MODEL" network="$NETWORK"}
+    ${PRESET:+preset="$PRESET" model="$MODEL" network="$NETWORK" images="$IMAGES"}
 # The stages in order, for the banners: a stage whose output exists is skipped (its banner too)
 STAGES=(base corpus sft eval-sft probes-sft grpo eval-grpo)
 if [ -n "$TSTAR" ]; then STAGES+=(probes-tstar eval-tstar); fi
@@ -289,7 +302,9 @@ if [ "$GPUS" != 0 ] && [ ! -f "$R/gpu_check.ok" ]; then
 fi
 if [ $MODE = real ]; then
     # ---- 1-2. the inputs: the model, the rows (the probes' held out), the task sets, the RL tasks' solvable split
-    python envs.py base-image --standin >/dev/null  # the FROM images of Terminal-Bench's and Endless Terminals' tasks
+    # offline only: a Debian stand-in tagged as the FROM images of Terminal-Bench's and Endless Terminals' tasks;
+    # otherwise the fetch pulls the benchmarks' own
+    [ -z "$OFFLINE_IMAGES" ] || python envs.py base-image --standin >/dev/null
     [ -f "$R/tasks/rl/oracle.tsv" ] || stage fetch python -m scripts.fetch "$R" "${FETCH[@]}"
     B="$R/base/model"
     banner plan

@@ -3,13 +3,18 @@ Tasks: a Harbor task folder (task.toml, instruction.md, environment/Dockerfile, 
 read into a Task with its environment image built, or a generated task (taskgen.py) as a Task on the base image.
 envs.py runs their episodes, verify.py their verifiers.
 
-Task images are cached by a hash of environment/ and of the local FROM image (see sandbox.py for the
-offline base and stand-in images).
+Task images are cached by a hash of environment/ and of the local FROM image. Where the images come from, as Harbor
+has it: task.toml's prebuilt `docker_image` when it names one, else environment/Dockerfile built on its own FROM
+images. With pull=True (a real run on a node that reaches a registry) those images are pulled first, so a local tag
+never stands in for them; without it (offline) the local ones are used, e.g. the stand-in that
+`envs.py base-image --standin` tags as ubuntu:24.04 (sandbox/images.py).
 """
 import dataclasses
 import hashlib
 import re
 import subprocess
+import threading
+import time
 import tomllib
 from pathlib import Path
 
@@ -61,10 +66,24 @@ def size_mb(value):
     return int(float(m[1]) * 1024 ** "KMGT".index(m[2].upper() or "M") / 1024)
 
 
-def load_task(path, build=True):
-    """Read a Harbor task folder; with build=True build its environment image (cached by content hash). An
-    image that does not build is recorded in task.build_error (its episodes end as image_build_error), so one
-    broken task never stops the others; a malformed folder raises ValueError."""
+def internet(env, agent):
+    """Whether the agent's sandbox may reach the internet: Harbor's network_mode ([agent]'s when it sets one, else
+    [environment]'s: "public" or "no-network"), else the deprecated allow_internet, else Harbor's default (public).
+    An allowlist is refused: the sandbox gets all of the network or none, and all would let through what the task
+    forbids."""
+    mode = agent.get("network_mode") or env.get("network_mode")
+    if mode is None:
+        return bool(env.get("allow_internet", True))
+    if mode not in ("public", "no-network"):
+        raise ValueError(f"{mode!r} is not one this runs (public, no-network)")
+    return mode == "public"
+
+
+def load_task(path, build=True, pull=False):
+    """Read a Harbor task folder; with build=True give it its image (task_image: cached by content hash; pull: the
+    registry's images, never a local stand-in). An image that does not build is recorded in task.build_error (its
+    episodes end as image_build_error), so one broken task never stops the others; a malformed folder raises
+    ValueError."""
     path = Path(path)
     toml_path = path / "task.toml"
     try:
@@ -73,13 +92,16 @@ def load_task(path, build=True):
         raise ValueError(f"{toml_path}: missing") from None
     except tomllib.TOMLDecodeError as e:
         raise ValueError(f"{toml_path}: invalid TOML: {e}") from None
-    for name in ("instruction.md", "environment/Dockerfile", "tests/test.sh"):
-        if not (path / name).is_file():
-            raise ValueError(f"{path / name}: missing")
     for section in ("task", "environment", "agent", "verifier", "metadata"):
         if not isinstance(cfg.get(section, {}), dict):
             raise ValueError(f"{toml_path}: [{section}] must be a table, got {cfg[section]!r}")
     env, agent, verifier = cfg.get("environment", {}), cfg.get("agent", {}), cfg.get("verifier", {})
+    # a prebuilt docker_image makes environment/Dockerfile optional (Harbor's EnvironmentConfig)
+    for name in ("instruction.md", "tests/test.sh") + (() if env.get("docker_image") else ("environment/Dockerfile",)):
+        if not (path / name).is_file():
+            raise ValueError(f"{path / name}: missing")
+    if cfg.get("steps"):
+        raise ValueError(f"{toml_path}: a multi-step task ([[steps]]) is not one this runs")
     meta = {k: str(cfg["metadata"][k]) for k in KIND_FIELDS if cfg.get("metadata", {}).get(k) not in (None, "")}
     version = str(cfg.get("schema_version", cfg.get("version", "")))
     if version and not re.fullmatch(r"[01](\.\d+)*", version):  # Harbor's 1.x; Endless Terminals writes "0.1"
@@ -94,13 +116,15 @@ def load_task(path, build=True):
         inodes = env.get("inodes")
         if inodes is not None and (not isinstance(inodes, int) or isinstance(inodes, bool) or inodes < 1):
             raise ValueError(f"not a count of entries: {inodes!r}")
+        field = "network_mode"  # [agent]'s or [environment]'s
+        allow_internet = internet(env, agent)
         field = ""
         task = Task(name=str(cfg.get("task", {}).get("name") or path.name),
                     instruction=(path / "instruction.md").read_text(),
                     agent_timeout=float(agent.get("timeout_sec", 600.0)),
-                    verifier_timeout=float(verifier.get("timeout_sec", 120.0)),
+                    verifier_timeout=float(verifier.get("timeout_sec", 600.0)),  # Harbor's default
                     cpus=float(env.get("cpus", 1)), memory_mb=memory, storage_mb=storage, inodes=inodes,
-                    allow_internet=bool(env.get("allow_internet", True)),
+                    allow_internet=allow_internet,
                     workdir=str(env.get("workdir", "")), user=str(agent.get("user", "")),
                     tests=_read_dir(path / "tests"),
                     solution=_read_dir(path / "solution") if (path / "solution").is_dir() else {},
@@ -109,13 +133,9 @@ def load_task(path, build=True):
         raise ValueError(f"{toml_path}: bad value{' of ' + field if field else ''}: {e}") from None
     config = {}
     if build:
-        prebuilt = env.get("docker_image")
         try:
-            if prebuilt and image_exists(prebuilt):  # a registry image already here: used as Harbor would
-                task.image = prebuilt
-            else:
-                task.image = build_task_image(task.name, path / "environment",
-                                              timeout=float(env.get("build_timeout_sec", 600.0)))
+            task.image = task_image(task.name, path / "environment", env.get("docker_image"),
+                                    float(env.get("build_timeout_sec", 600.0)), pull)
             config = docker_client().images.get(task.image).attrs["Config"]
         except BuildError as e:
             task.image, task.build_error = None, str(e)
@@ -145,13 +165,76 @@ class BuildError(RuntimeError):
     pass
 
 
-def build_task_image(name, context, timeout=600.0):
-    """Build environment/ once: the tag carries a hash of its files, so an unchanged task reuses its image.
-    Raises BuildError with the build log's tail (and how to give an offline FROM, when that is the cause)."""
+def task_image(name, context, prebuilt, timeout, pull):
+    """The image a task runs in, as Harbor picks it: task.toml's prebuilt docker_image when it names one (pulled
+    with pull, else used when it is here), else environment/Dockerfile built (build_task_image). A prebuilt image
+    that cannot be had falls back to the Dockerfile when there is one, as Harbor's --force-build would build it."""
+    why = ""
+    if prebuilt:
+        try:
+            if pull:
+                pull_image(prebuilt)
+            if image_exists(prebuilt):
+                return prebuilt
+            why = f"its docker_image {prebuilt} is not here (offline images)"
+        except BuildError as e:
+            why = str(e)
+        if not (context / "Dockerfile").is_file():
+            raise BuildError(f"{context.parent}: {why}, and environment/ has no Dockerfile to build instead")
+    return build_task_image(name, context, timeout, pull)
+
+
+def from_images(dockerfile):
+    """The images a Dockerfile's FROM lines name, less its own build stages, scratch and names built from ARGs."""
+    stages, refs = set(), []
+    for m in re.finditer(r"^\s*FROM\s+(?:--\S+\s+)*(\S+)(?:\s+AS\s+(\S+))?", dockerfile, re.M | re.I):
+        if m[1].lower() != "scratch" and m[1] not in stages and "$" not in m[1] and m[1] not in refs:
+            refs.append(m[1])
+        if m[2]:
+            stages.add(m[2])
+    return refs
+
+
+_pulls, _pulls_lock = {}, threading.Lock()  # image -> (lock, error or "" once pulled): one pull an image a process
+PULL_WAIT = 5.0  # seconds before a pull's second try; doubled for the third
+
+
+def pull_image(ref, tries=3):
+    """`docker pull ref`, once per process (concurrent callers wait for the first), retried with backoff; raises
+    BuildError naming the image, with the registry's answer."""
+    with _pulls_lock:
+        lock, _ = _pulls.setdefault(ref, (threading.Lock(), None))
+    with lock:
+        error = _pulls[ref][1]
+        if error is None:
+            for attempt in range(tries):
+                try:
+                    res = subprocess.run(["docker", "pull", "-q", ref], env=docker_env(), stdout=subprocess.PIPE,
+                                         stderr=subprocess.STDOUT, timeout=1800)
+                    error = "" if res.returncode == 0 else decode(res.stdout).strip()[-1000:]
+                except subprocess.TimeoutExpired:
+                    error = "docker pull took more than 30 minutes"
+                if not error or "toomanyrequests" in error or attempt + 1 == tries:
+                    break
+                time.sleep(PULL_WAIT * 2 ** attempt)
+            _pulls[ref] = (lock, error)
+    if error:
+        hint = " (Docker Hub's pull limit: `docker login` raises it)" if "toomanyrequests" in error else ""
+        raise BuildError(f"cannot pull {ref}{hint}: {error}\nOffline, give the images locally and run with "
+                         "--offline-images (python envs.py base-image --standin tags a stand-in)")
+
+
+def build_task_image(name, context, timeout=600.0, pull=False):
+    """Build environment/ once: the tag carries a hash of its files and of its FROM images, so an unchanged task
+    reuses its image. pull: its FROM images are pulled first (pull_image), so the build and the tag follow the
+    registry's image and never a local stand-in. Raises BuildError with the build log's tail (and how to give an
+    offline FROM, when that is the cause)."""
     digest = hashlib.sha256()
     for rel, data in _read_dir(context).items():
         digest.update(rel.encode() + b"\0" + hashlib.sha256(data).digest())
-    for ref in re.findall(r"^\s*FROM\s+(?:--\S+\s+)*(\S+)", (context / "Dockerfile").read_text(), re.M | re.I):
+    for ref in from_images((context / "Dockerfile").read_text()):
+        if pull:
+            pull_image(ref)
         if image_exists(ref):  # a re-tagged local FROM image (base-image --tag) must rebuild the task
             digest.update(docker_client().images.get(ref).id.encode())
     tag = f"actobs-task/{re.sub(r'[^a-z0-9._-]+', '-', name.lower()).strip('-.')}:{digest.hexdigest()[:12]}"

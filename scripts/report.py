@@ -33,6 +33,14 @@ LABELS = {"actionsft": "ActionSFT (λ=0)", "actobs": "ActObs (λ=1)",
 SWEEP_KEY = "sweep_arms"  # the one setting a resumed run may change: it may add λ-sweep arms
 
 
+# Which images a real run's tasks ran on (ablation.sh's images setting; scripts/fetch.py --offline-images)
+IMAGES = {"own": "Task images: the benchmarks' own (task.toml's prebuilt docker_image, else environment/Dockerfile on "
+                 "its FROM images, pulled from their registry).",
+          "standin": "Task images: the offline stand-in (Debian tagged as ubuntu:24.04, ubuntu:22.04 and "
+                     "python:3.13-slim-bookworm; --offline-images): the scores are not the benchmarks'.",
+          None: "Task images: not recorded (a run folder of an older ablation.sh: the stand-in then)."}
+
+
 def lam_of(st, arm):
     """The arm's λ when its SFT loss is `--lam X` alone (not a schedule), else None."""
     f = flags(st.get(f"loss_{arm}", ""))
@@ -363,6 +371,7 @@ def build(run):
           f"{settings.get('compute_dtype', {}).get('dtype', 'bf16')}; replies in GRPO's rollouts "
           f"{grammar_words(st['grpo'])}, in the evaluations {grammar_words(st['eval'])}. Settings of every stage: "
           "settings.json; each run dir has its own config.json.", "",
+          *([IMAGES[st.get("images")], ""] if real else []),
           f"Resolution: on these {after['rows'][0]['tasks']} tasks × {attempts} attempts, the paired bootstrap 95% "
           f"interval of the pass@1 difference {names[grpod[1]]} − {names[grpod[0]]}, tasks resampled within each "
           + ("category" if real else "kind (the split is drawn as a fixed count per kind)")

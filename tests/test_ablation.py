@@ -21,7 +21,9 @@ ROOT = Path(__file__).resolve().parents[1]
     (["--model"], {}, "--model needs a value"),
     (["--model", "tiny", "--preset", "huge"], {}, "--preset huge: quick, paper or rehearsal"),
     (["--model", "tiny", "--quick"], {}, "--quick is the CPU world's; with --model pick a --preset"),
-    (["--tb2", "tasks/tb2"], {}, "--preset, --data, --tb2, --aider, --rl-tasks and --network go with --model"),
+    (["--tb2", "tasks/tb2"], {}, "--preset, --data, --tb2, --aider, --rl-tasks, --prompt-template, --network and "
+                                 "--offline-images go with --model"),
+    (["--offline-images"], {}, "--offline-images go with --model"),
     (["--model", "tiny", "--network", "bridge"], {}, "--network: egress, host or none"),
 ])
 def test_bad_input_stops_the_run_before_it_installs_anything(args, env, message):

@@ -3,17 +3,25 @@ aider-polyglot (Python, Go, JavaScript exercises: per-language images and test c
 (test_final_state.py run by uvx under Python 3.12) and Harbor's features (a uvx pytest verifier, a workdir, a
 non-root user, a download at solve time). Scored through tasks.load_task and envs.run_episodes, the path GRPO and
 evaluate.py take: a policy that types the reference solution must score 1, one that does nothing 0, in real
-sandboxes. Every test leaves no container of this process behind."""
+sandboxes. task.toml read as Harbor's own parser reads it (its published wheel, fetched here); where a task's image
+comes from (its prebuilt docker_image or its FROM images, pulled, never a local stand-in unless offline). Every test
+leaves no container of this process behind."""
 import base64
 import json
+import subprocess
+import sys
+import zipfile
 from pathlib import Path
 
 import pytest
 
 import envs
 import evaluate
-from actobs.sandbox import sandbox
+from actobs import tasks as tasks_module
+from actobs.sandbox import daemon, sandbox
+from actobs.sandbox.sandbox import DEFAULT_STORAGE_MB
 from actobs.tasks import Task, load_task
+from scripts import fetch
 
 FIXTURES = Path(__file__).parent / "fixtures"
 AIDER, ENDLESS, HARBOR = FIXTURES / "aider", FIXTURES / "endless", FIXTURES / "harbor"
@@ -146,3 +154,143 @@ def test_keep_agent_processes_keeps_a_service_for_its_tests(base_image):
     stopped, = envs.run_episodes([task], policy, max_turns=4)
     kept, = envs.run_episodes([task], policy, max_turns=4, keep_agent=True)
     assert (stopped.reward, kept.reward) == (0.0, 1.0)
+
+
+# ---------------------------------------------------------------------------------------------- Harbor's format
+
+def task_folder(path, toml, dockerfile="FROM actobs-base:bookworm\n"):
+    """A Harbor task folder with this task.toml (and this Dockerfile; None: none)."""
+    (path / "tests").mkdir(parents=True)
+    (path / "tests" / "test.sh").write_text("echo 1 > /logs/verifier/reward.txt\n")
+    (path / "instruction.md").write_text("Do nothing.\n")
+    (path / "task.toml").write_text(toml)
+    (path / "environment").mkdir()
+    if dockerfile:
+        (path / "environment" / "Dockerfile").write_text(dockerfile)
+    return path
+
+
+# Harbor's current format (schema 1.4): network_mode for allow_internet, [agent]'s own, memory_mb / storage_mb, a
+# prebuilt docker_image without a Dockerfile; and the deprecated fields it still reads
+CURRENT = {
+    "closed": 'schema_version = "1.4"\n[task]\nname = "actobs/closed"\n[agent]\ntimeout_sec = 50.0\nuser = "dev"\n'
+              '[environment]\nnetwork_mode = "no-network"\ncpus = 2\nmemory_mb = 1024\nstorage_mb = 2048\n'
+              'workdir = "/work"\ndocker_image = "actobs-test/prebuilt:1"\n',
+    "agent-closed": '[agent]\nnetwork_mode = "no-network"\n[environment]\nnetwork_mode = "public"\n',
+    "legacy": 'version = "1.0"\n[verifier]\ntimeout_sec = 30.0\n[environment]\nallow_internet = false\n'
+              'memory = "4G"\nstorage = "512M"\n',
+    "defaults": 'schema_version = "1.4"\n',
+}
+
+
+def harbors_reading(paths, tmp_path):
+    """{path: the fields} of each task.toml as Harbor's TaskConfig reads it: its published wheel (the version
+    fetch.py reads its prompt from), imported in a child process (its `toml` dump library stubbed: only reading)."""
+    wheels = tmp_path / "wheels"
+    subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary", ":all:",
+                    "--python-version", "3.12", "-d", str(wheels), f"harbor=={fetch.HARBOR_VERSION}"], check=True)
+    zipfile.ZipFile(next(wheels.glob("*.whl"))).extractall(tmp_path / "harbor")
+    code = f"""import json, sys, tomllib, types
+sys.path.insert(0, {str(tmp_path / "harbor")!r}); sys.modules["toml"] = types.ModuleType("toml")
+from harbor.models.task.config import TaskConfig
+out = {{}}
+for p in sys.argv[1:]:
+    c = TaskConfig.model_validate(tomllib.loads(open(p).read()))
+    e, a = c.environment, c.agent
+    out[p] = dict(name=c.task and c.task.name, cpus=e.cpus, memory_mb=e.memory_mb, storage_mb=e.storage_mb,
+                  workdir=e.workdir, docker_image=e.docker_image, agent_timeout=a.timeout_sec, user=a.user,
+                  verifier_timeout=c.verifier.timeout_sec, network=(a.network_mode or e.network_mode).value)
+print(json.dumps(out))"""
+    res = subprocess.run([sys.executable, "-c", code, *map(str, paths)], capture_output=True, text=True, check=True)
+    return json.loads(res.stdout)
+
+
+def test_task_toml_is_read_as_harbors_own_parser_reads_it(tmp_path):
+    """Every fixture and Harbor's current fields: what load_task takes from task.toml is what Harbor's TaskConfig
+    gives (where Harbor leaves a field unset, the value ActObs uses in its place: 1 cpu, 2048 MB, an agent timeout
+    of 600 s where Harbor sets none)."""
+    folders = sorted(p.parent for p in FIXTURES.glob("*/*/task.toml"))
+    folders += [task_folder(tmp_path / "tasks" / k, toml, None if k == "closed" else "FROM x\n")
+                for k, toml in CURRENT.items()]
+    harbor = harbors_reading([f / "task.toml" for f in folders], tmp_path)
+    for folder in folders:
+        h, t = harbor[str(folder / "task.toml")], load_task(folder, build=False)
+        assert (t.name, t.cpus, t.memory_mb, t.storage_mb, t.workdir, t.user, t.verifier_timeout, t.agent_timeout,
+                t.allow_internet) == \
+            (h["name"] or folder.name, h["cpus"] or 1, h["memory_mb"] or 2048, h["storage_mb"] or DEFAULT_STORAGE_MB,
+             h["workdir"] or "/", str(h["user"] or "root"), h["verifier_timeout"], h["agent_timeout"] or 600.0,
+             h["network"] == "public"), folder
+    assert harbor[str(tmp_path / "tasks" / "closed" / "task.toml")]["docker_image"] == "actobs-test/prebuilt:1"
+
+
+def test_task_toml_fields_this_cannot_run_are_refused(tmp_path):
+    allow = task_folder(tmp_path / "allow", '[environment]\nnetwork_mode = "allowlist"\nallowed_hosts = ["pypi.org"]\n')
+    with pytest.raises(ValueError, match=r"allow/task.toml: bad value of network_mode.*'allowlist' is not one"):
+        load_task(allow, build=False)
+    steps = task_folder(tmp_path / "steps", '[[steps]]\nname = "one"\n')
+    with pytest.raises(ValueError, match=r"steps/task.toml: a multi-step task"):
+        load_task(steps, build=False)
+    with pytest.raises(ValueError, match=r"none/environment/Dockerfile: missing"):  # no prebuilt image to run instead
+        load_task(task_folder(tmp_path / "none", "", dockerfile=None), build=False)
+
+
+@pytest.fixture
+def registry(monkeypatch):
+    """tasks.pull_image as a registry would answer: an image it has is tagged here (from the given local images),
+    one it has not fails; every pull asked is kept. The tags it made (and those a test adds to its list) are removed
+    afterwards."""
+    pulled, made = [], []
+
+    def pull_image(ref):
+        pulled.append(ref)
+        if ref not in has:
+            raise tasks_module.BuildError(f"cannot pull {ref}: not found")
+        daemon.docker_client().images.get(has[ref]).tag(ref)
+        made.append(ref)
+    has = {}
+    monkeypatch.setattr(tasks_module, "pull_image", pull_image)
+    yield has, pulled, made
+    for ref in set(made):
+        daemon.docker_client().images.remove(ref, noprune=True)
+
+
+def test_own_images_are_pulled_never_a_stale_stand_in(tmp_path, registry):
+    """A FROM image tagged here as a stand-in: offline the task builds on it; with pull the registry's image
+    replaces the tag first, and the task image is built on that one (another tag). A prebuilt docker_image is pulled
+    and run as it is; one that cannot be pulled falls back to the Dockerfile, or, without one, names the image."""
+    has, pulled, made = registry
+    client = daemon.docker_client()
+    stand_in, real = client.images.get("ubuntu:24.04"), client.images.get("actobs-base:bookworm")
+    stand_in.tag("actobs-test/from:1")
+    made.append("actobs-test/from:1")
+    folder = task_folder(tmp_path / "own", "", "FROM actobs-test/from:1\nRUN echo built > /built\n")
+    offline = load_task(folder)
+    assert pulled == [] and not offline.build_error
+    has["actobs-test/from:1"] = "actobs-base:bookworm"
+    online = load_task(folder, pull=True)
+    assert pulled == ["actobs-test/from:1"] and not online.build_error and online.image != offline.image
+    layers = client.images.get(online.image).attrs["RootFS"]["Layers"]
+    assert layers[0] == real.attrs["RootFS"]["Layers"][0] != stand_in.attrs["RootFS"]["Layers"][0]
+    # a prebuilt image: pulled and used; not in the registry: the Dockerfile, or a build error naming it
+    has["actobs-test/prebuilt:1"] = "actobs-base:bookworm"
+    prebuilt = task_folder(tmp_path / "prebuilt", '[environment]\ndocker_image = "actobs-test/prebuilt:1"\n',
+                           dockerfile=None)
+    assert load_task(prebuilt, pull=True).image == "actobs-test/prebuilt:1"
+    fallback = task_folder(tmp_path / "fallback", '[environment]\ndocker_image = "actobs-test/gone:1"\n',
+                           "FROM actobs-test/from:1\n")
+    assert load_task(fallback, pull=True).image.startswith("actobs-task/fallback:")
+    gone = load_task(task_folder(tmp_path / "gone", '[environment]\ndocker_image = "actobs-test/gone:1"\n',
+                                 dockerfile=None), pull=True)
+    assert gone.image is None and "cannot pull actobs-test/gone:1" in gone.build_error
+    assert "environment/ has no Dockerfile" in gone.build_error
+
+
+def test_a_pull_that_fails_names_the_image_and_the_offline_way(tmp_path, base_image, monkeypatch):
+    """The real `docker pull` of an image no registry here has: tried three times, then a build error with the
+    registry's answer and --offline-images."""
+    monkeypatch.setattr(tasks_module, "_pulls", {})
+    monkeypatch.setattr(tasks_module, "PULL_WAIT", 0.0)
+    task = load_task(task_folder(tmp_path / "t", '[environment]\ndocker_image = "actobs-test/absent:1"\n',
+                                 dockerfile=None), pull=True)
+    assert task.image is None and "cannot pull actobs-test/absent:1" in task.build_error
+    assert "--offline-images" in task.build_error

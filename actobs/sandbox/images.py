@@ -2,7 +2,8 @@
 The sandboxes' images, built offline: the base image (debootstrap of a minimal Debian with what the terminal and the
 generated tasks need) and the offline Terminal-Bench 2.0 stand-in (Debian trixie, Python 3.13, pip, uv and wheels of
 the verifiers' pytest pins), tagged as the FROM images Harbor tasks name, so their Dockerfiles build without a
-registry. `python envs.py base-image [--standin]`; docs/sandboxes.md.
+registry. `python envs.py base-image [--standin]`; docs/sandboxes.md. A real run stands in only when asked
+(ablation.sh --offline-images); otherwise it pulls the tasks' own images over these tags (tasks.pull_image).
 """
 import hashlib
 import os
