@@ -22,7 +22,9 @@ PROMPT, ACTION, OBS = 0, 1, 2  # per-token roles; only ACTION and OBS tokens car
 VALID_ROLES = ("system", "user", "assistant", "tool")
 
 
-def _check_row(row, where):
+def check_row(row, where):
+    """A row's conversation ({"conversations" or "messages": [{role, content}]}), checked; a bad row raises naming
+    `where` and the field."""
     if not isinstance(row, dict):
         raise ValueError(f"{where}: expected an object with 'conversations' or 'messages', got {type(row).__name__}")
     key = "conversations" if "conversations" in row else "messages" if "messages" in row else None
@@ -97,7 +99,7 @@ def read_trajectories(path, skip_bad=False, where=None):
                         bad += 1
     for loc, row in rows:
         try:
-            convs.append(_check_row(row, loc))
+            convs.append(check_row(row, loc))
         except ValueError:
             if not skip_bad:
                 raise

@@ -45,11 +45,14 @@ def devices(gpus=None, gpu_gib=None, gpu_name=None):
 
 
 def sft_tokens(run, model_dir, max_len, sample=256):
-    """(rows, mean tokens a row, cut at max_len) of RUN/train.jsonl, the mean over its first `sample` rows."""
-    convs, _ = labels.read_trajectories(run / "train.jsonl")
+    """(rows, mean tokens a row, cut at max_len) of RUN/train.jsonl (scripts.fetch's JSONL), the mean over its first
+    `sample` rows; the rest only counted, not read into memory (the paper's 50,000 rows)."""
+    path = run / "train.jsonl"
+    with open(path) as f:
+        head = [labels.check_row(json.loads(line), f"{path}:{i + 1}") for i, line in zip(range(sample), f)]
+        rows = len(head) + sum(1 for _ in f)
     tok = labels.load_tokenizer(model_dir, "prefix")
-    lengths = [min(len(labels.render(tok, c)[0]), max_len) for c in convs[:sample]]
-    return len(convs), statistics.mean(lengths)
+    return rows, statistics.mean(min(len(labels.render(tok, c)[0]), max_len) for c in head)
 
 
 # Each stage's flags read by the stage's own parser (its defaults included), its required paths standing in

@@ -138,7 +138,7 @@ def draw(files, train_path, held_path, n, heldout, seed):
                     try:
                         if row is None:
                             raise ValueError(where)
-                        conv = labels._check_row(row, where)
+                        conv = labels.check_row(row, where)
                     except ValueError as e:
                         bad += 1
                         if len(bad_examples) < 10:
