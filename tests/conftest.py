@@ -81,6 +81,11 @@ def pytest_report_header():
     return f"listing order: {LISTING_ORDER} (ACTOBS_LISTING_ORDER; conftest.py)"
 
 
+def pytest_terminal_summary(terminalreporter):
+    # also under -q, which drops the header: the order to set to replay a failure
+    terminalreporter.write_line(f"listing order: {LISTING_ORDER} (ACTOBS_LISTING_ORDER to replay it)")
+
+
 def pytest_unconfigure():
     os.scandir, os.listdir = _LISTERS["scandir"], _LISTERS["listdir"]
 
