@@ -43,7 +43,8 @@ def worker_gpu(vllm_config, assigned, platform):
                          ids=["all GPUs, rank 3", "a scheduler's 4 GPUs, rank 3", "evaluate.py's one GPU"])
 def test_the_engine_of_rank_n_runs_on_gpu_n(vllm_dir, monkeypatch, visible, gpu):
     import vllm.engine.arg_utils as arg_utils
-    from vllm import EngineArgs
+    from vllm import EngineArgs, envs
+    envs.disable_envs_cache()  # an engine made earlier in this process froze vLLM's reading of the environment
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     monkeypatch.setenv("RANK", str(gpu))
     monkeypatch.setenv("LOCAL_RANK", str(gpu))
