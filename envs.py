@@ -24,7 +24,7 @@ from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from pathlib import Path
 
 from actobs import labels, taskgen
-from actobs.episode import Episode
+from actobs.episode import Episode, solved
 from actobs.sandbox.container_files import LayerLimit, put_files
 from actobs.sandbox.daemon import BASE_IMAGE, sweep
 from actobs.sandbox.images import STANDIN_SUITE, STANDIN_TAGS, build_base_image
@@ -369,11 +369,11 @@ def corpus(args):
         episodes = run_episodes(tasks, taskgen.expert_policy, max_turns=args.max_turns, concurrency=args.concurrency,
                                 template=template, on_episode=lambda i, ep: bar.update())
     rows = [{"conversations": e.messages, "task": e.task, "reward": e.reward} for e in episodes
-            if args.keep_failed or (e.reward >= 1.0 and e.failure is None)]
+            if args.keep_failed or (solved(e.reward) and e.failure is None)]
     labels.write_jsonl(args.out / "sft.jsonl", rows)
-    solved = sum(e.reward >= 1.0 for e in episodes)
+    n_solved = sum(solved(e.reward) for e in episodes)
     turns = sum(e.turns for e in episodes) / max(1, len(episodes))
-    print(f"sft: {solved}/{len(episodes)} solved | {turns:.1f} turns/episode | {len(rows)} rows -> "
+    print(f"sft: {n_solved}/{len(episodes)} solved | {turns:.1f} turns/episode | {len(rows)} rows -> "
           f"{args.out / 'sft.jsonl'} | {time.time() - t0:.0f}s")
     for e in episodes:
         if e.failure:
