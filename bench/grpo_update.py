@@ -6,11 +6,11 @@ through head.token_loss (the head's gradients formed in its forward pass, no rec
 before it was written on log-probs; only a sum of per-token terms fits it). Both from the same weights on the same
 synthetic step (bench.grpo_micro's toy-world-shaped episodes) under the ablation's recipe (a KL term, one episode a
 pass), at the toy world's vocabulary and at Qwen3's (151,936), with the base model's hidden size. The rounds
-interleave the two ways; the ratio is of their summed update times in this run; the largest difference of the
-updated weights shows both took the same step.
+interleave the two ways; the ratio is of their median update times in this run; the step's loss by each and the
+largest difference of the updated weights show both took the same step.
 
     python -m bench.grpo_update                                     # V 4,096 (32 episodes) and 151,936 (8)
-    python -m bench.grpo_update --vocab 151936 --episodes 4 --rounds 3
+    python -m bench.grpo_update --vocab 151936 --episodes 4 --rounds 5
     nice -n 15 python -m bench.grpo_update --clock cpu             # on a machine other jobs share
 
 Time: wall-clock seconds, or with --clock cpu this process's CPU seconds (all its threads), which other processes'
@@ -21,6 +21,7 @@ import dataclasses
 import json
 import os
 import random
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -39,7 +40,7 @@ def get_parser():
     p.add_argument("--vocab", type=int, nargs="+", default=[4096, 151936], help="vocabulary sizes")
     p.add_argument("--episodes", type=int, nargs="+", default=[32, 8], help="episodes of the step, one per --vocab")
     p.add_argument("--group-size", type=int, default=8)
-    p.add_argument("--rounds", type=int, default=2, help="interleaved rounds of both ways")
+    p.add_argument("--rounds", type=int, default=3, help="interleaved rounds of both ways (median reported)")
     p.add_argument("--tokens", type=int, nargs=2, default=[700, 2200], help="range of an episode's tokens")
     p.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32"], help="grpo.py's --dtype")
     p.add_argument("--clock", choices=["wall", "cpu"], default="wall", help="wall-clock or this process's CPU seconds")
@@ -105,7 +106,7 @@ def update(model_dir, examples, loss, dtype, clock):
 
 
 def bench_vocab(V, episodes, args, out, clock):
-    """Both ways at vocabulary V: -> a dict of the summed seconds, their ratio, the step's loss by each and the updated
+    """Both ways at vocabulary V: -> a dict of the median seconds, their ratio, the step's loss by each and the updated
     weights' largest difference in units of the learning rate (Adam's first step moves a weight by about lr, either
     way: 2 where a gradient element near 0 has another sign in the other way's rounding)."""
     from transformers import Qwen3ForCausalLM
@@ -119,20 +120,20 @@ def bench_vocab(V, episodes, args, out, clock):
     behav = batches.policy_logprobs(common.load_model(model_dir, torch.device("cpu")), examples, 1.0, 1, 0,
                                     torch.device("cpu"), ctx)
     examples = [dataclasses.replace(ex, behav=b) for ex, b in zip(examples, behav)]
-    total, losses, weights = dict.fromkeys(WAYS, 0.0), {}, {}
+    times, losses, weights = {name: [] for name in WAYS}, {}, {}
     for r in range(args.rounds):
         line = []
         for name, loss in WAYS.items():
             t, losses[name], weights[name] = update(model_dir, examples, loss, args.dtype, clock)
-            total[name] += t
+            times[name].append(t)
             line.append(f"{name}: {t:.1f} s")
         print(f"V {V:,} round {r}: " + " | ".join(line), flush=True)
     a, b = weights.values()
-    before, after = total.values()
+    before, after = (statistics.median(t) for t in times.values())
     return {"vocab": V, "episodes": episodes, "tokens": sum(len(e.ids) for e in examples),
             "action tokens": sum(grpo.loss_tokens(e) for e in examples),
-            **{f"{k} (s)": round(v, 2) for k, v in total.items()}, "after / before": round(after / before, 3),
-            "loss": list(losses.values()),
+            "before: per-token terms (s)": round(before, 2), "after: grpo.pg_loss (s)": round(after, 2),
+            "after / before": round(after / before, 3), "loss": list(losses.values()),
             "max |weight difference| / lr": max(float((a[k] - b[k]).abs().max()) for k in a) / LR}
 
 
