@@ -384,10 +384,11 @@ def test_a_step_without_signal_makes_no_update(model, tokenizer, synthetic):
 
 def test_help_puts_the_recipe_first():
     """grpo.py --help: the recipe's group first, holding exactly the flags ablation.sh gives grpo.py (its GRPO=(...)
-    recipes, the ECHO arm's, what its grpo() adds) but those of how a run computes and where it writes (the groups
-    execution and run: FREE_ON_RESUME, tests/test_runs.py); then the rest by purpose; every flag has its help."""
+    recipes and what they add, the ECHO arm's, what its grpo() adds) but those of how a run computes and where it
+    writes (the groups execution and run: FREE_ON_RESUME, tests/test_runs.py); then the rest by purpose; every flag
+    has its help."""
     text = (ROOT / "ablation.sh").read_text()
-    given = (re.findall(r"\b(?:GRPO|ECHO|PTF|NET)=\((.*?)\)", text, re.S)
+    given = (re.findall(r"\b(?:GRPO|ECHO|PTF|NET)\+?=\((.*?)\)", text, re.S)
              + re.findall(r"^grpo\(\) \{(.*?)\); \}$", text, re.M | re.S))
     flags = {f[2:].replace("-", "_") for f in re.findall(r"(?<![\w-])--[a-z][a-z-]*", " ".join(given))}
     parser = grpo.get_parser()
