@@ -24,7 +24,7 @@ from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from pathlib import Path
 
 from actobs import labels, taskgen
-from actobs.episode import Episode
+from actobs.episode import Episode, solved
 from actobs.sandbox.container_files import LayerLimit, put_files
 from actobs.sandbox.daemon import BASE_IMAGE, sweep
 from actobs.sandbox.images import STANDIN_SUITE, STANDIN_TAGS, build_base_image
@@ -69,7 +69,7 @@ def parse_args(argv=None):
     c.add_argument("--seed", type=int, default=0)
     c.add_argument("--concurrency", type=int, default=8)
     c.add_argument("--max-turns", type=int, default=12)
-    c.add_argument("--keep-failed", action="store_true", help="also write episodes with reward < 1")
+    c.add_argument("--keep-failed", action="store_true", help="also write the episodes not solved")
     c.add_argument("--prompt-template", type=Path, help="file with {instruction} and {terminal_state}")
 
     sub.add_parser("sweep", help="remove sandboxes whose owning process is gone")
@@ -176,11 +176,11 @@ class _Run:
             return None, None
         self.parse_errors = 0
         commands = parsed.commands or [("", 0.0)]  # no command: read the terminal
-        for i, (keys, wait) in enumerate(commands):
+        for i, (keys, duration) in enumerate(commands):
             left = self._left()
             if left <= 0:
                 return timeout
-            obs = self.sb.send(keys, min(wait, left), read=i == len(commands) - 1)
+            obs = self.sb.send(keys, min(duration, left), read=i == len(commands) - 1)
         told = answer(parsed, None, warnings, obs, self.confirming)
         if told is None:  # a completion confirmed
             self.done = True
@@ -202,7 +202,7 @@ class _Run:
                 _score(self.ep, self.sb, self.task, seen, self.keep_agent, self.strict)
                 self.ep.timings["verify_s"] += time.time() - t
                 again = (self.second_try and self.ep.first_reward is None and self.ep.failure is None
-                         and self.ep.reward < 1)
+                         and not solved(self.ep.reward))
         finally:
             if not again:
                 self.close()
@@ -249,7 +249,7 @@ def _score(ep, sb, task, seen="", keep_agent=False, strict=False):
         ep.failure, ep.error = "tampered", tampered
     elif verr and ep.failure is None:
         ep.failure, ep.error = "verifier_error", verr
-    if ep.reward < 1 and task.allow_internet and not sb.network:
+    if not solved(ep.reward) and task.allow_internet and not sb.network:
         ep.needs_network = network_evidence(seen) or (network_evidence(ep.verifier_output) if verr else "")
 
 
@@ -400,11 +400,11 @@ def corpus(args):
         episodes = run_episodes(tasks, taskgen.expert_policy, max_turns=args.max_turns, concurrency=args.concurrency,
                                 template=template, on_episode=lambda i, ep: bar.update())
     rows = [{"conversations": e.messages, "task": e.task, "reward": e.reward} for e in episodes
-            if args.keep_failed or (e.reward >= 1.0 and e.failure is None)]
+            if args.keep_failed or (solved(e.reward) and e.failure is None)]
     labels.write_jsonl(args.out / "sft.jsonl", rows)
-    solved = sum(e.reward >= 1.0 for e in episodes)
+    n_solved = sum(solved(e.reward) for e in episodes)
     turns = sum(e.turns for e in episodes) / max(1, len(episodes))
-    print(f"sft: {solved}/{len(episodes)} solved | {turns:.1f} turns/episode | {len(rows)} rows -> "
+    print(f"sft: {n_solved}/{len(episodes)} solved | {turns:.1f} turns/episode | {len(rows)} rows -> "
           f"{args.out / 'sft.jsonl'} | {time.time() - t0:.0f}s")
     for e in episodes:
         if e.failure:

@@ -316,7 +316,7 @@ def evaluate(args, rollout=None):
                 ran.append(rec)
                 results["tasks"][name]["attempts"].sort(key=lambda a: a["attempt"])
                 save_results(args.out, results)
-                outcomes[ep.failure or ("solved" if ep.reward >= 1.0 else "failed")] += 1
+                outcomes[ep.failure or ("solved" if episode.solved(ep.reward) else "failed")] += 1
                 bar.set_postfix(outcomes)
                 bar.update()
         try:

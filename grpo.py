@@ -9,8 +9,8 @@ their verifiers, takes --ppo-epochs optimizer steps on the loss below and loads 
         + kl * sum_{i in ACTION} n_i k3_i + echo * mean_seq[ sum_{i in OBS(seq)} NLL_i / |OBS(seq)| ]
     A = r - mean(r_group), rho_i = pi(a_i) / pi_behaviour(a_i)
 
-pg_loss_full writes it out on full logits, pg_loss computes it chunked; its terms and flags, the memory plan:
-docs/training.md. Log rows and transcripts: steplog.py.
+pg_loss writes it out on the per-token log-probs of the chunked head (head.token_logprobs); its terms and flags, the
+memory plan: docs/training.md. Log rows and transcripts: steplog.py.
 
 CPU toy run (tasks from `python envs.py corpus --out data/corpus`, an SFT checkpoint from sft.py):
     python grpo.py --init runs/actobs/final --tasks data/corpus/rl --out runs/grpo-actobs \
@@ -25,7 +25,6 @@ Resume: the same command plus --resume. Several runs, one process: `python grpo.
 """
 import argparse
 import dataclasses
-import functools
 import gc
 import os
 import time
@@ -42,38 +41,37 @@ from actobs.tasks import load_tasks
 def get_parser():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    g = p.add_argument_group("model and tasks")
+    g = p.add_argument_group("recipe", "the flags ablation.sh's runs and the paper set; theirs too: --concurrency, "
+                             "--micro-tokens, --fsdp, --grad-ckpt (execution), --out, --save-every, --keep (run)")
     g.add_argument("--init", required=True, help="HF checkpoint to start from (sft.py's final/ has its template)")
-    g.add_argument("--chat-template", default="native", help="'native' (the checkpoint's), 'prefix', or a .jinja")
     g.add_argument("--tasks", required=True, help="folder of Harbor task folders (e.g. the toy world's rl/ split)")
-    g.add_argument("--kinds", type=lambda v: v.split(","), metavar="KIND,...", help="train only on the tasks of "
-                   "these kinds (task.toml's [metadata] kind), e.g. the ones the policy solves sometimes")
-    g.add_argument("--prompt-template", help="file with {instruction} and {terminal_state} (default: terminus's)")
-    g = p.add_argument_group("rollouts")
+    g.add_argument("--steps", type=int, default=135, help="steps: each rolls out, updates and syncs the engine")
     g.add_argument("--tasks-per-step", type=int, default=32, help="groups per step (global, across ranks)")
     g.add_argument("--group-size", type=int, default=16, help="episodes per task per step")
-    g.add_argument("--temperature", type=float, default=1.0, help="sampling temperature; log-probs use logits / T")
+    g.add_argument("--lr", type=float, default=1e-6, help="constant learning rate")
+    g.add_argument("--kl-coef", type=float, default=0.0, help="k3 KL penalty to the initial policy (0 = off)")
+    g.add_argument("--scale-std", action="store_true", help="divide advantages by the group's std (+1e-6)")
+    g.add_argument("--echo-coef", type=float, default=0.0, help="ECHO: weight of the observation NLL of the "
+                   "policy's own rollouts (0.05 in its reference setting)")
+    g.add_argument("--redraw", type=int, default=0, metavar="K", help="the last K steps draw the tasks the first K "
+                   "drew (fresh episodes of them): the solve rate, first steps against last, then compares the same "
+                   "tasks (scripts/report.py; bench/draw_noise.py measures what the draw adds)")
     g.add_argument("--max-turns", type=int, default=0, help="replies per episode before it ends as max_turns; 0: no "
                    "cap, as Harbor's Terminus-2 (the task's agent timeout bounds an episode)")
     g.add_argument("--max-parse-errors", type=int, default=0, help="replies in a row the protocol rejects before the "
                    "episode ends as parse_errors; 0: never, as Harbor's")
     g.add_argument("--max-new-tokens", type=int, default=4096, help="tokens per reply")
     g.add_argument("--max-len", type=int, default=16384, help="tokens per episode; longer ones are cut and flagged")
+    g.add_argument("--prompt-template", help="file with {instruction} and {terminal_state} (default: terminus's)")
     g.add_argument("--network", choices=("egress", "host"), help="a network for the tasks that allow the internet: "
                    "egress or host (evaluate.py --network); default: none for any task")
+    g.add_argument("--temperature", type=float, default=1.0, help="sampling temperature; log-probs use logits / T")
+    g.add_argument("--seed", type=int, default=0, help="seeds the task draws and the sampling")
+    g = p.add_argument_group("tasks and rollouts")
+    g.add_argument("--chat-template", default="native", help="'native' (the checkpoint's), 'prefix', or a .jinja")
+    g.add_argument("--kinds", type=lambda v: v.split(","), metavar="KIND,...", help="train only on the tasks of "
+                   "these kinds (task.toml's [metadata] kind), e.g. the ones the policy solves sometimes")
     g.add_argument("--grammar", **terminus.GRAMMAR_FLAG)
-    g = p.add_argument_group("objective")
-    g.add_argument("--clip", type=float, default=0.2, help="PPO clip epsilon on the importance ratio (both sides)")
-    g.add_argument("--clip-low", type=float, help="lower clip epsilon: rho is clipped to [1 - clip-low, 1 + "
-                   "clip-high] (default --clip); DAPO's clip-higher: --clip-low 0.2 --clip-high 0.28")
-    g.add_argument("--clip-high", type=float, help="upper clip epsilon (default --clip)")
-    g.add_argument("--ppo-epochs", type=int, default=1, help="optimizer steps per batch of rollouts (1 = on-policy)")
-    g.add_argument("--loss-norm", default="token", choices=["token", "sequence", "constant"],
-                   help="n_i of the module docstring: token, sequence or constant (Dr. GRPO)")
-    g.add_argument("--scale-std", action="store_true", help="divide advantages by the group's std (+1e-6)")
-    g.add_argument("--redraw", type=int, default=0, metavar="K", help="the last K steps draw the tasks the first K "
-                   "drew (fresh episodes of them): the solve rate, first steps against last, then compares the same "
-                   "tasks (scripts/report.py; bench/draw_noise.py measures what the draw adds)")
     g.add_argument("--dynamic-sampling", type=int, default=0, metavar="MAX_GROUPS", help="drop groups without "
                    "signal and draw more, --tasks-per-step at a time, until --tasks-per-step have signal or "
                    "MAX_GROUPS (a multiple of --tasks-per-step) were drawn; 0 = off")
@@ -81,26 +79,29 @@ def get_parser():
                    "--max-len: keep (the verifier's reward), mask (in their group's statistics, out of the loss), "
                    "penalty (reward - --overlong-penalty)")
     g.add_argument("--overlong-penalty", type=float, default=1.0, help="what --overlong penalty subtracts")
+    g = p.add_argument_group("objective", "the loss's variants (pg_loss; docs/training.md#the-grpo-objective)")
+    g.add_argument("--clip", type=float, default=0.2, help="PPO clip epsilon on the importance ratio (both sides)")
+    g.add_argument("--clip-low", type=float, help="lower clip epsilon: rho is clipped to [1 - clip-low, 1 + "
+                   "clip-high] (default --clip); DAPO's clip-higher: --clip-low 0.2 --clip-high 0.28")
+    g.add_argument("--clip-high", type=float, help="upper clip epsilon (default --clip)")
+    g.add_argument("--loss-norm", default="token", choices=["token", "sequence", "constant"],
+                   help="n_i of the module docstring: token, sequence or constant (Dr. GRPO)")
+    g.add_argument("--ppo-epochs", type=int, default=1, help="optimizer steps per batch of rollouts (1 = on-policy)")
     g.add_argument("--tis-cap", type=float, default=0.0, help="truncated importance weight cap (0 = off)")
-    g.add_argument("--kl-coef", type=float, default=0.0, help="k3 KL penalty to the initial policy (0 = off)")
-    g.add_argument("--echo-coef", type=float, default=0.0, help="ECHO: weight of the observation NLL of the "
-                   "policy's own rollouts (0.05 in its reference setting)")
     g.add_argument("--echo-payload-only", action="store_true", help="ECHO on the environment's own text only, not "
                    "the protocol's fixed wrapper text and end-of-turn tokens")
-    g = p.add_argument_group("optimisation")
-    g.add_argument("--steps", type=int, default=135)
-    g.add_argument("--lr", type=float, default=1e-6, help="constant learning rate")
-    g.add_argument("--weight-decay", type=float, default=0.0)
+    g = p.add_argument_group("optimizer")
+    g.add_argument("--weight-decay", type=float, default=0.0, help="AdamW decoupled weight decay")
     g.add_argument("--adam-betas", type=float, nargs=2, default=[0.9, 0.999], metavar=("B1", "B2"), help="AdamW betas")
     g.add_argument("--adam-eps", type=float, default=1e-8, help="AdamW epsilon")
     g.add_argument("--grad-clip", type=float, default=1.0, help="max global grad norm (0 = off)")
-    g.add_argument("--seed", type=int, default=0)
     g = p.add_argument_group("execution", "how the run computes, not what: free to change on --resume")
     g.add_argument("--concurrency", type=int, default=64, help="sandboxes live at once per rank")
     g.add_argument("--micro-tokens", type=int, default=32768, help="token budget of a micro-batch (rows x length)")
     g.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32"], help="autocast and engine dtype; "
                    "auto = bf16 on CUDA and on a CPU where it measures faster than fp32 (common.resolve_dtype)")
-    g.add_argument("--grad-ckpt", action="store_true")
+    g.add_argument("--grad-ckpt", action="store_true", help="gradient checkpointing (recompute activations in "
+                   "backward)")
     g.add_argument("--fsdp", action="store_true", help="shard with FSDP2 instead of DDP under torchrun")
     g.add_argument("--gpu-memory", type=float, default=0.35, help="GPU memory share of the vLLM engine")
     g.add_argument("--kv-cache-gb", type=float, help="vLLM's KV cache on CPU (GiB); default: room for "
@@ -120,7 +121,7 @@ FREE_ON_RESUME = ("concurrency", "micro_tokens", "dtype", "grad_ckpt", "fsdp", "
 
 @dataclasses.dataclass(frozen=True)
 class Objective:
-    """The loss's settings, from the flags (objective()): what pg_loss_full states and pg_loss computes."""
+    """The loss's settings, from the flags (objective()): what pg_loss computes."""
     weights: dict  # each term's coefficient, {"pg": 1, "kl": --kl-coef, "echo": --echo-coef}; may_skip reads them
     temperature: float  # the action tokens' log-probs are of logits / T, the distribution they were sampled from
     clip_low: float  # eps_low, eps_high: rho is clipped to [1 - eps_low, 1 + eps_high]
@@ -132,8 +133,8 @@ class Objective:
 
 
 def objective(args):
-    """The Objective of the run's flags. A new term: its coefficient in weights, its value in pg_loss_full and
-    token_objective (may_skip reads the weights, so the term reaches groups without signal)."""
+    """The Objective of the run's flags. A new term: its coefficient in weights, its value in pg_loss (may_skip reads
+    the weights, so the term reaches groups without signal)."""
     return Objective(weights={"pg": 1.0, "kl": args.kl_coef, "echo": args.echo_coef}, temperature=args.temperature,
                      clip_low=args.clip if args.clip_low is None else args.clip_low,
                      clip_high=args.clip if args.clip_high is None else args.clip_high, tis_cap=args.tis_cap,
@@ -157,133 +158,77 @@ def echo_mask(roles, wrapper, payload_only):
 
 def loss_tokens(example):
     """How many of an example's tokens carry the policy-gradient loss: its action tokens but the forced ones."""
-    forced = example.get("forced") or [False] * len(example["roles"])
-    return sum(r == ACTION and not f for r, f in zip(example["roles"][1:], forced[1:]))
+    forced = example.forced or [False] * len(example.roles)
+    return sum(r == ACTION and not f for r, f in zip(example.roles[1:], forced[1:]))
 
 
 def may_skip(example, obj):
     """Whether the loss adds nothing on `example`, so it need not be forwarded: its advantage is 0 at every token
     (a group without signal: the policy-gradient term is 0) and every other term weighs 0."""
-    return not any(example["adv"]) and not any(c for term, c in obj.weights.items() if term != "pg")
+    return not any(example.adv) and not any(c for term, c in obj.weights.items() if term != "pg")
 
 
-def pg_loss_full(lm, batch, obj, norm):
-    """The module docstring's L on one micro-batch, on full logits, term by term: the spec that pg_loss computes
-    chunked (tests/test_grpo.py holds the two equal). lm: the policy (a Hugging Face causal LM), batch: collate's,
-    obj: Objective, norm: the step's Normalisers. -> this micro-batch's part of the step's loss (autograd)."""
-    ids, roles = batch["input_ids"], batch["roles"]  # (B, T)
-    logits = lm(input_ids=ids, attention_mask=batch["attention_mask"]).logits[:, :-1].float()  # (B, T-1, V)
-    targets = ids[:, 1:, None]  # (B, T-1, 1): the token each position predicts
-    # The action tokens' log-probs at the sampling temperature; under a grammar those of the distribution masked to
-    # the tokens the grammar allowed at each, renormalised (what vLLM sampled from)
-    scaled = logits / obj.temperature  # (B, T-1, V)
-    if "mask_table" in batch:
-        allowed = torch.from_numpy(np.unpackbits(batch["mask_table"].cpu().numpy(), axis=1, bitorder="little"))
-        allowed = allowed.to(ids.device).bool()[batch["mask_row"][:, 1:], :scaled.shape[-1]]  # (B, T-1, V)
-        scaled = scaled.masked_fill(~allowed, float("-inf"))
-    logp = torch.log_softmax(scaled, -1).gather(-1, targets).squeeze(-1)  # (B, T-1)
-    act = roles[:, 1:] == ACTION  # (B, T-1): the tokens the policy sampled...
-    if "forced" in batch:
-        act = act & ~batch["forced"][:, 1:]  # ...but those the grammar allowed alone (probability 1): no loss
-    seq = torch.arange(len(ids), device=ids.device)[:, None].expand_as(act)[act]  # (n,) each action token's sequence
-    lp, behav, adv = logp[act], batch["behav"][:, 1:][act], batch["adv"][:, 1:][act]  # (n,) each
+def pg_loss(lm, batch, obj, norm):
+    """The module docstring's L on one micro-batch (batches.collate's), this micro-batch's part of the step's loss.
+    lm: the policy (a Hugging Face causal LM), obj: Objective, norm: the step's Normalisers. The log-probs come from
+    the chunked head, differentiable (the (N, V) logits never exist); the objective is tensor code on them.
+    -> (the loss (autograd), stats of sums: the terms, entropy, KL, mismatch between the engine's and the trainer's
+    log-probs, clipping)."""
+    echo = echo_mask(batch["roles"], batch["wrapper"], obj.echo_payload_only) & (obj.weights["echo"] != 0)  # (B, T-1)
+    r = batches.selected_rows(lm, batch, obj.temperature, echo)  # the N positions that carry loss
+    # each row's log-prob of its token: action rows at T (under a grammar, of the distribution masked to the tokens it
+    # allowed, renormalised: what vLLM sampled from), ECHO rows at 1; and the entropies, detached
+    lp, ent = head.token_logprobs(r.h, lm.get_output_embeddings().weight, r.targets, entropy=True,
+                                  allowed=batches.allowed_rows(batch, r.sel))  # (N,), (N,)
+    act, B = r.act, len(batch["input_ids"])  # (N,) bool: the action rows, the sampled tokens that carry loss
+    logp, behav, adv, seq = lp[act], r.behav[act], r.adv[act], r.seq[act]  # (n,) each
     # rho against the behaviour policy (the log-prob vLLM sampled with); with --tis-cap against the trainer before
     # the step's first update (old; this policy at the first epoch), weighted by the truncated IS weight w
-    old = batch["old"][:, 1:][act] if "old" in batch else lp.detach()  # (n,)
+    old = r.old[act] if r.old is not None else logp.detach()  # (n,)
     if obj.tis_cap > 0:
-        rho, w = (lp - old).exp(), (old - behav).exp().clamp(max=obj.tis_cap)
+        rho, w = (logp - old).exp(), (old - behav).exp().clamp(max=obj.tis_cap)
     else:
-        rho, w = (lp - behav).exp(), torch.ones_like(lp)
-    surrogate = torch.minimum(rho * adv, rho.clamp(1 - obj.clip_low, 1 + obj.clip_high) * adv)  # (n,)
+        rho, w = (logp - behav).exp(), torch.ones_like(logp)
+    unclipped, clipped = rho * adv, rho.clamp(1 - obj.clip_low, 1 + obj.clip_high) * adv  # (n,) each
+    surrogate = torch.minimum(unclipped, clipped)
     if obj.loss_norm == "token":  # n_i: 1 / (the step's action tokens)
         n = 1.0 / norm.act_tokens
     elif obj.loss_norm == "sequence":  # 1 / (|ACTION(seq)| * the step's sequences)
-        n = 1.0 / (act.sum(1)[seq] * norm.seqs)  # (n,)
+        n = 1.0 / (torch.bincount(seq, minlength=B)[seq] * norm.seqs)  # (n,)
     else:  # constant (Dr. GRPO): 1 / (--max-len * the step's sequences), however long the sequence
         n = 1.0 / (obj.max_len * norm.seqs)
     pg = -(n * w * surrogate).sum()
     # the k3 estimate of the KL to the initial policy, whose log-probs are ref: e^d - d - 1, d = ref - logp
-    d = batch["ref"][:, 1:][act] - lp if "ref" in batch else torch.zeros_like(lp)  # (n,)
-    kl = (n * (d.exp() - d - 1)).sum()
+    d = r.ref[act] - logp if r.ref is not None else torch.zeros_like(logp)  # (n,)
+    k3 = d.exp() - d - 1
+    kl = (n * k3).sum()
     # ECHO: the observation tokens' NLL at T = 1 (the model's own prediction of the environment, unmasked), a mean
     # per sequence, summed over the sequences and divided by the step's sequences that have such tokens
-    obs = echo_mask(roles, batch["wrapper"], obj.echo_payload_only)  # (B, T-1)
-    nll = -torch.log_softmax(logits, -1).gather(-1, targets).squeeze(-1)  # (B, T-1)
-    echo = ((nll * obs).sum(1) / obs.sum(1).clamp(min=1)).sum() / max(norm.echo_seqs, 1)
-    return obj.weights["pg"] * pg + obj.weights["kl"] * kl + obj.weights["echo"] * echo
-
-
-# The same loss, chunked: head.token_loss forms the head's gradients in its forward pass from each row's term, so the
-# (N, V) logits never exist at Qwen's 151,936-token vocabulary. Each row's term is token_objective's.
-
-
-def token_objective(lp, rows, r, w, obj, parts=False):
-    """head.token_loss's terms: the loss of rows `rows` (a slice of r's N rows) from their log-probs lp (c,), each
-    row's a function of its own log-prob. Action rows: pg_loss_full's clipped objective and KL; ECHO rows: their
-    NLL. w (N,): n_i on action rows, ECHO's weight on the others. -> (c,); with parts also the action rows' pieces."""
-    a = r.act[rows]  # (c,) bool
-    lp_a = lp[a]  # (n,) the action rows' log-probs at T
-    adv, behav, w_a = r.adv[rows][a], r.behav[rows][a], w[rows][a]  # (n,) each
-    old = r.old[rows][a] if r.old is not None else lp_a.detach()
-    if obj.tis_cap > 0:
-        ratio, w_is = (lp_a - old).exp(), (old - behav).exp().clamp(max=obj.tis_cap)
-    else:
-        ratio, w_is = (lp_a - behav).exp(), torch.ones_like(old)
-    unclipped, clipped = ratio * adv, ratio.clamp(1 - obj.clip_low, 1 + obj.clip_high) * adv  # (n,)
-    d_ref = r.ref[rows][a] - lp_a if r.ref is not None else torch.zeros_like(lp_a)  # log pi_init - log pi
-    k3 = d_ref.exp() - d_ref - 1
-    pg = -obj.weights["pg"] * w_a * w_is * torch.minimum(unclipped, clipped)  # (n,)
-    t = torch.zeros_like(lp)
-    t[a] = pg + obj.weights["kl"] * w_a * k3
-    t[~a] = -w[rows][~a] * lp[~a]  # ECHO
-    if not parts:
-        return t
-    # flows: the min takes the unclipped branch, so the gradient flows through the ratio
-    return t, {"pg": pg, "k3": k3, "d_ref": d_ref, "w_is": w_is, "old": old, "flows": unclipped <= clipped}
-
-
-def pg_loss(lm, batch, obj, norm):
-    """pg_loss_full's loss through the chunked head: a sum of token_objective's per-token terms, so head.token_loss
-    forms the head's gradients in the forward pass. -> (the loss, stats of sums: the terms, entropy, KL, mismatch
-    between the engine's and the trainer's log-probs, clipping)."""
-    echo = echo_mask(batch["roles"], batch["wrapper"], obj.echo_payload_only) & (obj.weights["echo"] != 0)  # (B, T-1)
-    r = batches.selected_rows(lm, batch, obj.temperature, echo)
-    act, a_seq, o_seq = r.act, r.seq[r.act], r.seq[~r.act]
-    w = torch.zeros(len(r.targets), device=r.h.device)  # (N,): n_i on action rows, ECHO's weight on the others
-    if obj.loss_norm == "token":
-        w[act] = 1.0 / norm.act_tokens
-    elif obj.loss_norm == "sequence":
-        w[act] = 1.0 / (torch.bincount(a_seq, minlength=len(r.sel)).float()[a_seq] * norm.seqs)
-    else:  # constant (Dr. GRPO): every action token weighs the same, however long its sequence
-        w[act] = 1.0 / (obj.max_len * norm.seqs)
-    w[~act] = obj.weights["echo"] / (torch.bincount(o_seq, minlength=len(r.sel)).float()[o_seq]
-                                     * max(norm.echo_seqs, 1))
-    terms = functools.partial(token_objective, r=r, w=w, obj=obj)
-    loss, logp, ent = head.token_loss(r.h, lm.get_output_embeddings().weight, r.targets, terms, entropy=True,
-                                      allowed=engine.allowed_rows(batch, r.sel))  # (), (N,) at T or 1, (N,)
-    _, p = token_objective(logp, slice(0, len(logp)), r, w, obj, parts=True)  # the stats, detached
-    obs_logp = logp[~act]
-    stats = {"loss": loss.item(), "pg_loss": p["pg"].sum().item(), "echo_loss": (-(w[~act] * obs_logp).sum()).item(),
-             "act_tokens": int(act.sum()), "entropy_sum": float(ent[act].sum()),
-             # with a KL term, on every rank (a rank with no examples forwards one without the field: its sums are 0)
-             **({"kl_init_sum": float(-p["d_ref"].sum()), "kl_init_k3_sum": float(p["k3"].sum())}
-                if obj.weights["kl"] else {}),
-             "mismatch_sum": float((r.behav[act] - p["old"]).sum()),
-             "mismatch_abs_sum": float((r.behav[act] - p["old"]).abs().sum()),
-             "clipped_sum": float((~p["flows"] & (r.adv[act] != 0)).sum()), "tis_w_sum": float(p["w_is"].sum()),
-             "obs_tokens": len(obs_logp), "obs_nll_sum": float(-obs_logp.sum())}
+    nll, obs_seq = -lp[~act], r.seq[~act]  # (N - n,) each
+    echo = (nll / torch.bincount(obs_seq, minlength=B)[obs_seq]).sum() / max(norm.echo_seqs, 1)
+    loss = obj.weights["pg"] * pg + obj.weights["kl"] * kl + obj.weights["echo"] * echo
+    stats = {"loss": loss.item(), "pg_loss": obj.weights["pg"] * pg.item(),
+             "echo_loss": obj.weights["echo"] * echo.item(), "act_tokens": len(logp),
+             "entropy_sum": ent[act].sum().item(),
+             # with a KL term, on every rank (a rank with no examples forwards one without ref: its sums are 0)
+             **({"kl_init_sum": -d.sum().item(), "kl_init_k3_sum": k3.sum().item()} if obj.weights["kl"] else {}),
+             "mismatch_sum": (behav - old).sum().item(), "mismatch_abs_sum": (behav - old).abs().sum().item(),
+             # clipped: the min took the clipped branch, where the gradient stops
+             "clipped_sum": ((unclipped > clipped) & (adv != 0)).sum().item(), "tis_w_sum": w.sum().item(),
+             "obs_tokens": len(nll), "obs_nll_sum": nll.sum().item()}
     return loss, stats
 
 
-def train_batch(wrapped, init, opt, examples, args, pad_id, device, ctx, step, log):
-    """--ppo-epochs optimizer steps of `wrapped` (common.LossModule around the policy, under DDP / FSDP2) on this
-    rank's examples; init: the initial policy for the KL (a full copy, or a LossModule sharded like the policy under
-    --fsdp; None without a KL term). -> (stats summed over the first epoch's micro-batches, the last
-    grad norm or None). The normalisers count every example of every rank; those the loss adds nothing on are not
-    forwarded (may_skip). With none left on any rank, no optimizer step either: Adam's moments would move the
-    weights with a gradient of 0."""
-    obj = objective(args)
-    n_echo = sum(bool(echo_mask(torch.tensor(ex["roles"]), torch.tensor(ex["wrapper"]), args.echo_payload_only).any())
+def train_batch(wrapped, init, opt, examples, obj, pad_id, device, ctx, step, log, *, ppo_epochs, micro_tokens,
+                grad_clip, fsdp):
+    """ppo_epochs optimizer steps of `wrapped` (common.LossModule around the policy, under DDP / FSDP2) on this
+    rank's examples (batches.Example) by the loss of Objective obj, in micro-batches of micro_tokens; init: the
+    initial policy for the KL (a full copy, or a LossModule sharded like the policy under fsdp; None without a KL
+    term). -> (stats summed over the first epoch's micro-batches, the last grad norm (clipped to grad_clip) or None).
+    The normalisers count every example of every rank; those the loss adds nothing on are not forwarded (may_skip).
+    With none left on any rank, no optimizer step either: Adam's moments would move the weights with a gradient
+    of 0."""
+    n_echo = sum(bool(echo_mask(torch.tensor(ex.roles), torch.tensor(ex.wrapper), obj.echo_payload_only).any())
                  for ex in examples) if obj.weights["echo"] != 0 else 0
     n_tok, n_seq, n_echo = common.all_reduce([sum(map(loss_tokens, examples)), len(examples), n_echo], device)
     norm = Normalisers(act_tokens=max(n_tok, 1), seqs=max(n_seq, 1), echo_seqs=n_echo)
@@ -291,27 +236,26 @@ def train_batch(wrapped, init, opt, examples, args, pad_id, device, ctx, step, l
     if common.all_reduce([len(examples)], device)[0] == 0:
         return {"episodes_trained": 0}, None
     if init is not None:  # sharded, every rank runs as many forwards, examples or not
-        refs = batches.policy_logprobs(init, examples, args, pad_id, device, ctx, wrapped=args.fsdp)
-        for ex, lp in zip(examples, refs):
-            ex["ref"] = lp
-    if args.ppo_epochs > 1 and args.tis_cap > 0:  # the trainer before the step's first update, on every rank
-        olds = batches.policy_logprobs(wrapped, examples, args, pad_id, device, ctx, wrapped=True)
-        for ex, lp in zip(examples, olds):
-            ex["old"] = lp
+        refs = batches.policy_logprobs(init, examples, obj.temperature, micro_tokens, pad_id, device, ctx, wrapped=fsdp)
+        examples = [dataclasses.replace(ex, ref=lp) for ex, lp in zip(examples, refs)]
+    if ppo_epochs > 1 and obj.tis_cap > 0:  # the trainer before the step's first update, on every rank
+        olds = batches.policy_logprobs(wrapped, examples, obj.temperature, micro_tokens, pad_id, device, ctx,
+                                       wrapped=True)
+        examples = [dataclasses.replace(ex, old=lp) for ex, lp in zip(examples, olds)]
     # micro-batches by token budget, as many on every rank; the loss is already normalised over the step and every
     # rank, and DDP averages gradients over ranks: each backward is of loss * world
     world, tot = common.world_size(), {"episodes_trained": len(examples)}
-    groups = common.rank_micro_batches([len(ex["ids"]) for ex in examples], args.micro_tokens, device)
-    for epoch in range(args.ppo_epochs):
+    groups = common.rank_micro_batches([len(ex.ids) for ex in examples], micro_tokens, device)
+    for epoch in range(ppo_epochs):
         for k, g in enumerate(groups):
             batch = batches.micro_batch(examples, g, pad_id, device)
-            with common.grad_sync(wrapped, k == len(groups) - 1, world, args.fsdp), ctx:
+            with common.grad_sync(wrapped, k == len(groups) - 1, world, fsdp), ctx:
                 loss, st = wrapped(batch, obj, norm, fn=pg_loss)  # pg_loss(policy, ...) under DDP's / FSDP2's hooks
                 (loss * world).backward()
             if epoch == 0:
                 for key, v in {**st, "tokens": int(batch["attention_mask"].sum()) if g else 0}.items():
                     tot[key] = tot.get(key, 0.0) + v
-        gnorm = common.optimizer_step(wrapped, opt, args.grad_clip, step, log)
+        gnorm = common.optimizer_step(wrapped, opt, grad_clip, step, log)
     return tot, gnorm
 
 
@@ -355,16 +299,17 @@ def draw_episodes(llm, tok, tasks, template, args, step, rank, gen, draw, groups
     return episodes
 
 
-def group_rewards(episodes, args):
-    """Episodes of consecutive groups (--group-size each) -> (rewards, valid, trains), (G, S) each: the verifier's
-    rewards, less --overlong-penalty for an episode cut at --max-len under --overlong penalty; valid: not an
-    infrastructure failure (those are out of the group's statistics); trains: the valid episodes the loss sees."""
-    cut = torch.tensor([e.truncated for e in episodes]).view(-1, args.group_size)  # (G, S)
-    rewards = torch.tensor([e.reward for e in episodes], dtype=torch.float32).view(-1, args.group_size)
-    if args.overlong == "penalty":
-        rewards = rewards - args.overlong_penalty * cut
-    valid = torch.tensor([e.failure not in episode.INFRA_FAILURES for e in episodes]).view(-1, args.group_size)
-    return rewards, valid, valid & ~cut if args.overlong == "mask" else valid
+def group_rewards(episodes, group_size, overlong, overlong_penalty):
+    """Episodes of consecutive groups (group_size each) -> (rewards, valid, trains), (G, S) each: the verifier's
+    rewards (graded or not: taken as they are), less overlong_penalty for an episode cut at --max-len under --overlong
+    penalty; valid: not an infrastructure failure (those are out of the group's statistics); trains: the valid
+    episodes the loss sees (--overlong mask: not the cut ones)."""
+    cut = torch.tensor([e.truncated for e in episodes]).view(-1, group_size)  # (G, S)
+    rewards = torch.tensor([e.reward for e in episodes], dtype=torch.float32).view(-1, group_size)
+    if overlong == "penalty":
+        rewards = rewards - overlong_penalty * cut
+    valid = torch.tensor([e.failure not in episode.INFRA_FAILURES for e in episodes]).view(-1, group_size)
+    return rewards, valid, valid & ~cut if overlong == "mask" else valid
 
 
 def group_advantages(rewards, valid=None, scale_std=False, eps=1e-6):
@@ -392,17 +337,18 @@ def token_advantages(episode, adv, replies):
 
 def group_examples(episodes, adv, trains):
     """Episodes of consecutive groups, their advantages (G, S) and whether each trains (G, S) -> each group's
-    training examples: an episode's per-token lists (ids, roles, behav: the vLLM log-probs, wrapper, adv:
-    token_advantages; under a grammar its masks, mask_ids and forced tokens, which carry no loss)."""
+    training examples (batches.Example: an episode's tokens, roles, wrapper, the log-probs vLLM sampled them with,
+    token_advantages; under a grammar its masks and forced tokens, which carry no loss)."""
     groups = [[] for _ in range(len(adv))]
     for i, e in enumerate(episodes):
         g, j = divmod(i, adv.shape[1])
         if trains[g, j] and ACTION in e.roles:
-            ex = {"ids": e.token_ids, "roles": e.roles, "behav": e.logprobs, "wrapper": e.obs_wrapper,
-                  "adv": token_advantages(e, float(adv[g, j]), engine.reply_spans(e.roles))}
+            grammar = {}
             if e.masks:  # decoded under a grammar
-                ex.update(masks=e.masks, mask_ids=e.mask_ids, forced=engine.forced_tokens(e.masks, e.mask_ids))
-            groups[g].append(ex)
+                grammar = dict(masks=e.masks, mask_ids=e.mask_ids, forced=engine.forced_tokens(e.masks, e.mask_ids))
+            groups[g].append(batches.Example(ids=e.token_ids, roles=e.roles, wrapper=e.obs_wrapper, behav=e.logprobs,
+                                             adv=token_advantages(e, float(adv[g, j]), engine.reply_spans(e.roles)),
+                                             **grammar))
     return groups
 
 
@@ -420,7 +366,7 @@ def main(argv=None):
     if args.dynamic_sampling % args.tasks_per_step:
         raise ValueError(f"--dynamic-sampling {args.dynamic_sampling} must be a multiple of --tasks-per-step "
                          f"{args.tasks_per_step} (0 = off)")
-    run = common.start_run(args, FREE_ON_RESUME)
+    run = common.start_run(args.out, vars(args), FREE_ON_RESUME, resume=args.resume, fsdp=args.fsdp)
     if run is None:
         return
     rank, world, device, print0 = run.rank, run.world, run.device, run.print0
@@ -438,14 +384,17 @@ def main(argv=None):
     if args.kl_coef:
         init = common.load_model(args.init, device).to(dtype).requires_grad_(False).eval()
         init = common.shard(common.LossModule(init), init) if args.fsdp else init
-    wrapped = common.wrap_model(common.LossModule(lm), lm, args, device)  # what trains: DDP / FSDP2 around lm
-    opt = common.adamw(wrapped, args)
+    # what trains: DDP / FSDP2 around lm
+    wrapped = common.wrap_model(common.LossModule(lm), lm, device, grad_ckpt=args.grad_ckpt, fsdp=args.fsdp)
+    opt = common.adamw(wrapped.parameters(), lr=args.lr, betas=args.adam_betas, eps=args.adam_eps,
+                       weight_decay=args.weight_decay)
     start = common.load_optimizer_state(wrapped, opt, run.state, args.fsdp)
     os.environ.update(engine.IN_PROCESS_ENV)  # vLLM's engine in this process: the weight sync hands it tensors
     llm = engine.make_engine(run.ckpt or args.init, max_model_len=args.max_len, seed=args.seed,
                              max_seqs=args.concurrency, dtype="bf16" if dtype == torch.bfloat16 else "fp32",
                              gpu_memory=args.gpu_memory, kv_cache_gb=args.kv_cache_gb, sleep=True)
-    log = runlog.open_run_log(run.out, args, start, rank, compute_dtype={"dtype": str(dtype), "why": why})
+    log = runlog.open_run_log(run.out, vars(args), start, rank, resume=args.resume, wandb=args.wandb,
+                              compute_dtype={"dtype": str(dtype), "why": why})
     print0(f"{len(tasks)} tasks | {sum(p.numel() for p in lm.parameters()) / 1e6:.1f}M params | {args.steps} steps "
            f"x {args.tasks_per_step} tasks x {args.group_size} episodes | {str(dtype)[6:]} ({why}) | world {world} | "
            + (f"resumed at step {start}" if start else "fresh start"))
@@ -460,7 +409,7 @@ def main(argv=None):
                                  draw)[rank * per_rank: (rank + 1) * per_rank]
             # rollout -> rewards -> advantages -> examples
             drawn = draw_episodes(llm, tok, tasks, template, args, step, rank, s.gen, draw, groups)
-            rewards, ok, trains = group_rewards(drawn, args)  # (G, S) each
+            rewards, ok, trains = group_rewards(drawn, args.group_size, args.overlong, args.overlong_penalty)  # (G, S)
             adv, sig = group_advantages(rewards, ok, args.scale_std)  # (G, S), (G,)
             by_group = group_examples(drawn, adv, trains)
             s.episodes += drawn
@@ -479,8 +428,9 @@ def main(argv=None):
             llm.sleep(level=1)
         t_roll = time.time()
         # update: --ppo-epochs optimizer steps on this batch, micro-batches by token budget
-        s.trained, s.gnorm = train_batch(wrapped, init, opt, examples, args, tok.pad_token_id, device, ctx, step,
-                                         print0)
+        s.trained, s.gnorm = train_batch(wrapped, init, opt, examples, objective(args), tok.pad_token_id, device, ctx,
+                                         step, print0, ppo_epochs=args.ppo_epochs, micro_tokens=args.micro_tokens,
+                                         grad_clip=args.grad_clip, fsdp=args.fsdp)
         t_train = time.time()
         # sync: the new weights into the engine (a step without an update leaves them as they are)
         if device.type == "cuda":  # the engine wakes into what the trainer released: its cached blocks too
@@ -499,11 +449,13 @@ def main(argv=None):
                                       torch.cat(s.advantages).flatten().tolist(), args.group_size)
         done = step + 1
         if (args.save_every and done % args.save_every == 0) or done == args.steps:
-            common.save_checkpoint(run.out / f"step-{done:06d}", wrapped, lm, tok, opt, done, args, rank, rng=False)
+            common.save_checkpoint(run.out / f"step-{done:06d}", wrapped, lm, tok, opt, done, vars(args), rank,
+                                   fsdp=args.fsdp, rng=False)
             common.prune_checkpoints(run.out, args.keep, rank)
             if rank == 0:
                 steplog.plot_curves(run.out / "log.jsonl", run.out / "curves.png")
-    common.save_checkpoint(run.out / "final", wrapped, lm, tok, None, args.steps, args, rank)  # weights, tokenizer
+    common.save_checkpoint(run.out / "final", wrapped, lm, tok, None, args.steps, vars(args), rank,
+                           fsdp=args.fsdp)  # weights, tokenizer
     print0(f"final model: {run.out / 'final'}")
     log.close()
     del llm  # the engine's shutdown also tears down the process group it joined (torchrun): before ours, not after

@@ -98,11 +98,12 @@ def loss_denominator(roles, lam, w_act=1.0):
 
 
 def actobs_loss(model, batch, lam, w_act=1.0, n_traj=None, chunk=None):
-    """-> (loss, stats). loss = sum over the batch's trajectories of
-    -[w_act sum_A log p + lam sum_O log p] / (w_act |A| + lam |O|), divided by n_traj (default: the number of
-    trajectories with a non-zero denominator here; pass the whole step's count when accumulating). Log-probs
-    come from the final hidden states through head.token_loss: the (tokens, vocab) logits are never materialised.
-    stats: per-token action and observation NLL (sums, counts, means), whatever lam is."""
+    """-> (loss, stats). loss = sum over the batch's trajectories of -sum_i w_i log p_i / sum_i w_i, the token
+    weights w_i w_act on actions and lam on observations: -[w_act sum_A log p + lam sum_O log p] / (w_act |A| +
+    lam |O|), divided by n_traj (default: the number of trajectories with a non-zero denominator here; pass the whole
+    step's count when accumulating). Log-probs come from the final hidden states through head.token_loss: the
+    (tokens, vocab) logits are never materialised. stats: per-token action and observation NLL (sums, counts, means),
+    whatever lam is."""
     ids, roles = batch["input_ids"], batch["roles"]  # (B, T)
     B = ids.shape[0]
     hidden = model.base_model(input_ids=ids, attention_mask=batch["attention_mask"],
@@ -114,12 +115,11 @@ def actobs_loss(model, batch, lam, w_act=1.0, n_traj=None, chunk=None):
     r = tgt_roles[sel]  # (N,)
     traj = torch.arange(B, device=ids.device)[:, None].expand_as(sel)[sel]  # (N,) trajectory of each token
     is_act, is_obs = r == ACTION, r == OBS
-    n_act = torch.bincount(traj[is_act], minlength=B).float()  # (B,)
-    n_obs = torch.bincount(traj[is_obs], minlength=B).float()
-    denom = w_act * n_act + lam * n_obs  # (B,)
+    w = torch.where(is_act, w_act, lam)  # (N,) each supervised token's weight
+    denom = torch.zeros(B, device=w.device).index_add_(0, traj, w)  # (B,) each trajectory's sum of weights
     valid = denom > 0
     n = float(n_traj) if n_traj is not None else max(int(valid.sum()), 1)
-    tok_w = torch.where(is_act, w_act, lam) / denom.clamp(min=1e-12)[traj] / n  # (N,); 0 where denom = 0
+    tok_w = w / denom.clamp(min=1e-12)[traj] / n  # (N,); 0 where denom = 0
     loss, logp, _ = head.token_loss(h, model.get_output_embeddings().weight, targets,
                                     lambda lp, rows: -tok_w[rows] * lp, chunk=chunk)  # (), (N,)
     nll = -logp
@@ -141,11 +141,12 @@ def lr_at(step, total, warmup, max_lr, min_ratio):
     return max_lr * (min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * t)))
 
 
-def phase_weights(args, step, steps_per_phase):
-    """(w_act, lam) of this step: the paper's mix, or obs-only then action-only phases (each a full SFT run)."""
-    if args.schedule == "mixed":
-        return 1.0, args.lam
-    return (0.0, 1.0) if step < steps_per_phase else (1.0, 0.0)
+def phase_weights(schedule, lam, step, steps_per_phase):
+    """(lam, w_act) of this step under --schedule: mixed, the paper's (--lam, 1), or obs-then-act: obs-only then
+    action-only phases (each a full SFT run)."""
+    if schedule == "mixed":
+        return lam, 1.0
+    return (1.0, 0.0) if step < steps_per_phase else (0.0, 1.0)
 
 
 def step_indices(n, batch_size, step, steps_per_epoch, seed):
@@ -155,18 +156,18 @@ def step_indices(n, batch_size, step, steps_per_epoch, seed):
     return perm[k * batch_size: (k + 1) * batch_size].tolist()
 
 
-def run_micro_batches(model, examples, args, pad_id, lam, w_act, n_traj, device, ctx, train):
-    """Forward (and backward when train) of actobs_loss through `model` (common.LossModule, wrapped) over this rank's
-    examples in length-grouped micro-batches of --micro-tokens, as many on every rank (an empty group: a 1-token pass
-    without loss); -> summed stats, with loss and tokens (the real tokens forwarded). The loss is already normalised
-    over the step and every rank, and DDP averages over ranks: each backward is of loss * world."""
+def run_micro_batches(model, examples, pad_id, lam, w_act, n_traj, device, ctx, train, *, micro_tokens, fsdp):
+    """Forward (and backward when train) of actobs_loss through `model` (common.LossModule, wrapped; fsdp: under
+    FSDP2) over this rank's examples in length-grouped micro-batches of micro_tokens, as many on every rank (an empty
+    group: a 1-token pass without loss); -> summed stats, with loss and tokens (the real tokens forwarded). The loss is
+    already normalised over the step and every rank, and DDP averages over ranks: each backward is of loss * world."""
     world = common.world_size()
-    groups = common.rank_micro_batches([len(ids) for ids, _ in examples], args.micro_tokens, device)
+    groups = common.rank_micro_batches([len(ids) for ids, _ in examples], micro_tokens, device)
     tot = dict.fromkeys(STAT_KEYS, 0.0)
     for k, g in enumerate(groups):
         batch = common.collate([examples[i] for i in g] or [([pad_id], [PROMPT])], pad_id)
         batch = {key: v.to(device) for key, v in batch.items()}
-        sync = common.grad_sync(model, k == len(groups) - 1, world, args.fsdp) if train else nullcontext()
+        sync = common.grad_sync(model, k == len(groups) - 1, world, fsdp) if train else nullcontext()
         with sync, ctx, (nullcontext() if train else torch.no_grad()):
             loss, st = model(batch, lam, w_act, n_traj, fn=actobs_loss)
             if train:
@@ -259,7 +260,7 @@ def restore_rng(ckpt, rank):
         torch.cuda.set_rng_state(rng["cuda"])
 
 
-def step_row(step, tot, lr, gnorm, w_act, lam, dt, device):
+def step_row(step, tot, lr, gnorm, lam, w_act, dt, device):
     """A training step's row of log.jsonl (tot: its reduce_stats)."""
     return {"step": step, "train/loss": tot["loss"], "train/act_nll": tot["act_nll"], "train/obs_nll": tot["obs_nll"],
             "train/lr": lr, "train/grad_norm": gnorm, "train/w_act": w_act, "train/lam": lam,
@@ -281,7 +282,7 @@ def main(argv=None):
     from tqdm import tqdm
 
     check_flags(args)
-    run = common.start_run(args, FREE_ON_RESUME)
+    run = common.start_run(args.out, vars(args), FREE_ON_RESUME, resume=args.resume, fsdp=args.fsdp)
     if run is None:
         return
     rank, world, device = run.rank, run.world, run.device
@@ -302,8 +303,9 @@ def main(argv=None):
     # model, optimizer, resume
     ctx, dtype, why = common.autocast(args.dtype, device)
     raw = common.load_model(run.ckpt or model_path, device)
-    model = common.wrap_model(common.LossModule(raw), raw, args, device)
-    opt = common.adamw(model, args)
+    model = common.wrap_model(common.LossModule(raw), raw, device, grad_ckpt=args.grad_ckpt, fsdp=args.fsdp)
+    opt = common.adamw(model.parameters(), lr=args.lr, betas=args.adam_betas, eps=args.adam_eps,
+                       weight_decay=args.weight_decay)
     start = common.load_optimizer_state(model, opt, run.state, args.fsdp)
     if run.state is not None:
         restore_rng(run.ckpt, rank)
@@ -312,13 +314,14 @@ def main(argv=None):
            f"skipped) | {n_params / 1e6:.1f}M params | {total} steps x {args.batch_size} traj | warmup {warmup} | "
            f"{'bf16' if dtype == torch.bfloat16 else 'fp32'} ({why}) | world {world} | "
            + (f"resumed at step {start}" if start else "fresh start"))
-    log = runlog.open_run_log(run.out, args, start, rank, compute_dtype={"dtype": str(dtype), "why": why})
+    log = runlog.open_run_log(run.out, vars(args), start, rank, resume=args.resume, wandb=args.wandb,
+                              compute_dtype={"dtype": str(dtype), "why": why})
     record = log.write
 
     def evaluate(step):
         model.eval()
-        tot = run_micro_batches(model, val[rank::world], args, tok.pad_token_id, 1.0, 1.0, None, device, ctx,
-                                train=False)
+        tot = run_micro_batches(model, val[rank::world], tok.pad_token_id, 1.0, 1.0, None, device, ctx, train=False,
+                                micro_tokens=args.micro_tokens, fsdp=args.fsdp)
         tot = reduce_stats(tot, device)
         model.train()
         record({"step": step, "eval/act_nll": tot["act_nll"], "eval/obs_nll": tot["obs_nll"]})
@@ -326,7 +329,8 @@ def main(argv=None):
             tqdm.write(f"step {step}/{total} | eval | act {tot['act_nll']:.4f} | obs {tot['obs_nll']:.4f}")
 
     def save(step):
-        common.save_checkpoint(run.out / f"step-{step:06d}", model, raw, tok, opt, step, args, rank)
+        common.save_checkpoint(run.out / f"step-{step:06d}", model, raw, tok, opt, step, vars(args), rank,
+                               fsdp=args.fsdp)
         common.prune_checkpoints(run.out, args.keep, rank)  # args.keep >= 1, checked at start
 
     if args.probe_every:  # the held-out batches the gradient geometry is measured on, built once
@@ -349,18 +353,18 @@ def main(argv=None):
             torch.cuda.reset_peak_memory_stats(device)
         if step == steps_per_phase < total:  # obs-then-act: the action phase starts like a new run, with fresh moments
             opt.state.clear()
-        w_act, lam = phase_weights(args, step, steps_per_phase)
+        lam, w_act = phase_weights(args.schedule, args.lam, step, steps_per_phase)
         lr = lr_at(step % phase_len, phase_len, warmup, args.lr, args.min_lr_ratio)
         for g in opt.param_groups:
             g["lr"] = lr
         idx = step_indices(len(train), args.batch_size, step, steps_per_epoch, args.seed)
         n_traj = max(sum(loss_denominator(train[i][1], lam, w_act) > 0 for i in idx), 1)  # global: same on all ranks
-        tot = run_micro_batches(model, [train[i] for i in idx[rank::world]], args, tok.pad_token_id, lam, w_act,
-                                n_traj, device, ctx, train=True)
+        tot = run_micro_batches(model, [train[i] for i in idx[rank::world]], tok.pad_token_id, lam, w_act, n_traj,
+                                device, ctx, train=True, micro_tokens=args.micro_tokens, fsdp=args.fsdp)
         gnorm = common.optimizer_step(model, opt, args.grad_clip, step, run.print0)
         tot = reduce_stats(tot, device)
         dt = time.time() - t0
-        row = step_row(step + 1, tot, lr, gnorm, w_act, lam, dt, device)
+        row = step_row(step + 1, tot, lr, gnorm, lam, w_act, dt, device)
         record(row)
         if rank == 0:
             tqdm.write(step_line(row, total))
@@ -376,7 +380,7 @@ def main(argv=None):
         geometry.plot_geometry(run.out / "log.jsonl", run.out / "probe_geometry.png")
     if stop == total:
         evaluate(total)
-        common.save_checkpoint(run.out / "final", model, raw, tok, None, total, args, rank)
+        common.save_checkpoint(run.out / "final", model, raw, tok, None, total, vars(args), rank, fsdp=args.fsdp)
         run.print0(f"final model: {run.out / 'final'}")
     log.close()
     common.close_distributed()

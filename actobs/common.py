@@ -117,24 +117,24 @@ class Run:
     print0: Callable  # print on rank 0, nothing on the others
 
 
-def start_run(args, free_on_resume):
-    """A training run's start: the process group (torchrun), --out made, the checkpoint to go on from (resume_point,
-    which checks every flag but those in free_on_resume). -> Run, or None when the run in --out is finished (final/
-    exists): nothing to do."""
+def start_run(out, flags, free_on_resume, *, resume, fsdp):
+    """A training run's start: the process group (torchrun), the run dir `out` made, the checkpoint to go on from with
+    resume (resume_point, which checks every one of the run's flags, a {name: value} dict, but those in
+    free_on_resume). -> Run, or None when the run in out is finished (final/ exists): nothing to do."""
     from transformers.utils import logging as hf_logging
     hf_logging.disable_progress_bar()  # one line per step is the log; no per-save bars
     distributed, rank, world, device = init_distributed()
     print0 = printer(rank)
-    if args.fsdp and not distributed:
+    if fsdp and not distributed:
         raise ValueError("--fsdp shards across ranks: launch with torchrun")
-    out = Path(args.out)
+    out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    ckpt, state, finished = resume_point(out, args, free_on_resume, world)
+    ckpt, state, finished = resume_point(out, resume, flags, free_on_resume, world)
     if finished:
         print0(f"{out} is finished (final/ exists); nothing to resume")
         close_distributed()
         return None
-    if args.resume and ckpt is None:
+    if resume and ckpt is None:
         print0(f"--resume: no checkpoint in {out} yet; starting fresh")
     return Run(rank=rank, world=world, device=device, out=out, ckpt=ckpt, state=state, print0=print0)
 
@@ -253,13 +253,13 @@ class LossModule(torch.nn.Module):
         return fn(self.lm, batch, *a)
 
 
-def wrap_model(module, lm, args, device):
-    """The module a run trains, around `module` (a LossModule holding the model `lm`): with --grad-ckpt
-    activations are recomputed in the backward; with --fsdp each decoder layer and then the whole are sharded
-    by FSDP2; else under torchrun DDP."""
-    if args.grad_ckpt:
+def wrap_model(module, lm, device, *, grad_ckpt, fsdp):
+    """The module a run trains, around `module` (a LossModule holding the model `lm`): with grad_ckpt activations
+    are recomputed in the backward; with fsdp each decoder layer and then the whole are sharded by FSDP2; else under
+    torchrun DDP."""
+    if grad_ckpt:
         lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    if args.fsdp:
+    if fsdp:
         shard(module, lm)
     elif dist.is_initialized():
         module = torch.nn.parallel.DistributedDataParallel(
@@ -364,20 +364,20 @@ def add_run_flags(parser, files, save_every):
     return g
 
 
-def resume_point(out, args, free_on_resume, world):
+def resume_point(out, resume, flags, free_on_resume, world):
     """-> (newest complete checkpoint dir or None, its trainer state or None, finished). Never mixes two runs in
-    one dir: a fresh start needs an unused out; --resume continues the newest checkpoint only with every flag as it
-    was but those a stage declares free_on_resume (how the run computes, where it writes), and as many ranks as
-    wrote it; finished: final/ exists, nothing to resume."""
+    one dir: a fresh start needs an unused out; resume continues the newest checkpoint only with every one of the
+    run's flags ({name: value}) as it was but those a stage declares free_on_resume (how the run computes, where it
+    writes), and as many ranks as wrote it; finished: final/ exists, nothing to resume."""
     ckpts = checkpoint_dirs(out)
-    if not args.resume and (ckpts or (out / "final").exists() or (out / "log.jsonl").exists()):
+    if not resume and (ckpts or (out / "final").exists() or (out / "log.jsonl").exists()):
         raise ValueError(f"{out} already holds a run: pass --resume to continue it, or choose another --out")
-    if args.resume and (out / "final").exists():
+    if resume and (out / "final").exists():
         return None, None, True
     if not ckpts:
         return None, None, False
     state = torch.load(ckpts[-1] / "trainer_state.pt", map_location="cpu", mmap=True, weights_only=False)
-    changed = [f"--{k.replace('_', '-')} {state['args'].get(k)!r} -> {v!r}" for k, v in vars(args).items()
+    changed = [f"--{k.replace('_', '-')} {state['args'].get(k)!r} -> {v!r}" for k, v in flags.items()
                if k not in free_on_resume and state["args"].get(k) != v]
     if changed:
         raise ValueError(f"--resume from {ckpts[-1]} with other settings than it was trained with: "
@@ -387,12 +387,13 @@ def resume_point(out, args, free_on_resume, world):
     return ckpts[-1], state, False
 
 
-def save_checkpoint(path, wrapped, lm, tok, opt, step, args, rank, rng=True):
-    """HF model + tokenizer (chat template included) + optimizer state (+ each rank's RNG state with rng=True),
-    written to path.tmp then renamed: a crash mid-write never leaves a checkpoint that looks complete."""
+def save_checkpoint(path, wrapped, lm, tok, opt, step, flags, rank, *, fsdp, rng=True):
+    """HF model + tokenizer (chat template included) + optimizer state, the step and the run's flags ({name: value},
+    what resume_point checks) (+ each rank's RNG state with rng=True), written to path.tmp then renamed: a crash
+    mid-write never leaves a checkpoint that looks complete. fsdp: the model and optimizer are sharded (FSDP2)."""
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
-    if args.fsdp:  # gather full (unsharded) states onto rank 0's CPU
+    if fsdp:  # gather full (unsharded) states onto rank 0's CPU
         from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                              get_optimizer_state_dict)
         opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
@@ -405,7 +406,7 @@ def save_checkpoint(path, wrapped, lm, tok, opt, step, args, rank, rng=True):
         lm.save_pretrained(tmp, state_dict=sd)
         tok.save_pretrained(tmp)
         if opt is not None:
-            torch.save({"optimizer": osd, "step": step, "args": vars(args),
+            torch.save({"optimizer": osd, "step": step, "args": flags,
                         "world": world_size()}, tmp / "optimizer.pt")
     barrier()
     if opt is not None and rng:
@@ -435,9 +436,9 @@ def barrier():
         dist.barrier()
 
 
-def adamw(wrapped, args):
-    """The optimizer of both training stages: AdamW with the run's --lr, --adam-betas, --adam-eps, --weight-decay."""
-    return torch.optim.AdamW(wrapped.parameters(), lr=args.lr, betas=tuple(args.adam_betas), eps=args.adam_eps,
-                             weight_decay=args.weight_decay)
+def adamw(params, *, lr, betas, eps, weight_decay):
+    """The optimizer of both training stages: AdamW over params with a stage's --lr, --adam-betas, --adam-eps,
+    --weight-decay."""
+    return torch.optim.AdamW(params, lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
 
 

@@ -211,29 +211,6 @@ def forced_tokens(masks, mask_ids):
     return [i >= 0 and single[i] for i in mask_ids]
 
 
-def mask_batch(examples, shape):
-    """The grammar masks of a batch's examples (dicts with masks and mask_ids as an Episode's, right-padded to
-    shape (B, T)) -> the batch's mask_table ((1 + M, ceil(V / 32) * 4) uint8, its row 0 allowing every token) and
-    mask_row ((B, T) long: each token's mask in mask_table, 0 where nothing was masked), or {} when no example has a
-    mask. Read at the rows that carry loss (allowed_rows), they are head.token_logprobs' `allowed`."""
-    masks = [m for e in examples for m in e.get("masks", [])]
-    if not masks:
-        return {}
-    table = torch.from_numpy(np.stack([np.full_like(masks[0], 255)] + masks))
-    rows, base = torch.zeros(shape, dtype=torch.long), 1
-    for b, e in enumerate(examples):
-        ids = torch.as_tensor(e.get("mask_ids", []), dtype=torch.long)  # (T_b,)
-        rows[b, :len(ids)] = torch.where(ids >= 0, ids + base, 0)
-        base += len(e.get("masks", []))
-    return {"mask_table": table, "mask_row": rows}
-
-
-def allowed_rows(batch, sel):
-    """head.token_logprobs' `allowed` at the selected positions sel (B, T-1) of a batch with mask_batch's
-    entries: each row's mask from the grammar its target was sampled under, or None without one."""
-    return (batch["mask_table"], batch["mask_row"][:, 1:][sel]) if "mask_table" in batch else None
-
-
 class VLLMPolicy:
     """run_episodes' policy protocol on an in-process vLLM engine: each episode keeps one append-only token
     sequence (prompt, sampled ids exactly as returned, observation turns as the template renders them) in its

@@ -12,6 +12,17 @@ import dataclasses
 # Infrastructure, never the agent's doing: GRPO and evaluation leave these episodes out.
 INFRA_FAILURES = frozenset({"sandbox_error", "image_build_error"})
 
+# The reward is the number the verifier writes (verify.verify: reward.txt, or reward.json's rule), 1 for a task done, a
+# fraction for one done in part where the verifier grades (taskgen's permissions_graded). GRPO's advantages and the
+# mean reward in its log take it as it is; solved (the solve rate, pass@k's solved attempts, the transcripts, the SFT
+# corpus) is full marks alone.
+SOLVED = 1.0
+
+
+def solved(reward):
+    """Whether a reward is full marks: the one definition of a solved episode or attempt."""
+    return reward >= SOLVED
+
 
 @dataclasses.dataclass
 class Episode:

@@ -1,8 +1,9 @@
 """
 The one chunked output head: log softmax(h W^T)[target] of hidden rows h through the head W, and the entropies, one
-row-chunk at a time, so the (N, V) logits never exist. SFT's loss and GRPO's loss (token_loss: the head's gradients
-formed in the forward pass), the probes and the log-probs GRPO compares (token_logprobs) all go through it; with a
-grammar's masks (allowed) it is the masked, renormalised distribution the rows were sampled from.
+row-chunk at a time, so the (N, V) logits never exist. GRPO's loss, the probes and the log-probs GRPO compares take
+its differentiable log-probs (token_logprobs: any objective on them); SFT's loss, a sum of per-token terms, takes
+token_loss, which forms the head's gradients in the forward pass (no recompute in the backward). With a grammar's
+masks (allowed) it is the masked, renormalised distribution the rows were sampled from.
 """
 import torch
 

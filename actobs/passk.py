@@ -67,7 +67,8 @@ def reward_of(a, first=False):
 
 
 def task_counts(entry, first=False):
-    """(n, c, excluded, agent failures, infra failures) of one task's attempts; c on the first try with first.
+    """(n, c, excluded, agent failures, infra failures) of one task's attempts; c: the solved ones (episode.solved: full
+    marks; a graded reward below 1 is not solved), on the first try with first.
     Attempts that failed for want of the network (needs_network) count in agent failures as `needs network`, and
     those whose agent changed what the verifier loads or runs (their reward stands, as under Harbor) as `tampered`."""
     n = c = 0
@@ -77,7 +78,7 @@ def task_counts(entry, first=False):
             infra[a["failure"]] += 1
             continue
         n += 1
-        c += reward_of(a, first) >= 1.0
+        c += episode.solved(reward_of(a, first))
         if a["failure"]:
             agent[a["failure"]] += 1
         if a.get("needs_network"):

@@ -47,17 +47,18 @@ def run_config(flags, **extra):
             "python": sys.version.split()[0], "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
 
 
-def open_run_log(out, args, start, rank, **extra):
-    """The run's record at its start: on resume, log rows past the checkpoint's step `start` dropped (those steps
-    run again); config.json (run_config, with `extra`) written; -> the RunLog the steps write to."""
-    config = run_config(vars(args), **extra) if rank == 0 else None
+def open_run_log(out, flags, start, rank, *, resume, wandb=None, **extra):
+    """The run's record at its start: with resume, log rows past the checkpoint's step `start` dropped (those steps
+    run again); config.json (run_config of the run's flags, {name: value}, with `extra`) written; -> the RunLog the
+    steps write to (and the W&B project `wandb`, if given)."""
+    config = run_config(flags, **extra) if rank == 0 else None
     if rank == 0:
         log = Path(out) / "log.jsonl"
-        if args.resume and log.exists():
+        if resume and log.exists():
             rows = log.read_text().splitlines()
             log.write_text("".join(r + "\n" for r in rows if json.loads(r)["step"] <= start))
         (Path(out) / "config.json").write_text(json.dumps(config, indent=2))
-    return RunLog(out, config, args.wandb, rank)
+    return RunLog(out, config, wandb, rank)
 
 
 class RunLog:

@@ -13,7 +13,7 @@ from collections import Counter
 from pathlib import Path
 
 from actobs import terminus
-from actobs.episode import INFRA_FAILURES
+from actobs.episode import INFRA_FAILURES, solved
 from actobs.labels import ACTION
 
 
@@ -44,7 +44,7 @@ def step_record(s, *, lr, ppo_epochs, device):
     ok = valid.flatten().tolist()
     ep_sums = {"episodes": len(episodes), "valid": sum(ok),
                "reward_sum": sum(e.reward for e, v in zip(episodes, ok) if v),
-               "solved": sum(e.reward >= 1.0 for e, v in zip(episodes, ok) if v),
+               "solved": sum(solved(e.reward) for e, v in zip(episodes, ok) if v),
                "signal": int(has_signal.sum()), "groups": len(has_signal), "turns": sum(e.turns for e in episodes),
                "tokens": sum(len(e.token_ids) for e in episodes), "truncated": sum(e.truncated for e in episodes),
                "cut_replies": sum(e.cut_replies for e in episodes),  # at --max-new-tokens (--grammar: closed)
@@ -144,19 +144,19 @@ HEADING = re.compile(r"^## (solved|failed): ", re.M)  # an episode's heading, wh
 
 
 def chosen_episodes(episodes, group_size):
-    """-> indices of a solved and a failed episode (reward >= 1; below 1, not for the infrastructure), from the
+    """-> indices of a solved and a failed episode (episode.solved; not solved, not for the infrastructure), from the
     first group that has both (its advantages' two signs side by side), else the first of each; fewer where the
     step has none of a kind."""
-    solved = [i for i, e in enumerate(episodes) if e.reward >= 1.0]
-    failed = [i for i, e in enumerate(episodes) if e.reward < 1.0 and e.failure not in INFRA_FAILURES]
-    pairs = [(s, f) for s in solved for f in failed if s // group_size == f // group_size]
-    return list(pairs[0]) if pairs else solved[:1] + failed[:1]
+    done = [i for i, e in enumerate(episodes) if solved(e.reward)]
+    failed = [i for i, e in enumerate(episodes) if not solved(e.reward) and e.failure not in INFRA_FAILURES]
+    pairs = [(s, f) for s in done for f in failed if s // group_size == f // group_size]
+    return list(pairs[0]) if pairs else done[:1] + failed[:1]
 
 
 def transcript(episode, advantage):
     """One episode as Markdown: its heading (solved / failed, task, reward, advantage, turns, how it ended), the
     prompt, then each reply and the observation that answered it, each cut to MAX_TEXT."""
-    kind = "solved" if episode.reward >= 1.0 else "failed"
+    kind = "solved" if solved(episode.reward) else "failed"
     end = episode.failure or ("cut at --max-len" if episode.truncated else "ended by the agent")
     lines = [f"## {kind}: {episode.task}, reward {episode.reward:.2f}, advantage {advantage:+.3f}, "
              f"{episode.turns} turns, {end}", ""]

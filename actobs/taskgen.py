@@ -10,7 +10,8 @@ No Docker here: `python envs.py corpus ...` runs the tasks and the expert in san
 
 Splits: SFT, RL and evaluation tasks are generated from separate seeds and are disjoint by parameters (task
 names are hashes of the parameters, duplicates are redrawn). The kind `archive` is held out of SFT and RL and
-only appears in evaluation, so evaluation also measures a task kind never seen in training.
+only appears in evaluation, so evaluation also measures a task kind never seen in training. Every kind of the world
+(GENERATORS) pays 1 or 0; `permissions_graded` (GRADED, outside the splits) pays the share of its checks that pass.
 """
 import dataclasses
 import hashlib
@@ -38,7 +39,7 @@ class Spec:
     kind: str
     instruction: str
     files: list  # [(absolute path, text, mode)]
-    test: str  # tests/test.sh: writes 1 or 0 to /logs/verifier/reward.txt
+    test: str  # tests/test.sh: writes 1 or 0 to /logs/verifier/reward.txt (a graded kind: reward.json, a score a check)
     solve: str  # solution/solve.sh
     params: dict
 
@@ -47,6 +48,16 @@ def _verifier(condition):
     """A test.sh that writes 1 if the bash condition holds, else 0."""
     return (f"#!/bin/bash\nif {condition}; then\n  echo 1 > /logs/verifier/reward.txt\n"
             "else\n  echo 0 > /logs/verifier/reward.txt\nfi\n")
+
+
+def _graded_verifier(checks):
+    """A test.sh that grades: reward.json holds a score per check, 1 where its bash condition holds, else 0 (checks:
+    [(name, condition)]); the reward is their mean (verify.json_reward)."""
+    lines = ["#!/bin/bash", "out=/logs/verifier/reward.json", "echo '{' > $out"]
+    for i, (name, condition) in enumerate(checks):
+        comma = "," if i + 1 < len(checks) else ""
+        lines.append(f'if {condition}; then s=1; else s=0; fi; echo "  \\"{name}\\": $s{comma}" >> $out')
+    return "\n".join(lines + ["echo '}' >> $out"]) + "\n"
 
 
 def _py_verifier(code):
@@ -148,11 +159,23 @@ def gen_permissions(rng):
     files = ([(s, "#!/bin/sh\necho ok\n", 0o644) for s in scripts]
              + [(k, f"{rng.randrange(16**16):016x}\n", 0o666) for k in keys]
              + [(k, "notes\n", 0o644) for k in keep])
-    want = [(s, 755) for s in scripts] + [(k, 600) for k in keys] + [(k, 644) for k in keep]
-    test = _verifier(" && ".join(f'[ "$(stat -c %a {p})" = {m} ]' for p, m in want))
+    test = _verifier(" && ".join(cond for _, cond in _mode_checks(scripts, keys, keep)))
     solve = "".join(f"chmod {mode} {' '.join(names)}\n" for mode, names in ((755, scripts), (600, keys)) if names)
     return instr, files, test, solve, {
         "scripts": scripts, "keys": keys, "keep": keep}
+
+
+def _mode_checks(scripts, keys, keep):
+    """permissions' checks: (path, the bash condition that its mode is the one the task asks for)."""
+    want = [(s, 755) for s in scripts] + [(k, 600) for k in keys] + [(k, 644) for k in keep]
+    return [(p, f'[ "$(stat -c %a {p})" = {m} ]') for p, m in want]
+
+
+def gen_permissions_graded(rng):
+    # permissions with a verifier that grades: a score per file whose mode the task sets, so a run that fixes some of
+    # them earns that share (the instruction is permissions', and so is its expert)
+    instr, files, _, solve, params = gen_permissions(rng)
+    return instr, files, _graded_verifier(_mode_checks(**params)), solve, params
 
 
 def gen_log_extract(rng):
@@ -252,11 +275,12 @@ def gen_archive(rng):
 
 GENERATORS = {"find_copy": gen_find_copy, "fix_config": gen_fix_config, "csv_summary": gen_csv_summary,
               "permissions": gen_permissions, "log_extract": gen_log_extract, "word_count": gen_word_count,
-              "rename": gen_rename, "replace_host": gen_replace_host, "archive": gen_archive}
+              "rename": gen_rename, "replace_host": gen_replace_host, "archive": gen_archive}  # the world: its splits
+GRADED = {"permissions_graded": gen_permissions_graded}  # kinds whose verifier grades, outside the world's splits
 
 
 def generate(kind, rng):
-    instr, files, test, solve, params = GENERATORS[kind](rng)
+    instr, files, test, solve, params = (GENERATORS | GRADED)[kind](rng)
     digest = hashlib.sha256(json.dumps([instr, files], sort_keys=True).encode()).hexdigest()[:10]
     return Spec(f"{kind}-{digest}", kind, instr, files, test, "#!/bin/bash\nset -e\n" + solve, params)
 

@@ -37,9 +37,9 @@ def get_parser():
 
 
 def synthetic_examples(rng, n, group_size, tokens, vocab):
-    """n training examples shaped like the toy world's episodes: a 350-token prompt, then replies (~90 tokens,
-    ACTION) and terminal outputs (~120, OBS) up to a length drawn from `tokens`; every second group has signal
-    (advantages of +-1 in it), the others 0 (they carry only the KL term)."""
+    """n training examples' fields (batches.Example's but behav) shaped like the toy world's episodes: a 350-token
+    prompt, then replies (~90 tokens, ACTION) and terminal outputs (~120, OBS) up to a length drawn from `tokens`;
+    every second group has signal (advantages of +-1 in it), the others 0 (they carry only the KL term)."""
     out = []
     for i in range(n):
         length = rng.randint(*tokens)
@@ -63,12 +63,14 @@ def update(model_dir, examples, micro_tokens, behav):
     ctx, dtype, _ = common.autocast(args.dtype, device)
     lm = common.load_model(model_dir, device)
     init_lm = common.load_model(model_dir, device).to(dtype).requires_grad_(False).eval()
-    wrapped = common.wrap_model(common.LossModule(lm), lm, args, device)
-    opt = common.adamw(wrapped, args)
-    exs = [{**ex, "behav": b} for ex, b in zip(examples, behav)]
+    wrapped = common.LossModule(lm)
+    opt = common.adamw(wrapped.parameters(), lr=args.lr, betas=args.adam_betas, eps=args.adam_eps,
+                       weight_decay=args.weight_decay)
+    exs = [batches.Example(**ex, behav=b) for ex, b in zip(examples, behav)]
     lm.train()
     t = time.perf_counter()
-    grpo.train_batch(wrapped, init_lm, opt, exs, args, 0, device, ctx, 0, print)
+    grpo.train_batch(wrapped, init_lm, opt, exs, grpo.objective(args), 0, device, ctx, 0, print,
+                     ppo_epochs=args.ppo_epochs, micro_tokens=args.micro_tokens, grad_clip=args.grad_clip, fsdp=False)
     return time.perf_counter() - t, {k: v.detach().clone() for k, v in lm.state_dict().items()}
 
 
@@ -82,9 +84,9 @@ def main(argv=None):
     Qwen3ForCausalLM(config).save_pretrained(model_dir)
     examples = synthetic_examples(random.Random(0), args.episodes, args.group_size, args.tokens, config.vocab_size)
     # the behaviour log-probs: the policy's own (the importance ratio starts at 1, as after a rollout)
-    pargs = grpo.get_parser().parse_args(["--init", "-", "--tasks", "-", "--out", "-", "--micro-tokens", "1"])
-    behav = batches.policy_logprobs(common.load_model(model_dir, torch.device("cpu")), examples, pargs, 0,
-                                 torch.device("cpu"), common.autocast("auto", torch.device("cpu"))[0])
+    behav = batches.policy_logprobs(common.load_model(model_dir, torch.device("cpu")),
+                                    [batches.Example(**ex, behav=None) for ex in examples], 1.0, 1, 0,
+                                    torch.device("cpu"), common.autocast("auto", torch.device("cpu"))[0])
     total, weights = dict.fromkeys(WAYS, 0.0), {}
     for r in range(args.rounds):
         line = []

@@ -20,7 +20,7 @@ import torch
 
 import grpo
 import sft
-from actobs import head, labels, tiny
+from actobs import batches, head, labels, tiny
 
 
 def get_parser():
@@ -121,8 +121,9 @@ def main(argv=None):
         with torch.no_grad():  # behaviour log-probs 0.3 nats off the policy's, advantages of both signs
             behav = (torch.log_softmax(model(input_ids=ids).logits.float() / 0.7, -1)[:, :-1]
                      .gather(-1, ids[:, 1:, None]))
-        rl = dict(batch, behav=torch.cat([torch.zeros(1, 1, device=device), behav.squeeze(-1) + 0.3], 1),
-                  adv=torch.randn(1, T, device=device), wrapper=torch.zeros_like(ids, dtype=torch.bool))
+        example = batches.Example(ids=ids[0].tolist(), roles=roles[0].tolist(), wrapper=[False] * T,
+                                  adv=torch.randn(T).tolist(), behav=[0.0] + (behav.flatten() + 0.3).tolist())
+        rl = batches.micro_batch([example], [0], 0, device)
         need = 3 * T * args.vocab * 4  # fp32 logits, their log-softmax and its gradient
         free = (torch.cuda.mem_get_info()[0] if device.type == "cuda"
                 else int(open("/proc/meminfo").read().split("MemAvailable:")[1].split()[0]) * 1024)

@@ -46,6 +46,7 @@ from tqdm import tqdm
 
 import envs
 from actobs import terminus, tiny
+from actobs.episode import solved
 from actobs.tasks import load_task
 from scripts import rows
 
@@ -347,7 +348,8 @@ def rl_split(src, tasks, network, pull, heldout, seed, concurrency, build_concur
     if bad:
         print(f"RL tasks: {len(bad)} malformed folder(s) left out (tasks/malformed.tsv), e.g. {bad[0][0]}: {bad[0][1]}")
     res = oracle_pass(folders, tasks / "oracle.jsonl", network, pull, concurrency, build_concurrency)
-    solvable = sorted(f.name for f in folders if res[f.name]["reward"] == 1.0 and res[f.name]["failure"] is None)
+    solvable = sorted(f.name for f in folders if res[f.name]["reward"] is not None and solved(res[f.name]["reward"])
+                      and res[f.name]["failure"] is None)
     if len(solvable) <= heldout:
         raise SystemExit(f"{src}: {len(solvable)} tasks their own solution solves, need more than --rl-heldout "
                          f"{heldout}: nothing would be left to train GRPO on")

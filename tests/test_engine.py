@@ -3,6 +3,7 @@ queues a turn while other sandboxes step, and, with a real in-process vLLM engin
 equivalence, seeded requests, a rollout in a real sandbox, a learning check whose sign matters, and --grammar's
 replies (all parse) and log-probs (the trainer's masked ones)."""
 import contextlib
+import dataclasses
 import json
 import os
 import random
@@ -288,19 +289,20 @@ def test_grammar_logprobs_match_the_trainer(vllm_dir, grammar_replies):
     eps, _, _ = grammar_replies
     model = hf_model(vllm_dir)
     args = grpo.get_parser().parse_args(["--init", "-", "--tasks", "-", "--out", "-", "--temperature", "1.0"])
-    examples = [{"ids": e.token_ids, "roles": e.roles, "wrapper": e.obs_wrapper, "behav": e.logprobs,
-                 "masks": e.masks, "mask_ids": e.mask_ids, "forced": engine.forced_tokens(e.masks, e.mask_ids)}
-                for e in eps]
-    scored = [batches.policy_logprobs(model, exs, args, 0, torch.device("cpu"), contextlib.nullcontext())
-              for exs in (examples, [{k: ex[k] for k in ("ids", "roles", "wrapper", "behav")} for ex in examples])]
+    examples = [batches.Example(ids=e.token_ids, roles=e.roles, wrapper=e.obs_wrapper, adv=[0.0] * len(e.token_ids),
+                                behav=e.logprobs, masks=e.masks, mask_ids=e.mask_ids,
+                                forced=engine.forced_tokens(e.masks, e.mask_ids)) for e in eps]
+    free = [dataclasses.replace(ex, masks=None, mask_ids=None) for ex in examples]
+    scored = [batches.policy_logprobs(model, exs, args.temperature, args.micro_tokens, 0, torch.device("cpu"),
+                                      contextlib.nullcontext()) for exs in (examples, free)]
     gaps, unmasked, forced = [], [], []
     for ex, lp, lp_free in zip(examples, *scored):
-        for i, (r, f) in enumerate(zip(ex["roles"], ex["forced"])):
+        for i, (r, f) in enumerate(zip(ex.roles, ex.forced)):
             if r == ACTION and f:
-                forced.append(ex["behav"][i])
+                forced.append(ex.behav[i])
             elif r == ACTION:
-                gaps.append(abs(lp[i] - ex["behav"][i]))
-                unmasked.append(abs(lp_free[i] - ex["behav"][i]))
+                gaps.append(abs(lp[i] - ex.behav[i]))
+                unmasked.append(abs(lp_free[i] - ex.behav[i]))
     assert len(gaps) > 1000 and forced and max(map(abs, forced)) == 0.0
     assert max(gaps) <= 1e-5, max(gaps)
     assert max(unmasked) > 1.0
@@ -316,13 +318,13 @@ def bandit_step(llm, model, opt, args, prompts, target, sign, n):
         for c in o.outputs:
             hit = float(c.token_ids[0] in target)
             rewards.append(hit)
-            examples.append({"ids": p + [c.token_ids[0]], "roles": [PROMPT] * len(p) + [ACTION],
-                             "behav": [0.0] * len(p) + [c.logprobs[0][c.token_ids[0]].logprob],
-                             "wrapper": [False] * (len(p) + 1)})
+            examples.append(batches.Example(ids=p + [c.token_ids[0]], roles=[PROMPT] * len(p) + [ACTION],
+                                            behav=[0.0] * len(p) + [c.logprobs[0][c.token_ids[0]].logprob],
+                                            wrapper=[False] * (len(p) + 1), adv=None))
     r = torch.tensor(rewards).view(len(prompts), n)
     adv, _ = grpo.group_advantages(sign * r)
     for ex, a in zip(examples, adv.flatten().tolist()):
-        ex["adv"] = [a] * len(ex["ids"])
+        ex.adv = [a] * len(ex.ids)
     norm = grpo.Normalisers(act_tokens=len(examples), seqs=len(examples), echo_seqs=0)
     loss, _ = grpo.pg_loss(model, batches.collate(examples, 0), grpo.objective(args), norm)
     loss.backward()

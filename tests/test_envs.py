@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from actobs import taskgen, terminus, tiny
-from actobs.sandbox import daemon
+from actobs.sandbox import daemon, verify
 from actobs.tasks import load_task, task_from_spec
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -114,6 +114,18 @@ def test_no_pytest_output_is_a_verifier_that_never_ran():
     assert terminus.pytest_never_ran(b"Temporary failure resolving 'deb.debian.org'\n1 failed in 0.20s\n") is None
 
 
+def test_reward_json_is_a_number_its_reward_or_the_mean_of_its_scores():
+    """reward.json's one rule: a number; an object's "reward"; else the mean of the object's values (a score per
+    check, graded); anything else is unreadable (verify() then ends the episode verifier_error)."""
+    assert verify.json_reward("0.5") == 0.5
+    assert verify.json_reward('{"reward": 0.25, "tests": 1}') == 0.25
+    assert verify.json_reward('{"a": 1, "b": 0, "c": 1, "d": 0}') == 0.5
+    assert verify.json_reward('{"only": 0.75}') == 0.75
+    for bad in ("{}", '{"a": "x"}', "[1]", '{"a": null}', '{"reward": "high"}', "not json"):
+        with pytest.raises((ValueError, TypeError)):
+            verify.json_reward(bad)
+
+
 # ---------------------------------------------------------------------------------------------- generator, expert
 
 def test_generator_is_seeded_and_has_kinds():
@@ -123,6 +135,12 @@ def test_generator_is_seeded_and_has_kinds():
         a, b = taskgen.generate(kind, random.Random(7)), taskgen.generate(kind, random.Random(7))
         assert a == b and a.name.startswith(kind + "-") and a.files and "reward.txt" in a.test
     assert taskgen.generate("find_copy", random.Random(1)) != taskgen.generate("find_copy", random.Random(2))
+    # the graded kind: permissions' task and expert, a score per file in reward.json; outside the world's splits
+    graded, plain = (taskgen.generate(k, random.Random(7)) for k in ("permissions_graded", "permissions"))
+    assert graded.instruction == plain.instruction and graded.files == plain.files and graded.solve == plain.solve
+    assert "/logs/verifier/reward.json" in graded.test and "reward.txt" not in graded.test
+    assert graded.test.count("; then s=1; else s=0;") == len(graded.files)  # a check per file
+    assert not {t.kind for split in taskgen.make_splits(40, 20, 20).values() for t in split} & set(taskgen.GRADED)
 
 
 def test_every_training_kind_mixes_easy_and_harder_instances():

@@ -1,8 +1,7 @@
-"""GRPO: advantage math, the loss (pg_loss_full, the chunked pg_loss and a hand-written per-sequence reference
-agree in every mode), episodes to training examples,
-dynamic sampling, and end-to-end runs on toy tasks in real sandboxes with real vLLM: one killed and resumed, and
-runs on two torchrun ranks (DDP, FSDP2). The rollout engine's own tests: tests/test_engine.py."""
-import bisect
+"""GRPO: advantage math, the loss (grpo.pg_loss and a reference written here, on full logits one sequence at a time,
+agree in every mode), episodes to training examples, dynamic sampling, and end-to-end runs on toy tasks in real
+sandboxes with real vLLM: one killed and resumed, and runs on two torchrun ranks (DDP, FSDP2). The rollout engine's
+own tests: tests/test_engine.py; the fork recipes': tests/test_forking.py."""
 import contextlib
 import copy
 import dataclasses
@@ -65,26 +64,25 @@ def naive_logprobs(model, ids, T, allowed=None):
 
 
 def reference_loss(model, examples, args, n_tok, n_seq, n_echo):
-    """The objective of grpo's docstring written out here too, apart from grpo.pg_loss_full (from the examples'
-    lists, not collate's batch), with full logits, one sequence at a time: PPO's clipped
+    """The objective of grpo's docstring written out here, apart from grpo.pg_loss (from the examples' lists, not
+    collate's batch, and the flags, not grpo.objective), with full logits, one sequence at a time: PPO's clipped
     surrogate at [1 - eps_low, 1 + eps_high], TIS against the old log-probs (the current ones, detached, when
-    the example has none), k3 KL to ex['ref'], ECHO (payload only or not) and the three normalisers."""
+    the example has none), k3 KL to ex.ref, ECHO (payload only or not) and the three normalisers."""
     low = args.clip if args.clip_low is None else args.clip_low
     high = args.clip if args.clip_high is None else args.clip_high
     total = 0.0
     for ex in examples:
-        lp_t, lp_1 = naive_logprobs(model, ex["ids"], args.temperature, unpacked(ex))
-        roles = torch.tensor(ex["roles"][1:])
+        lp_t, lp_1 = naive_logprobs(model, ex.ids, args.temperature, unpacked(ex))
+        roles = torch.tensor(ex.roles[1:])
         act, obs = roles == ACTION, roles == OBS
-        if "forced" in ex:  # a token the grammar allowed alone carries no loss
-            act = act & ~torch.tensor(ex["forced"][1:])
+        if ex.forced is not None:  # a token the grammar allowed alone carries no loss
+            act = act & ~torch.tensor(ex.forced[1:])
         if args.echo_payload_only:
-            obs = obs & ~torch.tensor(ex["wrapper"][1:])
-        a = torch.as_tensor(ex["adv"], dtype=torch.float32)
-        a = a[1:] if a.ndim else a  # per token or per sequence
-        behav = torch.tensor(ex["behav"][1:])
+            obs = obs & ~torch.tensor(ex.wrapper[1:])
+        a = torch.tensor(ex.adv[1:])
+        behav = torch.tensor(ex.behav[1:])
         if args.tis_cap > 0:
-            old = torch.tensor(ex["old"][1:]) if "old" in ex else lp_t.detach()
+            old = torch.tensor(ex.old[1:]) if ex.old is not None else lp_t.detach()
             ratio, w = (lp_t - old).exp(), (old - behav).exp().clamp(max=args.tis_cap)
         else:
             ratio, w = (lp_t - behav).exp(), torch.ones_like(lp_t)
@@ -93,34 +91,28 @@ def reference_loss(model, examples, args, n_tok, n_seq, n_echo):
                 "constant": 1 / (args.max_len * n_seq)}[args.loss_norm]
         total = total - (norm * w * s)[act].sum()
         if args.kl_coef:
-            d = torch.tensor(ex["ref"][1:]) - lp_t
+            d = torch.tensor(ex.ref[1:]) - lp_t
             total = total + args.kl_coef * (norm * (d.exp() - d - 1))[act].sum()
         if args.echo_coef and obs.any():
             total = total + args.echo_coef * (-lp_1[obs]).sum() / obs.sum() / n_echo
     return total
 
 
-def full_loss(model, examples, args, n_tok, n_seq, n_echo, pad_id=0):
-    """grpo.pg_loss_full on the examples as one micro-batch."""
-    norm = grpo.Normalisers(act_tokens=n_tok, seqs=n_seq, echo_seqs=n_echo)
-    return grpo.pg_loss_full(model, batches.collate(examples, pad_id), grpo.objective(args), norm)
-
-
 def unpacked(ex):
     """An example's grammar masks as (T-1, V) bool, the mask of the token each position predicts (every token
     where it has none), or None without masks."""
-    if "masks" not in ex:
+    if ex.masks is None:
         return None
-    table = np.unpackbits(np.stack(ex["masks"]), axis=1, bitorder="little").astype(bool)  # (M, >= V)
-    ids = torch.tensor(ex["mask_ids"][1:])
+    table = np.unpackbits(np.stack(ex.masks), axis=1, bitorder="little").astype(bool)  # (M, >= V)
+    ids = torch.tensor(ex.mask_ids[1:])
     return torch.from_numpy(table[ids.clamp(min=0).numpy()]) | (ids < 0)[:, None]
 
 
 def behaviour(model, ex, T, shift):
     """The exact log-probs at T of ex's tokens (shifted by `shift` on action tokens: ratio e^-shift)."""
     with torch.no_grad():
-        lp = naive_logprobs(model, ex["ids"], T, unpacked(ex))[0]
-    return [0.0] + [x + shift if r == ACTION else 0.0 for x, r in zip(lp.tolist(), ex["roles"][1:])]
+        lp = naive_logprobs(model, ex.ids, T, unpacked(ex))[0]
+    return [0.0] + [x + shift if r == ACTION else 0.0 for x, r in zip(lp.tolist(), ex.roles[1:])]
 
 
 def perturbed(model, seed, scale=0.05):
@@ -156,20 +148,20 @@ def grammar_masks(ex, vocab_size, seed):
     allowing that token alone (forced)."""
     g = torch.Generator().manual_seed(seed)
     base = torch.rand(3, vocab_size, generator=g) < 0.3  # (3, V)
-    index, ex["masks"], ex["mask_ids"], ex["forced"] = {}, [], [], []
-    for i, (t, r) in enumerate(zip(ex["ids"], ex["roles"])):
+    index, ex.masks, ex.mask_ids, ex.forced = {}, [], [], []
+    for i, (t, r) in enumerate(zip(ex.ids, ex.roles)):
         kind = i % 4 if r == ACTION else -1
         if kind < 0:
-            ex["mask_ids"].append(-1)
+            ex.mask_ids.append(-1)
         else:
             ok = torch.zeros(vocab_size, dtype=torch.bool) if kind == 3 else base[kind].clone()
             ok[t] = True
             bits = np.packbits(np.pad(ok.numpy(), (0, -vocab_size % 32)), bitorder="little")
             if bits.tobytes() not in index:
-                index[bits.tobytes()] = len(ex["masks"])
-                ex["masks"].append(bits)
-            ex["mask_ids"].append(index[bits.tobytes()])
-        ex["forced"].append(kind == 3)
+                index[bits.tobytes()] = len(ex.masks)
+                ex.masks.append(bits)
+            ex.mask_ids.append(index[bits.tobytes()])
+        ex.forced.append(kind == 3)
 
 
 def loss_examples(model, tokenizer, synthetic, args, shifts, extra, advs=(1.0, -0.5, 0.75), grammar=False):
@@ -177,27 +169,27 @@ def loss_examples(model, tokenizer, synthetic, args, shifts, extra, advs=(1.0, -
     for conv, adv, sh in zip(synthetic[:3], advs, shifts):
         ids, roles = labels.render(tokenizer, conv, max_len=200)
         wrapper = [r == OBS and i % 3 == 0 for i, r in enumerate(roles)]  # some observation tokens are wrapper text
-        ex = {"ids": ids, "roles": roles, "wrapper": wrapper, "adv": [adv] * len(ids)}
+        ex = batches.Example(ids=ids, roles=roles, wrapper=wrapper, adv=[adv] * len(ids), behav=None)
         if grammar:
             grammar_masks(ex, model.config.vocab_size, seed=len(examples))
-        ex["behav"] = behaviour(model, ex, args.temperature, sh)
+        ex.behav = behaviour(model, ex, args.temperature, sh)
         examples.append(ex)
     if extra:  # another policy's log-probs: the initial one's (KL) or the trainer's before the first update (TIS)
         other = perturbed(model, seed=7)
         for ex in examples:
-            ex[extra] = behaviour(other, ex, args.temperature, 0.0)
+            setattr(ex, extra, behaviour(other, ex, args.temperature, 0.0))
     return examples
 
 
 def loss_tokens(examples):
     """The action tokens of the examples that carry loss: all but the forced ones."""
     return sum(r == ACTION and not f for ex in examples
-               for r, f in zip(ex["roles"][1:], ex.get("forced", [False] * len(ex["ids"]))[1:]))
+               for r, f in zip(ex.roles[1:], (ex.forced or [False] * len(ex.ids))[1:]))
 
 
 def assert_loss_matches_reference(model, tokenizer, synthetic, norm, case, grammar):
-    """grpo.pg_loss (chunked, in two padded micro-batches), grpo.pg_loss_full (full logits, one micro-batch) and
-    reference_loss (one sequence at a time): the same loss and the same gradients."""
+    """grpo.pg_loss (in two padded micro-batches) and reference_loss (full logits, one sequence at a time): the same
+    loss and the same gradients."""
     flags, shifts, extra = LOSS_CASES[case]
     args = args_for("--loss-norm", norm, "--temperature", "0.7", "--max-len", "300", *flags)
     examples = loss_examples(model, tokenizer, synthetic, args, shifts, extra, grammar=grammar)
@@ -205,11 +197,9 @@ def assert_loss_matches_reference(model, tokenizer, synthetic, norm, case, gramm
     n_seq, n_echo = len(examples), len(examples)
     obj, step_norm = grpo.objective(args), grpo.Normalisers(act_tokens=n_tok, seqs=n_seq, echo_seqs=n_echo)
 
-    ref_model, full_model = copy.deepcopy(model), copy.deepcopy(model)
+    ref_model = copy.deepcopy(model)
     ref = reference_loss(ref_model, examples, args, n_tok, n_seq, n_echo)
     ref.backward()
-    full = full_loss(full_model, examples, args, n_tok, n_seq, n_echo, tokenizer.pad_token_id)
-    full.backward()
     model.zero_grad()
     total = 0.0
     for part in ([examples[0]], examples[1:]):  # two micro-batches, padded: the normalisers are the step's
@@ -217,12 +207,10 @@ def assert_loss_matches_reference(model, tokenizer, synthetic, norm, case, gramm
         loss, st = grpo.pg_loss(model, batch, obj, step_norm)
         loss.backward()
         total += st["loss"]
-    assert full.item() == pytest.approx(ref.item(), rel=1e-4, abs=1e-6)
-    assert total == pytest.approx(full.item(), rel=1e-4, abs=1e-6)
-    assert any(q.grad.abs().max() > 0 for q in full_model.parameters())
-    for (name, p), q, r in zip(model.named_parameters(), full_model.parameters(), ref_model.parameters()):
-        assert torch.allclose(q.grad, r.grad, rtol=1e-3, atol=1e-7), name
-        assert torch.allclose(p.grad, q.grad, rtol=1e-3, atol=1e-7), name
+    assert total == pytest.approx(ref.item(), rel=1e-4, abs=1e-6)
+    assert any(q.grad.abs().max() > 0 for q in ref_model.parameters())
+    for (name, p), r in zip(model.named_parameters(), ref_model.parameters()):
+        assert torch.allclose(p.grad, r.grad, rtol=1e-3, atol=1e-7), name
     if case in ("clipped", "clip-higher"):  # only one sequence moves the weights
         flows = {"clipped": 2, "clip-higher": 0}[case]
         model.zero_grad()
@@ -269,11 +257,11 @@ def test_forced_tokens_carry_no_loss(model, tokenizer, synthetic):
     args = args_for("--temperature", "0.7", "--kl-coef", "0.3")
     examples = loss_examples(model, tokenizer, synthetic, args, [0.1, -0.1, 0.0], "ref", grammar=True)
     for ex in examples:
-        ex["forced"] = [r == ACTION for r in ex["roles"]]
+        ex.forced = [r == ACTION for r in ex.roles]
     for free in (False, True):
         model.zero_grad()
-        batch = batches.collate([dict(ex, forced=[f and not free for f in ex["forced"]]) for ex in examples],
-                             tokenizer.pad_token_id)
+        batch = batches.collate([dataclasses.replace(ex, forced=[f and not free for f in ex.forced])
+                                 for ex in examples], tokenizer.pad_token_id)
         loss, st = grpo.pg_loss(model, batch, grpo.objective(args), grpo.Normalisers(100, 3, 0))
         loss.backward()
         moved = max(p.grad.abs().max() for p in model.parameters() if p.grad is not None)
@@ -288,15 +276,13 @@ WITHOUT = {"clipped": (["--clip", "10"], None), "clip-higher": ([], None), "echo
 
 
 def test_reference_tells_the_modes_apart(model, tokenizer, synthetic):
-    """Each case's mode changes grpo.pg_loss_full's gradient (by more than the tolerance of the comparison above),
-    so neither pg_loss nor pg_loss_full can match the others with that mode's term missing, its sign flipped or its
-    bounds swapped."""
+    """Each case's mode changes the reference's gradient (by more than the tolerance of the comparison above), so
+    pg_loss cannot match it with that mode's term missing, its sign flipped or its bounds swapped."""
     def grad(flags, shifts, extra):
         args = args_for("--temperature", "0.7", "--max-len", "300", *flags)
         examples = loss_examples(model, tokenizer, synthetic, args, shifts, extra)
         m = copy.deepcopy(model)
-        n_tok = sum(ex["roles"][1:].count(ACTION) for ex in examples)
-        full_loss(m, examples, args, n_tok, 3, 3, tokenizer.pad_token_id).backward()
+        reference_loss(m, examples, args, loss_tokens(examples), 3, 3).backward()
         return torch.cat([q.grad.flatten() for q in m.parameters()])
     for case, (flags, extra) in WITHOUT.items():
         with_mode, shifts, with_extra = LOSS_CASES[case]
@@ -318,23 +304,21 @@ def forward_rows(module):
 
 def train(model, init, opt, examples, args, pad_id):
     """grpo.train_batch in one CPU process: `model` trains, `init` is the initial policy."""
-    return grpo.train_batch(common.LossModule(model), init, opt, examples, args, pad_id,
-                            torch.device("cpu"), contextlib.nullcontext(), 0, print)
+    return grpo.train_batch(common.LossModule(model), init, opt, examples, grpo.objective(args), pad_id,
+                            torch.device("cpu"), contextlib.nullcontext(), 0, print, ppo_epochs=args.ppo_epochs,
+                            micro_tokens=args.micro_tokens, grad_clip=args.grad_clip, fsdp=False)
 
 
 def reference_steps(model, init, examples, args, opt, epochs):
-    """--ppo-epochs updates by grpo.pg_loss_full on all examples at once: old log-probs (with --tis-cap) before the
+    """--ppo-epochs updates by reference_loss on all examples at once: old log-probs (with --tis-cap) before the
     first, the initial policy's for the KL, the normalisers over every example."""
-    examples = [dict(ex) for ex in examples]
-    for ex in examples:
-        ex["ref"] = behaviour(init, ex, args.temperature, 0.0)
-        if args.tis_cap > 0 and epochs > 1:
-            ex["old"] = behaviour(model, ex, args.temperature, 0.0)
-    n_tok = sum(ex["roles"][1:].count(ACTION) for ex in examples)
+    examples = [dataclasses.replace(ex, ref=behaviour(init, ex, args.temperature, 0.0)) for ex in examples]
+    if args.tis_cap > 0 and epochs > 1:
+        examples = [dataclasses.replace(ex, old=behaviour(model, ex, args.temperature, 0.0)) for ex in examples]
     losses = []
     for _ in range(epochs):
         opt.zero_grad()
-        loss = full_loss(model, examples, args, n_tok, len(examples), len(examples))
+        loss = reference_loss(model, examples, args, loss_tokens(examples), len(examples), len(examples))
         loss.backward()
         opt.step()
         losses.append(loss.item())
@@ -351,7 +335,7 @@ def test_ppo_epochs_with_tis_and_kl_match_reference(model, tokenizer, synthetic)
     examples = loss_examples(model, tokenizer, synthetic, args, [-0.2, 0.3, 0.0], None)
     mine, theirs = copy.deepcopy(model), copy.deepcopy(model)
     opt = torch.optim.SGD(mine.parameters(), lr=0.1)
-    tot, gnorm = train(mine, init, opt, [dict(ex) for ex in examples], args, tokenizer.pad_token_id)
+    tot, gnorm = train(mine, init, opt, examples, args, tokenizer.pad_token_id)
     losses = reference_steps(theirs, init, examples, args, torch.optim.SGD(theirs.parameters(), lr=0.1), 2)
     assert tot["loss"] == pytest.approx(losses[0], rel=1e-4) and gnorm > 0 and tot["episodes_trained"] == 3
     assert abs(losses[1] - losses[0]) > 1e-3  # the second epoch saw another policy than the first
@@ -384,11 +368,11 @@ def test_a_step_without_signal_makes_no_update(model, tokenizer, synthetic):
     mine = copy.deepcopy(model)
     opt = torch.optim.AdamW(mine.parameters(), lr=args.lr)
     run = lambda exs: train(mine, model, opt, exs, args, tokenizer.pad_token_id)  # noqa: E731
-    assert run([dict(ex) for ex in examples])[1] > 0
+    assert run(examples)[1] > 0
     before = [q.detach().clone() for q in mine.parameters()]
     state = copy.deepcopy(opt.state_dict())
     rows = forward_rows(mine.base_model)
-    tot, gnorm = run([dict(ex, adv=[0.0] * len(ex["ids"])) for ex in examples])
+    tot, gnorm = run([dataclasses.replace(ex, adv=[0.0] * len(ex.ids)) for ex in examples])
     assert gnorm is None and rows == [] and tot == {"episodes_trained": 0}
     assert all(torch.equal(a, b) for a, b in zip(before, mine.parameters()))
     assert all(v["step"] == state["state"][k]["step"] for k, v in opt.state_dict()["state"].items())
@@ -396,6 +380,22 @@ def test_a_step_without_signal_makes_no_update(model, tokenizer, synthetic):
         q.grad = torch.zeros_like(q)
     opt.step()
     assert not all(torch.equal(a, b) for a, b in zip(before, mine.parameters()))
+
+
+def test_help_puts_the_recipe_first():
+    """grpo.py --help: the recipe's group first, holding exactly the flags ablation.sh gives grpo.py (its GRPO=(...)
+    recipes and what they add, the ECHO arm's, what its grpo() adds) but those of how a run computes and where it
+    writes (the groups execution and run: FREE_ON_RESUME, tests/test_runs.py); then the rest by purpose; every flag
+    has its help."""
+    text = (ROOT / "ablation.sh").read_text()
+    given = (re.findall(r"\b(?:GRPO|ECHO|PTF|NET)\+?=\((.*?)\)", text, re.S)
+             + re.findall(r"^grpo\(\) \{(.*?)\); \}$", text, re.M | re.S))
+    flags = {f[2:].replace("-", "_") for f in re.findall(r"(?<![\w-])--[a-z][a-z-]*", " ".join(given))}
+    parser = grpo.get_parser()
+    groups = {g.title: {a.dest for a in g._group_actions} for g in parser._action_groups[2:]}
+    assert list(groups) == ["recipe", "tasks and rollouts", "objective", "optimizer", "execution", "run"]
+    assert groups["recipe"] == flags - set(grpo.FREE_ON_RESUME) and {"lr", "kl_coef", "echo_coef"} <= flags
+    assert all(a.help for a in parser._actions), "a flag without help"
 
 
 # ---------------------------------------------------------------------------------------------- episodes to examples
@@ -408,7 +408,7 @@ def episode(reward, truncated=False, failure=None):
 def examples_of(episodes, args):
     """What grpo.main makes of one draw's episodes: rewards -> advantages -> training examples per group.
     -> (examples per group, has_signal (G,), valid (G, S))."""
-    rewards, valid, trains = grpo.group_rewards(episodes, args)
+    rewards, valid, trains = grpo.group_rewards(episodes, args.group_size, args.overlong, args.overlong_penalty)
     adv, signal = grpo.group_advantages(rewards, valid, args.scale_std)
     return grpo.group_examples(episodes, adv, trains), signal, valid
 
@@ -417,7 +417,7 @@ def test_overlong_episodes_kept_masked_or_penalised():
     # group 0: rewards 1 0 1, the last cut by the context; group 1: 0 0 0, the last cut; group 2: an infra failure
     eps = [episode(1.0), episode(0.0), episode(1.0, truncated=True), episode(0.0), episode(0.0),
            episode(0.0, truncated=True), episode(1.0), episode(0.0), episode(0.0, failure="sandbox_error")]
-    adv = lambda groups: [[round(ex["adv"][0], 6) for ex in g] for g in groups]  # noqa: E731
+    adv = lambda groups: [[round(ex.adv[0], 6) for ex in g] for g in groups]  # noqa: E731
     r = lambda rows: [[round(x, 6) for x in g] for g in rows]  # noqa: E731
     groups, signal, valid = examples_of(eps, args_for("--group-size", "3"))
     assert adv(groups) == r([[1 / 3, -2 / 3, 1 / 3], [0, 0, 0], [0.5, -0.5]])
@@ -431,81 +431,6 @@ def test_overlong_episodes_kept_masked_or_penalised():
     assert signal.tolist() == [True, True, True]
 
 
-def test_a_per_turn_advantage_is_a_change_to_one_function(model, tokenizer, synthetic, monkeypatch):
-    """Replace grpo.token_advantages by a per-turn advantage (turn k's tokens get (k + 1) A, from the turn
-    boundaries it is given) and nothing else: episodes -> examples -> train_batch give the reference's update with
-    those per-token advantages (turns counted here from the roles), which differs from the outcome advantage's."""
-    args = args_for("--temperature", "0.7", "--grad-clip", "0", "--group-size", "3")
-    eps = []
-    for conv, reward in zip(synthetic[:3], [1.0, 0.0, 0.0]):
-        ids, roles = labels.render(tokenizer, conv, max_len=200)
-        ex = {"ids": ids, "roles": roles}
-        eps.append(Episode("t", [], reward=reward, token_ids=ids, roles=roles, obs_wrapper=[False] * len(ids),
-                                logprobs=behaviour(model, ex, args.temperature, 0.1)))
-
-    def turn_of_each_token(roles):
-        turns, k = [], -1
-        for i, r in enumerate(roles):
-            k += r == ACTION and (i == 0 or roles[i - 1] != ACTION)
-            turns.append(max(k, 0))
-        return turns
-
-    def update(examples):
-        m = copy.deepcopy(model)
-        train(m, model, torch.optim.SGD(m.parameters(), lr=0.1), examples, args, tokenizer.pad_token_id)
-        return m
-
-    def per_turn(episode, adv, replies):  # from reply k's start on, (k + 1) A
-        starts = [start for start, _ in replies]
-        return [adv * max(bisect.bisect_right(starts, i), 1) for i in range(len(episode.token_ids))]
-
-    outcome = update(examples_of(eps, args)[0][0])
-    monkeypatch.setattr(grpo, "token_advantages", per_turn)
-    examples = examples_of(eps, args)[0][0]
-    per_turn = update(examples)
-    group_adv = [2 / 3, -1 / 3, -1 / 3]
-    want = [dict(ex, adv=[a * (k + 1) for k in turn_of_each_token(ep.roles)])
-            for ex, ep, a in zip(examples, eps, group_adv)]
-    assert max(max(ex["adv"]) for ex in want) >= 2 * 2 / 3  # more than one turn
-    theirs = copy.deepcopy(model)
-    reference_steps(theirs, model, want, args, torch.optim.SGD(theirs.parameters(), lr=0.1), 1)
-    for a, b, c in zip(per_turn.parameters(), theirs.parameters(), outcome.parameters()):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
-    assert any(not torch.allclose(a, c, rtol=1e-3, atol=1e-6)
-               for a, c in zip(per_turn.parameters(), outcome.parameters()))
-
-
-def test_a_new_loss_term_reaches_groups_without_signal(model, tokenizer, synthetic, monkeypatch):
-    """A term added to the loss (its coefficient in grpo.objective's weights, its value in grpo.pg_loss) is computed
-    on every example, those of groups without signal included: may_skip reads the same weights. The term here:
-    the action tokens' NLL over the step's action tokens. With every advantage 0 the update is that term's
-    gradient alone; a rule that skipped zero-advantage examples would make no update at all."""
-    args = args_for("--temperature", "0.7", "--grad-clip", "0")
-    examples = loss_examples(model, tokenizer, synthetic, args, [0, 0, 0], None, advs=(0.0, 0.0, 0.0))
-    real_objective, real_loss = grpo.objective, grpo.pg_loss
-
-    def with_nll(lm, batch, obj, norm):
-        loss, st = real_loss(lm, batch, obj, norm)
-        logits = lm(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1].float()
-        lp = torch.log_softmax(logits, -1).gather(2, batch["input_ids"][:, 1:, None]).squeeze(2)  # (B, T-1)
-        return loss + obj.weights["nll"] * -(lp * (batch["roles"][:, 1:] == ACTION)).sum() / norm.act_tokens, st
-    monkeypatch.setattr(grpo, "objective", lambda a: dataclasses.replace(
-        real_objective(a), weights={**real_objective(a).weights, "nll": 0.5}))
-    monkeypatch.setattr(grpo, "pg_loss", with_nll)
-    mine, theirs = copy.deepcopy(model), copy.deepcopy(model)
-    tot, gnorm = train(mine, model, torch.optim.SGD(mine.parameters(), lr=1.0), examples, args, tokenizer.pad_token_id)
-    assert tot["episodes_trained"] == 3 and gnorm > 0
-
-    n_tok = sum(ex["roles"][1:].count(ACTION) for ex in examples)
-    nll = sum(-naive_logprobs(theirs, ex["ids"], 1.0)[1][torch.tensor(ex["roles"][1:]) == ACTION].sum()
-              for ex in examples)
-    (0.5 * nll / n_tok).backward()
-    torch.optim.SGD(theirs.parameters(), lr=1.0).step()
-    assert max((a - b).abs().max() for a, b in zip(theirs.parameters(), model.parameters())) > 1e-4
-    for a, b in zip(mine.parameters(), theirs.parameters()):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
-
-
 def fake_run(out, init, monkeypatch, *flags, signal_tasks):
     """grpo.main on a tiny model with its rollouts faked (no Docker, no vLLM): 10 tasks, groups of 2; in a group of
     a task in signal_tasks the first episode is solved, the second not. -> (the draws (step, draw, task indices),
@@ -516,9 +441,9 @@ def fake_run(out, init, monkeypatch, *flags, signal_tasks):
         draws.append((step, draw, groups))
         return [episode(float(g in signal_tasks and i == 0)) for g in groups for i in range(args.group_size)]
 
-    def train_batch(model, ref, opt, examples, *rest):
+    def train_batch(model, ref, opt, examples, *rest, **kw):
         trained.append(list(examples))
-        return real_train_batch(model, ref, opt, examples, *rest)
+        return real_train_batch(model, ref, opt, examples, *rest, **kw)
     real_train_batch = grpo.train_batch
     monkeypatch.setattr(grpo, "load_tasks", lambda path, kinds=None: list(range(10)))
     monkeypatch.setattr(engine, "make_engine", lambda *a, **k: None)
@@ -548,7 +473,7 @@ def test_dynamic_sampling_fills_the_step_with_signal_groups(tmp_path, tiny_dir, 
     assert len(draws) == 1 and len(examples) == 6
     draws, signal, examples = run("on", "--dynamic-sampling", "30")
     assert sum(signal[:-3]) < 3 < sum(signal)  # the last draw had more than the step lacked: trimmed
-    assert len(examples) == 6 and sorted(ex["adv"][0] for ex in examples) == [-0.5] * 3 + [0.5] * 3
+    assert len(examples) == 6 and sorted(ex.adv[0] for ex in examples) == [-0.5] * 3 + [0.5] * 3
     assert run("again", "--dynamic-sampling", "30")[0] == draws  # the same tasks again
     draws, signal, examples = run("cap", "--dynamic-sampling", "6", signal_tasks={9})
     assert len(draws) == 2 and len(signal) == 6 and len(examples) == 2 * sum(signal)
@@ -594,10 +519,10 @@ def test_examples_under_a_grammar_carry_its_masks_and_forced_tokens():
     eps = [dataclasses.replace(episode(r), masks=[one, two], mask_ids=[-1, 0, 1]) for r in (1.0, 0.0)]
     groups, _, _ = examples_of(eps, args_for("--group-size", "2"))
     ex = groups[0][0]
-    assert ex["forced"] == [False, True, False] and ex["mask_ids"] == [-1, 0, 1] and len(ex["masks"]) == 2
+    assert ex.forced == [False, True, False] and ex.mask_ids == [-1, 0, 1] and len(ex.masks) == 2
     assert grpo.loss_tokens(ex) == 1
     plain = examples_of([episode(1.0), episode(0.0)], args_for("--group-size", "2"))[0][0][0]
-    assert "masks" not in plain and "forced" not in plain and grpo.loss_tokens(plain) == 2
+    assert plain.masks is None and plain.forced is None and grpo.loss_tokens(plain) == 2
     assert "grammar" not in grpo.FREE_ON_RESUME and args_for("--grammar").grammar == "reply"
 
 

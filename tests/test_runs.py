@@ -1,7 +1,6 @@
 """Runs record what ran: config.json (flags, commit, uncommitted changes, library versions), the AdamW settings,
 the optional W&B mirror of log.jsonl, and what a resumed GRPO run needs to draw the same tasks and seeds; runs of one
 script sharing a process (common.run_cli) each run as alone."""
-import argparse
 import importlib.util
 import json
 import random
@@ -88,7 +87,8 @@ def test_adam_settings_are_flags_of_both_stages():
     assert not {"adam_betas", "adam_eps"} & (set(sft.FREE_ON_RESUME) | set(grpo.FREE_ON_RESUME))  # --resume keeps them
     g = grpo.get_parser().parse_args(["--init", "m", "--tasks", "t", "--out", "o", "--adam-betas", "0.8", "0.9",
                                       "--adam-eps", "1e-6", "--lr", "0.5", "--weight-decay", "0.1"])
-    opt = common.adamw(torch.nn.Linear(2, 2), g)
+    opt = common.adamw(torch.nn.Linear(2, 2).parameters(), lr=g.lr, betas=g.adam_betas, eps=g.adam_eps,
+                       weight_decay=g.weight_decay)
     assert {k: opt.param_groups[0][k] for k in ("lr", "betas", "eps", "weight_decay")} == \
         {"lr": 0.5, "betas": (0.8, 0.9), "eps": 1e-6, "weight_decay": 0.1}
 
@@ -173,14 +173,14 @@ def test_a_resumed_grpo_run_draws_the_same_tasks_and_seeds():
 
 def test_grpo_checkpoint_holds_no_rng_state_and_resumes_on_as_many_ranks(model, tokenizer, tmp_path):
     """grpo.main saves with rng=False: its draws need no RNG state (above); the rank count is in the trainer state."""
-    args = argparse.Namespace(fsdp=False, resume=True, lr=0.1, seed=0)
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
-    common.save_checkpoint(tmp_path / "step-000003", model, model, tokenizer, opt, 3, args, 0, rng=False)
+    flags = {"fsdp": False, "resume": True, "lr": 0.1, "seed": 0}
+    opt = torch.optim.AdamW(model.parameters(), lr=flags["lr"])
+    common.save_checkpoint(tmp_path / "step-000003", model, model, tokenizer, opt, 3, flags, 0, fsdp=False, rng=False)
     assert not list((tmp_path / "step-000003").glob("rng-*"))
-    ckpt, state, finished = common.resume_point(tmp_path, args, ("fsdp", "resume"), 1)
-    assert (ckpt, state["step"], finished) == (tmp_path / "step-000003", 3, False)
+    ckpt, state, finished = common.resume_point(tmp_path, True, flags, ("fsdp", "resume"), 1)
+    assert (ckpt, state["step"], finished) == (tmp_path / "step-000003", 3, False) and state["args"] == flags
     with pytest.raises(ValueError, match="written by 1 ranks; resume with as many"):
-        common.resume_point(tmp_path, args, ("fsdp", "resume"), 2)
+        common.resume_point(tmp_path, True, flags, ("fsdp", "resume"), 2)
 
 
 @pytest.mark.parametrize("stage, required", [(sft, ["--data", "d", "--model", "m"]),
@@ -195,13 +195,14 @@ def test_resume_refuses_a_changed_flag_unless_the_stage_declares_it_free(stage, 
     ckpt = tmp_path / "step-000001"
     ckpt.mkdir()
     torch.save({"args": vars(parser.parse_args(argv)), "step": 1, "world": 1}, ckpt / "trainer_state.pt")
+    def resume(*flags):
+        return common.resume_point(tmp_path, True, vars(parser.parse_args([*argv, "--resume", *flags])),
+                                   stage.FREE_ON_RESUME, 1)
     with pytest.raises(ValueError, match="--new-flag 1 -> 2"):
-        common.resume_point(tmp_path, parser.parse_args([*argv, "--resume", "--new-flag", "2"]), stage.FREE_ON_RESUME,
-                            1)
+        resume("--new-flag", "2")
     with pytest.raises(ValueError, match="--lr"):
-        common.resume_point(tmp_path, parser.parse_args([*argv, "--resume", "--lr", "0.5"]), stage.FREE_ON_RESUME, 1)
-    free = parser.parse_args([*argv, "--resume", "--micro-tokens", "7", "--keep", "5", "--dtype", "fp32"])
-    assert common.resume_point(tmp_path, free, stage.FREE_ON_RESUME, 1)[0] == ckpt
+        resume("--lr", "0.5")
+    assert resume("--micro-tokens", "7", "--keep", "5", "--dtype", "fp32")[0] == ckpt
     groups = {g.title: [a.dest for a in g._group_actions] for g in parser._action_groups}
     assert sorted(groups["execution"] + groups["run"]) == sorted(stage.FREE_ON_RESUME)
 

@@ -46,6 +46,20 @@ RUN_TESTS = 'bash "$1"; code=$?; rm -rf /tests; exit $code'
 REWARD_FILES = ("reward.txt", "reward.json")  # in /logs/verifier, the first found is the reward
 
 
+def json_reward(text):
+    """The reward of a reward.json's text: a number; or an object: its "reward" when it has one, else the mean of its
+    values, a score per check (a graded reward, full marks only when every check has them; one value: that value).
+    Raises ValueError (or KeyError, TypeError) on anything else."""
+    value = json.loads(text)
+    if not isinstance(value, dict):
+        return float(value)
+    if "reward" in value:
+        return float(value["reward"])
+    if not value:
+        raise ValueError("reward.json holds an empty object")
+    return sum(float(v) for v in value.values()) / len(value)
+
+
 def verifier_loaded(sb, changed):
     """The paths in `changed` (container_files.changes) that a verifier loads code or settings from without being asked:
     anything in /tests; a conftest.py or pytest ini file in / (above /tests); a Python start-up hook
@@ -219,10 +233,7 @@ def verify(sb, task, keep_agent=False, tampered=None, strict=False):
         if txt is not None:
             reward = float(txt.decode().strip())
         elif js is not None:
-            value = json.loads(js)
-            if isinstance(value, dict):  # {"reward": x}, or a single named reward
-                value = value["reward"] if "reward" in value or len(value) != 1 else next(iter(value.values()))
-            reward = float(value)
+            reward = json_reward(js)
         else:
             return 0.0, f"verifier wrote no /logs/verifier/reward.txt or reward.json (exit {code})", tail
     except (ValueError, TypeError, KeyError) as e:
