@@ -30,6 +30,7 @@ takes the images that are here instead (the stand-in: `python envs.py base-image
 docs/training.md.
 """
 import argparse
+import glob
 import json
 import os
 import random
@@ -46,7 +47,7 @@ from tqdm import tqdm
 
 import envs
 from actobs import terminus, tiny
-from actobs.episode import solved
+from actobs.episode import INFRA_FAILURES, solved
 from actobs.tasks import load_task
 from scripts import rows
 
@@ -153,7 +154,6 @@ def hub_dataset(repo, dest, patterns=None):
 def data_files(spec, cache):
     """The local files of --data: hf://datasets/ID/PATH downloaded into the cache (PATH a file, a folder or a glob),
     a folder's parquet files, a glob's matches or one file; sorted."""
-    import glob
     if spec.startswith("hf://datasets/"):
         owner, name, *rest = spec[len("hf://datasets/"):].split("/")
         path = "/".join(rest)
@@ -305,7 +305,8 @@ def oracle_pass(folders, results, network, pull, concurrency, build_concurrency)
         data = results.read_bytes()                                      # dropped, so the next one starts whole
         results.with_suffix(".tmp").write_bytes(data[:data.rfind(b"\n") + 1])
         os.replace(results.with_suffix(".tmp"), results)
-    done = read_results(results)
+    # an infrastructure failure (an image that did not pull or build, a sandbox that did not start) is run again
+    done = {k: r for k, r in read_results(results).items() if r["failure"] not in INFRA_FAILURES}
     todo = [f for f in folders if f.name not in done]
     print(f"oracle pass: {len(done)} of {len(folders)} tasks done before, {len(todo)} to run")
     lock, progress = threading.Lock(), tqdm(total=len(todo), desc="oracle pass", unit="task")
@@ -374,6 +375,15 @@ def rl_split(src, tasks, network, pull, heldout, seed, concurrency, build_concur
             "heldout": heldout, "train": len(solvable) - heldout, "seed": seed}
 
 
+def refuse_other(path, recorded, asked, what):
+    """A run folder's inputs are fetched once: asked for otherwise (another --data, --rows, seed...), the fetch stops
+    naming what differs rather than keep the old ones."""
+    differ = [f"{k} {recorded.get(k)!r} there, {v!r} now" for k, v in asked.items() if recorded.get(k) != v]
+    if differ:
+        raise SystemExit(f"{path}: {what} were fetched with other settings ({'; '.join(differ)}): fetch into another "
+                         "run folder, or with the settings it has")
+
+
 def keep_in_settings(run, inputs):
     """inputs (what the fetch decided) into RUN/settings.json, beside the stages' settings, when the run has one."""
     path = run / "settings.json"
@@ -386,10 +396,12 @@ def main(argv=None):
     run, pull = args.run, not args.offline_images
     run.mkdir(parents=True, exist_ok=True)
     train, held, stats_path = run / "train.jsonl", run / "heldout.jsonl", run / "data_stats.json"
+    asked = {"data": args.data, "rows_asked": args.rows, "heldout": args.heldout, "seed": args.seed}
     if not (train.exists() and held.exists() and stats_path.exists()):  # the draw is seeded: a redo draws the same
-        write_json(stats_path, rows.draw(data_files(args.data, args.cache), train, held, args.rows, args.heldout,
-                                         args.seed))
+        write_json(stats_path, asked | rows.draw(data_files(args.data, args.cache), train, held, args.rows,
+                                                 args.heldout, args.seed))
     stats = json.loads(stats_path.read_text())
+    refuse_other(stats_path, stats, asked, "the rows")
     model(args.model, run / "base" / "model", args.cache, train)
     if "tokens" not in stats:
         stats |= rows.token_stats(run / "base" / "model", train)
@@ -412,6 +424,8 @@ def main(argv=None):
     link(tasks / "rl-all", task_set(args.rl_tasks, "rl-tasks", args.cache))
     if (tasks / "rl" / "oracle.tsv").exists() and (tasks / "tasks.json").exists():
         record["rl"] = json.loads((tasks / "tasks.json").read_text())["rl"]
+        refuse_other(tasks / "tasks.json", record["rl"], {"heldout": args.rl_heldout, "seed": args.seed},
+                     "the RL split")
     else:
         record["rl"] = rl_split(tasks / "rl-all", tasks, args.network, pull, args.rl_heldout, args.seed,
                                 args.concurrency, args.build_concurrency)

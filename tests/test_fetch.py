@@ -248,8 +248,9 @@ def rl_source(tmp_path, n=6):
 
 def test_the_oracle_pass_builds_concurrently_resumes_and_splits(tmp_path, monkeypatch):
     """Images built two at a time (two builds meet at a barrier: one at a time never would), a killed pass resumed
-    (the tasks recorded are not run again, a half-written line is), malformed folders counted and left out, the
-    solvable tasks less a seeded held-out set linked for GRPO."""
+    (the tasks recorded are not run again, a half-written line is, and so is one whose last result was an
+    infrastructure failure), malformed folders counted and left out, the solvable tasks less a seeded held-out set
+    linked for GRPO."""
     src, tasks = rl_source(tmp_path), tmp_path / "run" / "tasks"
     tasks.mkdir(parents=True)
     real_load = fetch.load_task
@@ -285,11 +286,13 @@ def test_the_oracle_pass_builds_concurrently_resumes_and_splits(tmp_path, monkey
     assert peak[0] == 2
     first = fetch.read_results(tasks / "oracle.jsonl")
     assert len(first) == 2 and not (tasks / "rl" / "oracle.tsv").exists()
+    blip = min(first)  # its image did not pull this time: run again, not left out of the split for good
     with open(tasks / "oracle.jsonl", "a") as f:
+        f.write(json.dumps({"task": blip, "reward": 0.0, "failure": "image_build_error", "image": None}) + "\n")
         f.write('{"task": "task_5", "rew')  # the line a kill cut short
-    killed_after, ran[:] = None, []
+    killed_after, ran[:], meet = None, [], threading.Barrier(1)  # the builds' concurrency was shown above
     split = fetch.rl_split(src, tasks, None, False, 2, 7, concurrency=2, build_concurrency=2)
-    assert set(ran) == {f"task_{i}" for i in range(6)} - set(first)  # the recorded ones are not run again
+    assert set(ran) == {f"task_{i}" for i in range(6)} - set(first) | {blip}  # the recorded ones are not run again
     assert split == {"folders": 7, "malformed": 1, "no_solution": 0, "image_build_error": 0, "solvable": 5,
                      "heldout": 2, "train": 3, "seed": 7}
     assert (tasks / "malformed.tsv").read_text().startswith(f"{src / 'broken'}\t{src / 'broken' / 'task.toml'}: ")
@@ -336,3 +339,15 @@ def test_the_prompt_written_for_rl_and_evaluation(tmp_path):
     info = fetch.prompt("rows", run, tmp_path)
     assert (info["agree"], info["no_layout"], info["default"]) == (0, 3, "no row in Terminus-2's layout")
     assert (run / "prompt_template.txt").read_text() == terminus.DEFAULT_PROMPT
+
+
+def test_a_run_folder_fetched_with_other_settings_is_refused(tmp_path):
+    """The rows and the RL split are fetched once into a run folder: asked for again with another --rows or seed, the
+    fetch stops naming what differs instead of keeping the old ones under the new settings."""
+    recorded = {"data": "rows.jsonl", "rows_asked": 2, "heldout": 1, "seed": 0, "rows": 2, "bad_rows": 0}
+    fetch.refuse_other(tmp_path / "data_stats.json", recorded, {"data": "rows.jsonl", "rows_asked": 2, "heldout": 1,
+                                                                "seed": 0}, "the rows")
+    with pytest.raises(SystemExit, match=r"data_stats.json: the rows were fetched with other settings \(rows_asked 2 "
+                                         r"there, 4 now; seed 0 there, 1 now\)"):
+        fetch.refuse_other(tmp_path / "data_stats.json", recorded, {"data": "rows.jsonl", "rows_asked": 4,
+                                                                    "heldout": 1, "seed": 1}, "the rows")

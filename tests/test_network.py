@@ -205,6 +205,30 @@ def test_rules_set_once_whatever_the_processes(egress):
     assert len(set(chain)) == len(chain) and chain[-1] == f"-A {network.CHAIN_FWD} -j ACCEPT"  # rewritten, not added
 
 
+def test_rules_undone_while_the_run_goes_on_are_put_back(base_image):
+    """What a node can do to the rules between two sandboxes: a flush of the project's chains (`iptables -F` flushes
+    every chain) and another daemon's jumps put first in FORWARD and nat PREROUTING (Docker's DOCKER-USER on each
+    restart). The next egress sandbox finds them and puts the rules back before it gets a network: it still reaches
+    nothing of the host's, and each jump is first again."""
+    net = network.ensure()
+    for cmd in (["-F", network.CHAIN_FWD], ["-F", network.CHAIN_IN], ["-I", "FORWARD", "1", "-j", "ACCEPT"],
+                ["-t", "nat", "-I", "PREROUTING", "1", "-j", "RETURN"]):
+        subprocess.run(["iptables", "-w", *cmd], check=True)
+    try:
+        assert not network._placed(net)
+        anywhere = Listener()
+        try:
+            with Sandbox(base_image, network=network.EGRESS, memory_mb=256) as sb:
+                assert all(connect(sb, host, anywhere.port) == "closed" for host in [str(net.gateway),
+                                                                                     *host_addresses()])
+        finally:
+            anywhere.close()
+        assert network._placed(net) and anywhere.peers == []
+    finally:  # the foreign jumps go (the project's stay first in any case)
+        subprocess.run(["iptables", "-w", "-D", "FORWARD", "-j", "ACCEPT"], check=True)
+        subprocess.run(["iptables", "-w", "-t", "nat", "-D", "PREROUTING", "-j", "RETURN"], check=True)
+
+
 def test_a_host_without_it_stops_the_run(monkeypatch, base_image):
     """Where the network cannot be made (here: IP forwarding off), run_oracle raises before any sandbox starts,
     saying why, rather than ending each episode as a sandbox_error; a task that does not allow the internet runs."""

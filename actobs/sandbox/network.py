@@ -49,6 +49,7 @@ class Egress:
     subnet: ipaddress.IPv4Network
     mtu: int  # the host's route out: the sandboxes' veths take it
     nameservers: tuple  # what a sandbox's /etc/resolv.conf lists
+    networks: tuple  # the networks the host sits on: never reached
 
     @property
     def gateway(self):
@@ -129,14 +130,56 @@ def _bridge():
     return subnet
 
 
-def _first(tool, table, chain, rules):
-    """`rules` (iptables -S form, without `-A chain`) first in `chain`, in order: inserted where they are not; a copy
-    further down that a rule put above them left is harmless (the project's chains decide every packet they get)."""
-    have = [ln.split(" ", 2)[2] for ln in _run([tool, "-w", "-t", table, "-S", chain]).splitlines()
-            if ln.startswith("-A ")]
-    if have[:len(rules)] != rules:
-        for i, rule in enumerate(rules, 1):
-            _run([tool, "-w", "-t", table, "-I", chain, str(i), *rule.split()])
+def _jumps(subnet):
+    """[(tool, table, chain, rules)]: the rules (iptables -S form, without `-A chain`) that must come first in each
+    of the host's chains: into the project's chains, no DNAT for a sandbox's packets (another daemon's published
+    ports would otherwise take them past INPUT), and IPv6 dropped."""
+    out = [("iptables", "filter", "INPUT", [f"-i {BRIDGE} -j {CHAIN_IN}"]),
+           ("iptables", "filter", "FORWARD", [f"-i {BRIDGE} -j {CHAIN_FWD}", f"-o {BRIDGE} -j {CHAIN_FWD}"]),
+           ("iptables", "nat", "PREROUTING", [f"-i {BRIDGE} -j RETURN"]),
+           ("iptables", "nat", "POSTROUTING", [f"-s {subnet} -j {CHAIN_NAT}"])]
+    if os.path.exists("/proc/sys/net/ipv6"):  # the bridge has IPv6 off; should it come on, nothing passes
+        out += [("ip6tables", "filter", "INPUT", [f"-i {BRIDGE} -j DROP"]),
+                ("ip6tables", "filter", "FORWARD", [f"-i {BRIDGE} -j DROP", f"-o {BRIDGE} -j DROP"])]
+    return out
+
+
+def _listed(tool, table):
+    """{chain: [its rules, iptables -S form without `-A chain`]} of a table."""
+    out = {}
+    for ln in _run([tool, "-w", "-t", table, "-S"]).splitlines():
+        if ln.startswith("-A "):
+            chain, rule = ln[3:].split(" ", 1)
+            out.setdefault(chain, []).append(rule)
+    return out
+
+
+def _placed(net):
+    """Whether the rules are as _place left them: each jump first in its chain, and the project's chains holding as
+    many rules as ruleset() writes (a flush, a firewall reload or another daemon putting its own jumps first
+    undoes them: the host and its published ports would be reached)."""
+    want = ruleset(net.subnet, net.nameservers, net.networks).splitlines()
+    tables = {}
+    for tool, table, chain, rules in _jumps(net.subnet):
+        have = tables.setdefault((tool, table), _listed(tool, table))
+        if have.get(chain, [])[:len(rules)] != rules:
+            return False
+    counts = {c: sum(ln.startswith(f"-A {c} ") for ln in want) for c in (CHAIN_IN, CHAIN_FWD, CHAIN_NAT)}
+    return all(len(tables[("iptables", "filter" if c != CHAIN_NAT else "nat")].get(c, [])) == n
+               for c, n in counts.items())
+
+
+def _place(net):
+    """The project's chains filled (ruleset) and each jump put first where it is not (a copy further down that
+    another rule put above it left is harmless: the project's chains decide every packet they get). Under LOCK."""
+    _run(["iptables-restore", "-w", "--noflush"], ruleset(net.subnet, net.nameservers, net.networks))
+    for tool, table, chain, rules in _jumps(net.subnet):
+        if tool == "ip6tables" and shutil.which("ip6tables") is None:
+            raise NetworkUnavailable("ip6tables is not installed (iptables' package has it)")
+        have = _listed(tool, table).get(chain, [])
+        if have[:len(rules)] != rules:
+            for i, rule in enumerate(rules, 1):
+                _run([tool, "-w", "-t", table, "-I", chain, str(i), *rule.split()])
 
 
 def _setup():
@@ -158,22 +201,14 @@ def _setup():
     outs = [r["dev"] for r in _ip_json("-4", "route", "show", "default") if "dev" in r]
     if not outs:
         raise NetworkUnavailable("this host has no default route: no way out for a sandbox")
-    networks = [r["dst"] for r in _ip_json("-4", "route", "show", "table", "main", "scope", "link")
-                if r.get("dev") != BRIDGE and r.get("dst", "default") != "default"]
+    networks = tuple(r["dst"] for r in _ip_json("-4", "route", "show", "table", "main", "scope", "link")
+                     if r.get("dev") != BRIDGE and r.get("dst", "default") != "default")
+    mtu = min(int(_read(f"/sys/class/net/{d}/mtu") or 1500) for d in outs)
     with open(LOCK, "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        subnet = _bridge()
-        _run(["iptables-restore", "-w", "--noflush"], ruleset(subnet, servers, networks))
-        _first("iptables", "filter", "INPUT", [f"-i {BRIDGE} -j {CHAIN_IN}"])
-        _first("iptables", "filter", "FORWARD", [f"-i {BRIDGE} -j {CHAIN_FWD}", f"-o {BRIDGE} -j {CHAIN_FWD}"])
-        _first("iptables", "nat", "POSTROUTING", [f"-s {subnet} -j {CHAIN_NAT}"])
-        if os.path.exists("/proc/sys/net/ipv6"):  # the bridge has IPv6 off; should it come on, nothing passes
-            if shutil.which("ip6tables") is None:
-                raise NetworkUnavailable("ip6tables is not installed (iptables' package has it)")
-            _first("ip6tables", "filter", "INPUT", [f"-i {BRIDGE} -j DROP"])
-            _first("ip6tables", "filter", "FORWARD", [f"-i {BRIDGE} -j DROP", f"-o {BRIDGE} -j DROP"])
-    mtu = min(int(_read(f"/sys/class/net/{d}/mtu") or 1500) for d in outs)
-    return Egress(subnet, mtu, servers)
+        net = Egress(_bridge(), mtu, servers, networks)
+        _place(net)
+    return net
 
 
 def ensure():
@@ -189,7 +224,18 @@ def ensure():
 
 def attach(container, net):
     """Plumb a running container created with NetworkDisabled into the bridge: eth0 with an address of the subnet,
-    the bridge's address its default route, its port isolated. Returns the address. Raises SandboxError."""
+    the bridge's address its default route, its port isolated. The rules are checked first (_placed) and put back
+    where something undid them; where they cannot be, the sandbox gets no network. Returns the address. Raises
+    SandboxError."""
+    try:
+        if not _placed(net):
+            with open(LOCK, "a") as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX)
+                _place(net)
+            if not _placed(net):
+                raise NetworkUnavailable("the egress rules could not be put back in place")
+    except NetworkUnavailable as e:
+        raise SandboxError(f"container {container.short_id}: {e}") from None
     container.reload()
     pid = container.attrs["State"]["Pid"]
     ns = f"/proc/{pid}/ns/net"
