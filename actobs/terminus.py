@@ -27,6 +27,10 @@ import numpy as np
 
 from actobs.labels import OBS, message_labels
 
+# The Harbor release whose Terminus-2 this protocol answers as (tests/test_terminus_harbor.py holds them equal on its
+# wheel); evaluation results record it, and a resume under another protocol is refused
+HARBOR_VERSION = "0.26.0"
+PROTOCOL = f"Terminus-2 as Harbor {HARBOR_VERSION} runs it"
 MAX_OBS_BYTES = 10_000  # observations keep head and tail within this size
 MAX_DURATION = 60.0  # longest wait one command may ask for
 DEFAULT_DURATION = 1.0  # a command's wait when its reply gives none

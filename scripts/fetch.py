@@ -60,7 +60,6 @@ ADAPTERS_GIT = "https://github.com/harbor-framework/adapters"
 ADAPTERS_COMMIT = "f35e93b3dd0bee0d69045f7c9e02b3ea5540c6a5"
 POLYGLOT_GIT = "https://github.com/Aider-AI/polyglot-benchmark"
 ENDLESS = "obiwan96/endless-terminals"  # a Hugging Face dataset of Harbor task folders
-HARBOR_VERSION = "0.26.0"  # the harbor wheel (pure Python, for 3.12+) whose Terminus-2 template `harbor` reads
 HARBOR_TEMPLATE = "harbor/agents/terminus_2/templates/terminus-json-plain.txt"
 RETRY_WAIT = 2.0  # seconds before a download's second try; doubled for each one after
 # Errors that another try cannot mend (a name that does not exist, a gated repository, the hub switched off)
@@ -182,12 +181,12 @@ def model(spec, dest, cache, train):
 
 def harbor_template(cache):
     """Harbor's current Terminus-2 prompt template, read from its published wheel (downloaded here)."""
-    wheels = cache / f"harbor-{HARBOR_VERSION}"
+    wheels = cache / f"harbor-{terminus.HARBOR_VERSION}"
     if not any(wheels.glob("*.whl")):
         retry(lambda: subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary",
                                       ":all:", "--python-version", "3.12", "-d", str(wheels),
-                                      f"harbor=={HARBOR_VERSION}"], check=True),
-              f"pip download harbor=={HARBOR_VERSION}")
+                                      f"harbor=={terminus.HARBOR_VERSION}"], check=True),
+              f"pip download harbor=={terminus.HARBOR_VERSION}")
     with zipfile.ZipFile(next(wheels.glob("*.whl"))) as whl:
         text = whl.read(HARBOR_TEMPLATE).decode()
     return text.replace("{{", "{").replace("}}", "}")  # Harbor fills it with str.format: {{ }} are braces
@@ -205,7 +204,7 @@ def prompt(spec, run, cache):
                   "--prompt-template FILE or harbor", file=sys.stderr)
             text, info = terminus.DEFAULT_PROMPT, {**info, "default": "no row in Terminus-2's layout"}
     elif spec == "harbor":
-        text, info = harbor_template(cache), {"harbor": HARBOR_VERSION}
+        text, info = harbor_template(cache), {"harbor": terminus.HARBOR_VERSION}
     else:
         text, info = Path(spec).read_text(), {"file": str(Path(spec).resolve())}
     tmp = run / "prompt_template.txt.tmp"

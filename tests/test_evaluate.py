@@ -161,16 +161,24 @@ def test_second_try_needs_network_and_tampered_are_reported_apart():
 
 
 def test_results_from_before_the_network_options_resume_with_them_off(tmp_path):
-    args = evaluate.parse_args(["--model", "m", "--tasks", str(tmp_path), "--out", str(tmp_path / "r.json")])
-    old = {k: v for k, v in evaluate.settings_of(args).items() if k not in passk.NEWER_KEYS}
+    """A results file from before a setting was recorded resumes where the run asks what it ran with; one from before
+    the protocol was Harbor's Terminus-2 (no protocol recorded) never does: its attempts were told other things."""
+    args = evaluate.parse_args(["--model", "m", "--tasks", str(tmp_path), "--out", str(tmp_path / "r.json"),
+                                "--max-parse-errors", "3"])
+    now = evaluate.settings_of(args)
+    old = {k: v for k, v in now.items() if k not in passk.NEWER_KEYS or k == "protocol"}
     (tmp_path / "r.json").write_text(json.dumps({"settings": old, "config": {}, "sessions": 1, "tasks": {}}))
-    assert evaluate.open_results(tmp_path / "r.json", evaluate.settings_of(args))["sessions"] == 1
+    assert evaluate.open_results(tmp_path / "r.json", now)["sessions"] == 1
+    (tmp_path / "older.json").write_text(json.dumps({"settings": {k: v for k, v in old.items() if k != "protocol"},
+                                                     "config": {}, "sessions": 1, "tasks": {}}))
+    with pytest.raises(SystemExit, match=r"\(protocol differ"):
+        evaluate.open_results(tmp_path / "older.json", now)
     with pytest.raises(SystemExit, match="network differ"):
         evaluate.open_results(tmp_path / "r.json", evaluate.settings_of(evaluate.parse_args(
-            ["--model", "m", "--tasks", str(tmp_path), "--network", "host"])))
+            ["--model", "m", "--tasks", str(tmp_path), "--network", "host", "--max-parse-errors", "3"])))
     with pytest.raises(SystemExit, match="top_p, top_k differ"):  # they sampled the full softmax
         evaluate.open_results(tmp_path / "r.json", evaluate.settings_of(evaluate.parse_args(
-            ["--model", "m", "--tasks", str(tmp_path), "--top-p", "0.95", "--top-k", "20"])))
+            ["--model", "m", "--tasks", str(tmp_path), "--top-p", "0.95", "--top-k", "20", "--max-parse-errors", "3"])))
 
 
 def test_a_policy_that_trains_samples_the_full_softmax(tokenizer):

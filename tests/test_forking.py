@@ -124,7 +124,7 @@ def test_a_per_turn_advantage_is_a_change_to_one_function(model, tokenizer, synt
 # each of its tokens; the clip then acts per sequence, and --loss-norm sequence makes the loss GSPO's mean over them
 SEQUENCE_RATIO = (
     "        rho, w = (logp - behav).exp(), torch.ones_like(logp)\n",
-    "        mean = torch.zeros(B).index_add(0, seq, logp - behav) / torch.bincount(seq, minlength=B).clamp(min=1)\n"
+    "        mean = logp.new_zeros(B).index_add(0, seq, logp - behav) / torch.bincount(seq, minlength=B).clamp(min=1)\n"
     "        rho, w = mean.exp()[seq], torch.ones_like(logp)  # (n,) the sequence's ratio at each of its tokens\n")
 
 

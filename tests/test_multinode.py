@@ -101,8 +101,9 @@ def node_daemons(base_image, tmp_path_factory):
 
 def sandbox_owners(host, since):
     """The owner labels (host:pid) of the sandboxes created on the daemon at `host` since `since` (epoch seconds)."""
-    r = subprocess.run(["docker", "-H", host, "events", "--since", str(int(since)), "--until", str(int(time.time()) + 1),
-                        "--filter", "type=container", "--filter", "event=create", "--format", "{{json .}}"],
+    r = subprocess.run(["docker", "-H", host, "events", "--since", str(int(since)),
+                        "--until", str(int(time.time()) + 1), "--filter", "type=container", "--filter", "event=create",
+                        "--format", "{{json .}}"],
                        capture_output=True, text=True, check=True, timeout=60)
     events = [json.loads(line) for line in r.stdout.splitlines()]
     return {e["Actor"]["Attributes"][daemon.LABEL] for e in events if daemon.LABEL in e["Actor"]["Attributes"]}

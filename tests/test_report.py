@@ -322,7 +322,8 @@ def test_build_reports_every_comparison(tmp_path):
     t = out["tstar"]
     assert t["runs"] == ["ActionSFT (λ=0) + GRPO", "ActionSFT (λ=0) + GRPO at T*", "ActObs (λ=1) + GRPO"]
     assert t["rows"][0]["diff"][1] == pytest.approx(1 / 6) and t["solved"] == [1, 1, 2]
-    assert "matches it at T* = 0.700, not a raise: a lowering" in md and "moves by at most 16.7 points and it solves +0 distinct tasks" in md
+    assert "matches it at T* = 0.700, not a raise: a lowering" in md
+    assert "moves by at most 16.7 points and it solves +0 distinct tasks" in md
     # the λ sweep: 0 (the baseline), 0.5, 1 in that order; pass@1 and pass@2 advantages with their intervals
     sw = out["lambda_sweep"]
     assert sw["lambdas"] == [0.0, 0.5, 1.0] and sw["runs"][1] == "λ=0.5 + GRPO"
