@@ -30,6 +30,7 @@ from pathlib import Path
 import envs
 from actobs import compare, episode, labels, runlog, taskgen, terminus
 from actobs.passk import NEWER_KEYS, RESUME_KEYS, constrained, groups, ks_up_to, pct, summarize
+from actobs.sandbox import network
 from actobs.tasks import KIND_FIELDS, load_task
 
 
@@ -54,7 +55,7 @@ def parse_args(argv=None):
     p.add_argument("--concurrency", type=int, default=8, help="sandboxes live at once")
     p.add_argument("--transcripts", type=Path, help="also append every episode to this JSONL: its record, the "
                    "verifier's output and the conversation (the SFT corpus's form), to read what the policy did")
-    p.add_argument("--network", choices=("egress", "host"), help="give the tasks that allow the internet (task.toml "
+    p.add_argument("--network", choices=(network.EGRESS, network.HOST), help="give the tasks that allow the internet (task.toml "
                    "allow_internet, Harbor's default: true) a network: egress (the internet through NAT, nothing of "
                    "the host's nor of another sandbox: docs/sandboxes.md; where this host cannot have it the run "
                    "stops) or host (the host's network namespace: not isolated). Default: no network for any task "

@@ -16,11 +16,13 @@ CPU toy run (tasks from `python envs.py corpus --out data/corpus`, an SFT checkp
     python grpo.py --init runs/actobs/final --tasks data/corpus/rl --out runs/grpo-actobs \
         --steps 20 --tasks-per-step 4 --group-size 4 --lr 1e-5 --max-len 4096 --max-new-tokens 512 \
         --max-turns 10 --max-parse-errors 3
-1 GPU, the paper's settings (the flag defaults: lr 1e-6, 135 steps, 32 tasks x 16 episodes, binary reward):
-    python grpo.py --init runs/q4b-actobs/final --tasks tasks/rl --out runs/q4b-actobs-grpo
+1 GPU, the paper's settings (the flag defaults: lr 1e-6, 135 steps, 32 tasks x 16 episodes, binary reward, no turn
+cap; the paper's rollout temperature, the rows' prompt and the sandboxes' network as ablation.sh's real presets give):
+    python grpo.py --init runs/q4b-actobs/final --tasks tasks/rl --out runs/q4b-actobs-grpo --temperature 0.6 \
+        --prompt-template runs/real-paper/prompt_template.txt --network egress
 8 GPUs (each rank: its own engine and 4 of the 32 groups; FSDP2 shards the model):
     torchrun --standalone --nproc_per_node 8 grpo.py --init runs/q4b-actobs/final --tasks tasks/rl \
-        --fsdp --grad-ckpt --micro-tokens 16384 --out runs/q4b-actobs-grpo
+        --fsdp --grad-ckpt --micro-tokens 16384 --out runs/q4b-actobs-grpo --temperature 0.6 ... (as above)
 Resume: the same command plus --resume. Several runs, one process: `python grpo.py ARGS ::: ARGS ...`.
 """
 import argparse
@@ -35,6 +37,7 @@ import torch
 import envs
 from actobs import batches, common, engine, episode, head, runlog, steplog, terminus
 from actobs.labels import ACTION, OBS, load_tokenizer
+from actobs.sandbox import network
 from actobs.tasks import load_tasks
 
 
@@ -63,7 +66,7 @@ def get_parser():
     g.add_argument("--max-new-tokens", type=int, default=4096, help="tokens per reply")
     g.add_argument("--max-len", type=int, default=16384, help="tokens per episode; longer ones are cut and flagged")
     g.add_argument("--prompt-template", help="file with {instruction} and {terminal_state} (default: terminus's)")
-    g.add_argument("--network", choices=("egress", "host"), help="a network for the tasks that allow the internet: "
+    g.add_argument("--network", choices=(network.EGRESS, network.HOST), help="a network for the tasks that allow the internet: "
                    "egress or host (evaluate.py --network); default: none for any task")
     g.add_argument("--temperature", type=float, default=1.0, help="sampling temperature; log-probs use logits / T")
     g.add_argument("--seed", type=int, default=0, help="seeds the task draws and the sampling")

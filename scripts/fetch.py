@@ -48,6 +48,7 @@ from tqdm import tqdm
 import envs
 from actobs import terminus, tiny
 from actobs.episode import INFRA_FAILURES, solved
+from actobs.sandbox import network
 from actobs.tasks import load_task
 from scripts import rows
 
@@ -90,7 +91,7 @@ def get_parser():
                    "GRPO (tasks/rl-heldout)")
     g.add_argument("--offline-images", action="store_true", help="use the task images' FROM and prebuilt images as "
                    "they are here (the stand-in) instead of pulling them")
-    g.add_argument("--network", choices=["egress", "host"], help="the network of the oracle pass, for tasks that allow "
+    g.add_argument("--network", choices=(network.EGRESS, network.HOST), help="the network of the oracle pass, for tasks that allow "
                    "the internet (Endless Terminals' verifiers fetch uv): egress (the internet through NAT, nothing of "
                    "the host's), host; default none")
     g.add_argument("--concurrency", type=int, default=8, help="sandboxes of the oracle pass at once")
