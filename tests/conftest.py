@@ -30,7 +30,8 @@ NEEDS = {"base_image": "docker", "vllm_dir": "vllm"}
 # `shuffle:SEED` (the default, with a fresh SEED each run, printed in the header: set it to replay a failure)
 # shuffled by SEED and their count, the same on any machine; `reverse` in reverse name order (a test that takes a
 # listing to be sorted fails every time); `native` the file system's order, untouched. The product sorts where its
-# order matters (a walk, a listing a user sees): there this changes nothing.
+# order matters (a walk, a listing a user sees): there this changes nothing. It reaches this process only: the
+# commands a test starts (torchrun, ablation.sh, python -m ...) list in the file system's order.
 LISTING_ORDER = os.environ.get("ACTOBS_LISTING_ORDER") or f"shuffle:{random.SystemRandom().randrange(10**6)}"
 _LISTERS = {"scandir": os.scandir, "listdir": os.listdir}
 
