@@ -28,7 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import envs
-from actobs import compare, episode, labels, runlog, taskgen, terminus
+from actobs import compare, episode, grammar, labels, runlog, taskgen, terminus
 from actobs.passk import NEWER_KEYS, RESUME_KEYS, constrained, groups, ks_up_to, pct, summarize
 from actobs.tasks import KIND_FIELDS, load_task
 
@@ -71,7 +71,7 @@ def parse_args(argv=None):
                    "difficulty a task has")
     p.add_argument("--retry-infra", action="store_true", help="on resume, run again the attempts that ended in an "
                    "infrastructure failure (otherwise they stay recorded, and excluded)")
-    p.add_argument("--grammar", **terminus.GRAMMAR_FLAG)
+    p.add_argument("--grammar", **grammar.GRAMMAR_FLAG)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", default="auto", help="vLLM dtype: auto (bf16 on GPU and on a CPU where it is faster "
                    "than fp32: common.resolve_dtype), bf16, fp32")

@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 import envs
-from actobs import batches, common, engine, episode, head, runlog, steplog, terminus
+from actobs import batches, common, engine, episode, grammar, head, runlog, steplog, terminus
 from actobs.labels import ACTION, OBS, load_tokenizer
 from actobs.tasks import load_tasks
 
@@ -71,7 +71,7 @@ def get_parser():
     g.add_argument("--chat-template", default="native", help="'native' (the checkpoint's), 'prefix', or a .jinja")
     g.add_argument("--kinds", type=lambda v: v.split(","), metavar="KIND,...", help="train only on the tasks of "
                    "these kinds (task.toml's [metadata] kind), e.g. the ones the policy solves sometimes")
-    g.add_argument("--grammar", **terminus.GRAMMAR_FLAG)
+    g.add_argument("--grammar", **grammar.GRAMMAR_FLAG)
     g.add_argument("--dynamic-sampling", type=int, default=0, metavar="MAX_GROUPS", help="drop groups without "
                    "signal and draw more, --tasks-per-step at a time, until --tasks-per-step have signal or "
                    "MAX_GROUPS (a multiple of --tasks-per-step) were drawn; 0 = off")
@@ -343,12 +343,12 @@ def group_examples(episodes, adv, trains):
     for i, e in enumerate(episodes):
         g, j = divmod(i, adv.shape[1])
         if trains[g, j] and ACTION in e.roles:
-            grammar = {}
+            masked = {}
             if e.masks:  # decoded under a grammar
-                grammar = dict(masks=e.masks, mask_ids=e.mask_ids, forced=engine.forced_tokens(e.masks, e.mask_ids))
+                masked = dict(masks=e.masks, mask_ids=e.mask_ids, forced=engine.forced_tokens(e.masks, e.mask_ids))
             groups[g].append(batches.Example(ids=e.token_ids, roles=e.roles, wrapper=e.obs_wrapper, behav=e.logprobs,
                                              adv=token_advantages(e, float(adv[g, j]), engine.reply_spans(e.roles)),
-                                             **grammar))
+                                             **masked))
     return groups
 
 

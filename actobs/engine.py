@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from actobs import common, terminus
+from actobs.grammar import close_reply, reply_grammar
 from actobs.labels import ACTION, PROMPT, defuse_specials, encode, encode_spans, generation_prompt
 
 
@@ -218,11 +219,11 @@ class VLLMPolicy:
     its observation is back; poll() runs one engine step (one decoding iteration of every running request).
     lockstep=True is the benchmark's baseline: rounds of generating every live episode's turn to the end, then
     stepping all their sandboxes. logprobs=False: replies without their log-probs (ep.logprobs 0.0 for them), for
-    runs that do not train on them. grammar ('reply' or 'think': terminus.GRAMMAR_FLAG's choices): every reply
-    decoded under terminus.reply_grammar, the think form with 'think'; with logprobs, each reply's masks are replayed
+    runs that do not train on them. grammar ('reply' or 'think': grammar.GRAMMAR_FLAG's choices): every reply
+    decoded under grammar.reply_grammar, the think form with 'think'; with logprobs, each reply's masks are replayed
     into the episode (ep.masks, one per distinct mask, and ep.mask_ids, per token
     its mask's index or -1 where nothing was masked). A reply cut at max_new_tokens comes back as a
-    terminus.CutReply (Terminus-2 asks again); under a grammar the engine instead closes it (terminus.close_reply:
+    terminus.CutReply (Terminus-2 asks again); under a grammar the engine instead closes it (grammar.close_reply:
     the closing's tokens forced) and it runs, unless the closing does not fit the context."""
 
     def __init__(self, engine, tok, *, temperature, max_new_tokens, max_len, seed=0, lockstep=False, logprobs=True,
@@ -241,7 +242,7 @@ class VLLMPolicy:
         self.compiled, self.grammar = None, grammar
         if grammar:
             self.end_of_turn = end_of_turn_id(tok)
-            ebnf = terminus.reply_grammar(think=grammar == "think")
+            ebnf = reply_grammar(think=grammar == "think")
             self.params["structured_outputs"] = StructuredOutputsParams(grammar=ebnf)
             if logprobs:  # the trainer needs the masks the log-probs were taken under
                 config = engine.llm_engine.model_config
@@ -324,7 +325,7 @@ class VLLMPolicy:
             ids, closing = list(c.token_ids), []
             ep.cut_replies += c.finish_reason == "length"
             if self.grammar and c.finish_reason == "length":  # closed where the context has room for it
-                text = terminus.close_reply(self.tok.decode(ids), think=self.grammar == "think")
+                text = close_reply(self.tok.decode(ids), think=self.grammar == "think")
                 closing = self.tok(text, add_special_tokens=False)["input_ids"] + [self.end_of_turn]
                 if len(ep.token_ids) + len(ids) + len(closing) > self.max_len:
                     closing = []

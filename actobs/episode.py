@@ -54,7 +54,7 @@ class Episode:
     # token, its mask's index in them, -1 where nothing was masked.
     masks: list = dataclasses.field(default_factory=list)
     mask_ids: list = dataclasses.field(default_factory=list)
-    # Replies that reached the policy's max_new_tokens (under a grammar the engine closed each: close_reply)
+    # Replies that reached the policy's max_new_tokens (under a grammar the engine closed each: grammar.close_reply)
     cut_replies: int = 0
     # Tamper evidence: the verifier-loaded files the agent wrote (verify.prepare_verifier: anything in /tests, a
     # conftest.py or pytest ini in /, Python start-up hooks, pytest plugin registrations, the stand-in's uv and
