@@ -18,6 +18,7 @@ comparison: docs/report.md; validating a task set first: `python envs.py oracle 
 in one process: `python evaluate.py ARGS ::: ARGS ...`.
 """
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -48,12 +49,17 @@ def parse_args(argv=None):
     p.add_argument("--max-parse-errors", type=int, default=0, help="replies in a row the protocol rejects before the "
                    "episode ends as parse_errors; 0 (default): never, as Harbor's")
     p.add_argument("--max-new-tokens", type=int, default=2048, help="tokens per reply")
-    p.add_argument("--max-len", type=int, default=16384, help="tokens per episode (prompt + all turns)")
+    p.add_argument("--max-len", type=int, default=16384, help="tokens per context (prompt + the turns in it)")
+    p.add_argument("--summarize", action=argparse.BooleanOptionalAction, default=True, help="where an episode's next "
+                   "reply has no room in --max-len, hand it off to a new context as Harbor's Terminus-2 summarises "
+                   "(actobs/handoff.py); --no-summarize: it ends there as max_len")
     p.add_argument("--prompt-template", type=Path, help="system prompt with {instruction} and {terminal_state} "
                    "(default: terminus.DEFAULT_PROMPT, what envs.py corpus writes); pass the SFT corpus's own")
     p.add_argument("--concurrency", type=int, default=8, help="sandboxes live at once")
     p.add_argument("--transcripts", type=Path, help="also append every episode to this JSONL: its record, the "
-                   "verifier's output and the conversation (the SFT corpus's form), to read what the policy did")
+                   "verifier's output, the conversation (the SFT corpus's form) and its hand-offs at --max-len "
+                   "(where each was in the conversation, its calls, the context after it), to read what the policy "
+                   "did")
     p.add_argument("--network", choices=("egress", "host"), help="give the tasks that allow the internet (task.toml "
                    "allow_internet, Harbor's default: true) a network: egress (the internet through NAT, nothing of "
                    "the host's nor of another sandbox: docs/sandboxes.md; where this host cannot have it the run "
@@ -206,6 +212,8 @@ def attempt_record(attempt, ep):
         rec["tampered"] = ep.tampered[:20]
     if ep.first_reward is not None:
         rec["first_reward"] = ep.first_reward
+    if ep.handoffs:  # at --max-len (--summarize): how each new context was made, None where none fit
+        rec["handoffs"] = [h.fallback for h in ep.handoffs]
     return rec
 
 
@@ -215,7 +223,8 @@ def settings_of(args):
             "temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k, "max_turns": args.max_turns, "max_parse_errors": args.max_parse_errors,
             "max_new_tokens": args.max_new_tokens, "max_len": args.max_len, "prompt": prompt, "seed": args.seed,
             "dtype": args.dtype, "network": args.network, "keep_agent_processes": args.keep_agent_processes,
-            "second_try": args.second_try, "grammar": args.grammar, "concurrency": args.concurrency}
+            "second_try": args.second_try, "grammar": args.grammar, "summarize": args.summarize,
+            "concurrency": args.concurrency}
 
 
 def open_results(path, settings):
@@ -248,7 +257,7 @@ def vllm_rollout(args, session):
         policy = engine.VLLMPolicy(llm, tokenizer, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                                    max_new_tokens=args.max_new_tokens,
                                    max_len=args.max_len, seed=args.seed + session, grammar=args.grammar,
-                                   logprobs=False)  # nothing trains on them
+                                   summarize=args.summarize, logprobs=False)  # nothing trains on them
         with engine.engine_threads():
             episodes = envs.run_episodes(tasks, policy, max_turns=args.max_turns,
                                          max_parse_errors=args.max_parse_errors, concurrency=args.concurrency,
@@ -309,8 +318,11 @@ def evaluate(args, rollout=None):
             rec = attempt_record(attempt, ep)
             with lock:
                 if transcripts:  # before the results: an attempt the results hold has its transcript
+                    # the conversation in order, across hand-offs; each hand-off (episode.Handoff): where it was in
+                    # it (at), its calls and the context the replies after it answer
                     transcripts.write(json.dumps({"task": name, **rec, "verifier_output": ep.verifier_output,
-                                                  "conversations": ep.messages}) + "\n")
+                                                  "conversations": ep.messages,
+                                                  "handoffs": [dataclasses.asdict(h) for h in ep.handoffs]}) + "\n")
                     transcripts.flush()
                 results["tasks"][name]["attempts"].append(rec)
                 ran.append(rec)
