@@ -220,7 +220,8 @@ def attempt_record(attempt, ep):
 def settings_of(args):
     prompt = terminus.load_template(args.prompt_template)
     return {"model": str(args.model), "tasks": [str(p.resolve()) for p in args.tasks], "attempts": args.attempts,
-            "temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k, "max_turns": args.max_turns, "max_parse_errors": args.max_parse_errors,
+            "temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k, "max_turns": args.max_turns,
+            "max_parse_errors": args.max_parse_errors,
             "max_new_tokens": args.max_new_tokens, "max_len": args.max_len, "prompt": prompt, "seed": args.seed,
             "dtype": args.dtype, "network": args.network, "keep_agent_processes": args.keep_agent_processes,
             "second_try": args.second_try, "grammar": args.grammar, "summarize": args.summarize,

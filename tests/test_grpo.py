@@ -554,7 +554,8 @@ def test_a_handed_off_episode_trains_each_context_it_sampled_in():
     one, two = (np.packbits(np.isin(np.arange(32), ok), bitorder="little") for ok in ([6], [6, 7]))
     masked = dataclasses.replace(handed_off(1.0), masks=[one, two], mask_ids=[-1, -1, 0, 1, -1, 1, -1, -1, -1, 0, 1])
     ex = examples_of([masked, handed_off(0.0)], args_for("--group-size", "2"))[0][0][1]
-    assert ex.mask_ids == [-1, -1, -1, 0, 1] and ex.forced == [False, False, False, True, False] and ex.masks == [one, two]
+    assert ex.mask_ids == [-1, -1, -1, 0, 1] and ex.masks == [one, two]
+    assert ex.forced == [False, False, False, True, False]
     ended = dataclasses.replace(handed_off(1.0), token_ids=[5] * 8, roles=[PROMPT] * 2 + [ACTION] * 4 + [PROMPT] * 2,
                                 logprobs=[0.0] * 8, obs_wrapper=[False] * 8)
     group = examples_of([ended, handed_off(0.0, seed=1)], args_for("--group-size", "2"))[0][0]
