@@ -115,13 +115,14 @@ SFT=(--lr 2e-3 --warmup-ratio 0.05 --min-lr-ratio 0.1 --batch-size 4 --epochs 2 
 # 8 steps (RESULTS.md has the runs); 8 steps are what the time budget leaves. --redraw 2: the last two steps draw the
 # first two's tasks, so the report's first-vs-last solve rate compares the same tasks (the draw alone moves that z by
 # ~1.7 standard deviations: bench/draw_noise.py). The toy world's tight episode limits, 10 turns and 3 parse errors in
-# a row, are passed here: grpo.py and evaluate.py default to Harbor's Terminus-2 (neither; the task's agent timeout)
+# a row, and an episode that fills --max-len ending there (--no-summarize), are passed here: grpo.py and evaluate.py
+# default to Harbor's Terminus-2 (neither limit, the task's agent timeout; a hand-off to a new context at --max-len)
 GRPO=(--steps 8 --tasks-per-step 4 --group-size 8 --lr 1e-4 --kl-coef 0.05 --scale-std --redraw 2 --max-turns 10
-      --max-parse-errors 3 --max-new-tokens 384 --max-len 4096 --concurrency 32 --micro-tokens 1 --save-every 4
-      --keep 1)                                                                                            # grpo.py
+      --max-parse-errors 3 --no-summarize --max-new-tokens 384 --max-len 4096 --concurrency 32 --micro-tokens 1
+      --save-every 4 --keep 1)                                                                             # grpo.py
 # 36 evaluation tasks (4 of each kind) x 4 attempts: more tasks rather than more attempts, as the pass@1 interval is
 # bounded by how much tasks differ more than by the attempts on each (8 attempts: pass@8, ~7 more minutes an arm)
-EVAL=(--attempts 4 --max-turns 10 --max-parse-errors 3 --max-new-tokens 384 --max-len 4096
+EVAL=(--attempts 4 --max-turns 10 --max-parse-errors 3 --no-summarize --max-new-tokens 384 --max-len 4096
       --concurrency 64)                                                                   # evaluate.py, all models
 # The GRPO'd policies are the comparison at pass@n; the SFT checkpoints are compared at pass@1-2 (that they look
 # alike, and what GRPO did to each), and the base only shows that it solves ~nothing: they get 2 attempts and 1
@@ -138,9 +139,10 @@ if [ $MODE = quick ]; then
     SFT=(--lr 2e-3 --batch-size 4 --epochs 1 --max-len 1024 --micro-tokens 1 --val-size 4 --eval-every 0
          --save-every 0 --keep 1 --probe-every 2)
     GRPO=(--steps 2 --tasks-per-step 1 --group-size 2 --lr 1e-4 --kl-coef 0.05 --scale-std --redraw 1 --max-turns 2
-          --max-parse-errors 3 --max-new-tokens 48 --max-len 1024 --concurrency 2 --micro-tokens 1 --save-every 1
-          --keep 1)
-    EVAL=(--attempts 2 --max-turns 2 --max-parse-errors 3 --max-new-tokens 48 --max-len 1024 --concurrency 4)
+          --max-parse-errors 3 --no-summarize --max-new-tokens 48 --max-len 1024 --concurrency 2 --micro-tokens 1
+          --save-every 1 --keep 1)
+    EVAL=(--attempts 2 --max-turns 2 --max-parse-errors 3 --no-summarize --max-new-tokens 48 --max-len 1024
+          --concurrency 4)
     EVAL_SFT=(--attempts 2)
     EVAL_BASE=(--attempts 1)
     PROBE=(--n 4 --max-len 1024)

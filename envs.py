@@ -93,7 +93,8 @@ class _Run:
     def __init__(self, task, template, network, keep_agent=False, second_try=False, strict=True):
         self.task, self.template, self.network, self.keep_agent = task, template, network, keep_agent
         self.second_try, self.strict = second_try, strict
-        self.ep = Episode(task.name, [], timings=dict(start_s=0.0, env_s=0.0, policy_s=0.0, verify_s=0.0))
+        self.ep = Episode(task.name, [], instruction=task.instruction.strip(),
+                          timings=dict(start_s=0.0, env_s=0.0, policy_s=0.0, verify_s=0.0))
         self.sb, self.done, self.confirming, self.parse_errors = None, False, False, 0
         self.turn0, self.clock0 = 0, 0.0  # where the turn budget and the agent's clock start (a second try: anew)
 
@@ -279,6 +280,20 @@ class BatchPolicy:
         self.waiting = []
 
 
+# How long an episode may go on: flags of grpo.py and evaluate.py, by default as Harbor's Terminus-2 runs one (no turn
+# cap and no parse-error limit: the task's agent timeout bounds it; at the context limit a hand-off, not an end)
+EPISODE_FLAGS = {
+    "--max-turns": dict(type=int, default=0, help="replies per episode before it ends as max_turns; 0: no cap, as "
+                        "Harbor's Terminus-2 (the task's agent timeout bounds an episode)"),
+    "--max-parse-errors": dict(type=int, default=0, help="replies in a row the protocol rejects before the episode "
+                               "ends as parse_errors; 0: never, as Harbor's"),
+    "--summarize": dict(action=argparse.BooleanOptionalAction, default=True, help="where an episode's next reply has "
+                        "no room in --max-len, hand it off to a new context as Harbor's Terminus-2 summarises "
+                        "(actobs/handoff.py; what grpo.py trains of it: its docstring); --no-summarize: it ends there "
+                        "as max_len"),
+}
+
+
 def run_episodes(tasks, policy, *, max_turns=0, concurrency=8, template=None, network=None, max_parse_errors=0,
                  on_episode=None, stats=None, keep_agent=False, second_try=False, strict=True):
     """Run one episode per entry of `tasks` (repeat a task for several rollouts), up to `concurrency` sandboxes
@@ -291,7 +306,9 @@ def run_episodes(tasks, policy, *, max_turns=0, concurrency=8, template=None, ne
     submit(key, episode) (the episode's messages end with an observation: queue its next reply),
     poll() -> [(key, reply str, or None to end the episode as `max_len`)] (do some work, return what is
     finished; a reply the policy's token limit cut is a terminus.CutReply, which the episode answers with
-    Terminus-2's re-ask instead of running it), pending() (replies still owed) and abort() (drop them). A policy
+    Terminus-2's re-ask instead of running it), pending() (replies still owed) and abort() (drop them). The
+    policy may hand an episode off to a new context on the way to a reply (engine.VLLMPolicy: Terminus-2's
+    summarisation, in the episode's record), its calls' time on the agent's clock as Harbor's. A policy
     with `lockstep = False`
     (engine.VLLMPolicy) generates while sandboxes step: an episode's next turn is queued the moment its
     observation is back. on_episode(i, episode) is called as each one ends. `stats`, a dict, receives wall_s,
@@ -337,7 +354,10 @@ def run_episodes(tasks, policy, *, max_turns=0, concurrency=8, template=None, ne
                 for i, reply in replies:
                     runs[i].ep.timings["policy_s"] += time.time() - asked.pop(i)
                     if reply is None:  # the policy's context is full: end here and verify what was done
-                        job = functools.partial(runs[i].finish, "max_len", "the episode reached the context length")
+                        h = runs[i].ep.handoffs
+                        why = "the episode reached the context length" + (
+                            "; no context of the hand-off fit in it" if h and h[-1].fallback is None else "")
+                        job = functools.partial(runs[i].finish, "max_len", why)
                     else:
                         job = functools.partial(runs[i].act, reply, max_turns, max_parse_errors)
                     env[pool.submit(job)] = i

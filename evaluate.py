@@ -18,6 +18,7 @@ comparison: docs/report.md; validating a task set first: `python envs.py oracle 
 in one process: `python evaluate.py ARGS ::: ARGS ...`.
 """
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -28,7 +29,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import envs
-from actobs import compare, episode, labels, runlog, taskgen, terminus
+from actobs import compare, episode, grammar, labels, runlog, taskgen, terminus
 from actobs.passk import NEWER_KEYS, RESUME_KEYS, constrained, groups, ks_up_to, pct, summarize
 from actobs.sandbox import network
 from actobs.tasks import KIND_FIELDS, load_task
@@ -44,22 +45,22 @@ def parse_args(argv=None):
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: the smallest set of tokens with this "
                    "much probability (1: all)")
     p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0: all)")
-    p.add_argument("--max-turns", type=int, default=0, help="agent replies per episode before it ends as max_turns; "
-                   "0 (default): no cap, as Harbor's Terminus-2 (the task's agent timeout bounds an episode)")
-    p.add_argument("--max-parse-errors", type=int, default=0, help="replies in a row the protocol rejects before the "
-                   "episode ends as parse_errors; 0 (default): never, as Harbor's")
+    for flag, kw in envs.EPISODE_FLAGS.items():  # --max-turns, --max-parse-errors, --summarize
+        p.add_argument(flag, **kw)
     p.add_argument("--max-new-tokens", type=int, default=2048, help="tokens per reply")
-    p.add_argument("--max-len", type=int, default=16384, help="tokens per episode (prompt + all turns)")
+    p.add_argument("--max-len", type=int, default=16384, help="tokens per context (prompt + the turns in it)")
     p.add_argument("--prompt-template", type=Path, help="system prompt with {instruction} and {terminal_state} "
                    "(default: terminus.DEFAULT_PROMPT, what envs.py corpus writes); pass the SFT corpus's own")
     p.add_argument("--concurrency", type=int, default=8, help="sandboxes live at once")
     p.add_argument("--transcripts", type=Path, help="also append every episode to this JSONL: its record, the "
-                   "verifier's output and the conversation (the SFT corpus's form), to read what the policy did")
-    p.add_argument("--network", choices=(network.EGRESS, network.HOST), help="give the tasks that allow the internet (task.toml "
-                   "allow_internet, Harbor's default: true) a network: egress (the internet through NAT, nothing of "
-                   "the host's nor of another sandbox: docs/sandboxes.md; where this host cannot have it the run "
-                   "stops) or host (the host's network namespace: not isolated). Default: no network for any task "
-                   "(an attempt that failed for want of it is counted apart as 'needs network')")
+                   "verifier's output, the conversation (the SFT corpus's form) and its hand-offs at --max-len "
+                   "(where each was in the conversation, its calls, the context after it), to read what the policy "
+                   "did")
+    p.add_argument("--network", choices=(network.EGRESS, network.HOST), help="give the tasks that allow the internet "
+                   "(task.toml allow_internet, Harbor's default: true) a network: egress (the internet through NAT, "
+                   "nothing of the host's nor of another sandbox: docs/sandboxes.md; where this host cannot have it "
+                   "the run stops) or host (the host's network namespace: not isolated). Default: no network for any "
+                   "task (an attempt that failed for want of it is counted apart as 'needs network')")
     p.add_argument("--keep-agent-processes", action="store_true", help="leave the agent's processes running while "
                    "the verifier runs (tests that probe a service the agent started, as Harbor does). Trade-off: "
                    "anything the agent left behind can then write the reward file or change the tests, so a reward "
@@ -72,7 +73,7 @@ def parse_args(argv=None):
                    "difficulty a task has")
     p.add_argument("--retry-infra", action="store_true", help="on resume, run again the attempts that ended in an "
                    "infrastructure failure (otherwise they stay recorded, and excluded)")
-    p.add_argument("--grammar", **terminus.GRAMMAR_FLAG)
+    p.add_argument("--grammar", **grammar.GRAMMAR_FLAG)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", default="auto", help="vLLM dtype: auto (bf16 on GPU and on a CPU where it is faster "
                    "than fp32: common.resolve_dtype), bf16, fp32")
@@ -207,6 +208,8 @@ def attempt_record(attempt, ep):
         rec["tampered"] = ep.tampered[:20]
     if ep.first_reward is not None:
         rec["first_reward"] = ep.first_reward
+    if ep.handoffs:  # at --max-len (--summarize): how each new context was made, None where none fit
+        rec["handoffs"] = [h.fallback for h in ep.handoffs]
     return rec
 
 
@@ -217,7 +220,8 @@ def settings_of(args):
             "max_turns": args.max_turns, "max_parse_errors": args.max_parse_errors,
             "max_new_tokens": args.max_new_tokens, "max_len": args.max_len, "prompt": prompt, "seed": args.seed,
             "dtype": args.dtype, "network": args.network, "keep_agent_processes": args.keep_agent_processes,
-            "second_try": args.second_try, "grammar": args.grammar, "concurrency": args.concurrency}
+            "second_try": args.second_try, "grammar": args.grammar, "summarize": args.summarize,
+            "concurrency": args.concurrency}
 
 
 def open_results(path, settings):
@@ -250,7 +254,7 @@ def vllm_rollout(args, session):
         policy = engine.VLLMPolicy(llm, tokenizer, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                                    max_new_tokens=args.max_new_tokens,
                                    max_len=args.max_len, seed=args.seed + session, grammar=args.grammar,
-                                   logprobs=False)  # nothing trains on them
+                                   summarize=args.summarize, logprobs=False)  # nothing trains on them
         with engine.engine_threads():
             episodes = envs.run_episodes(tasks, policy, max_turns=args.max_turns,
                                          max_parse_errors=args.max_parse_errors, concurrency=args.concurrency,
@@ -311,8 +315,11 @@ def evaluate(args, rollout=None):
             rec = attempt_record(attempt, ep)
             with lock:
                 if transcripts:  # before the results: an attempt the results hold has its transcript
+                    # the conversation in order, across hand-offs; each hand-off (episode.Handoff): where it was in
+                    # it (at), its calls and the context the replies after it answer
                     transcripts.write(json.dumps({"task": name, **rec, "verifier_output": ep.verifier_output,
-                                                  "conversations": ep.messages}) + "\n")
+                                                  "conversations": ep.messages,
+                                                  "handoffs": [dataclasses.asdict(h) for h in ep.handoffs]}) + "\n")
                     transcripts.flush()
                 results["tasks"][name]["attempts"].append(rec)
                 ran.append(rec)

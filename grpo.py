@@ -12,6 +12,12 @@ their verifiers, takes --ppo-epochs optimizer steps on the loss below and loads 
 pg_loss writes it out on the per-token log-probs of the chunked head (head.token_logprobs); its terms and flags, the
 memory plan: docs/training.md. Log rows and transcripts: steplog.py.
 
+An episode handed off at --max-len (--summarize, Harbor's Terminus-2 summarisation: actobs/handoff.py) trains as the
+contexts the policy sampled its replies in: the context before each hand-off and the one after are each a sequence of
+their own (group_examples), every token with the episode's advantage, each reply at the log-probs it was sampled with
+in its context. The hand-off's own calls (summary, questions, answers, a fallback's short summary) are not trained;
+why, and how the normalisers then weigh such an episode: docs/training.md#a-handed-off-episode.
+
 CPU toy run (tasks from `python envs.py corpus --out data/corpus`, an SFT checkpoint from sft.py):
     python grpo.py --init runs/actobs/final --tasks data/corpus/rl --out runs/grpo-actobs \
         --steps 20 --tasks-per-step 4 --group-size 4 --lr 1e-5 --max-len 4096 --max-new-tokens 512 \
@@ -35,7 +41,7 @@ import numpy as np
 import torch
 
 import envs
-from actobs import batches, common, engine, episode, head, runlog, steplog, terminus
+from actobs import batches, common, engine, episode, grammar, head, runlog, steplog, terminus
 from actobs.labels import ACTION, OBS, load_tokenizer
 from actobs.sandbox import network
 from actobs.tasks import load_tasks
@@ -59,22 +65,21 @@ def get_parser():
     g.add_argument("--redraw", type=int, default=0, metavar="K", help="the last K steps draw the tasks the first K "
                    "drew (fresh episodes of them): the solve rate, first steps against last, then compares the same "
                    "tasks (scripts/report.py; bench/draw_noise.py measures what the draw adds)")
-    g.add_argument("--max-turns", type=int, default=0, help="replies per episode before it ends as max_turns; 0: no "
-                   "cap, as Harbor's Terminus-2 (the task's agent timeout bounds an episode)")
-    g.add_argument("--max-parse-errors", type=int, default=0, help="replies in a row the protocol rejects before the "
-                   "episode ends as parse_errors; 0: never, as Harbor's")
+    for flag, kw in envs.EPISODE_FLAGS.items():  # --max-turns, --max-parse-errors, --summarize
+        g.add_argument(flag, **kw)
     g.add_argument("--max-new-tokens", type=int, default=4096, help="tokens per reply")
-    g.add_argument("--max-len", type=int, default=16384, help="tokens per episode; longer ones are cut and flagged")
+    g.add_argument("--max-len", type=int, default=16384, help="tokens per context: where an episode's next reply has "
+                   "no room, it is handed off (--summarize) or cut and flagged")
     g.add_argument("--prompt-template", help="file with {instruction} and {terminal_state} (default: terminus's)")
-    g.add_argument("--network", choices=(network.EGRESS, network.HOST), help="a network for the tasks that allow the internet: "
-                   "egress or host (evaluate.py --network); default: none for any task")
+    g.add_argument("--network", choices=(network.EGRESS, network.HOST), help="a network for the tasks that allow the "
+                   "internet: egress or host (evaluate.py --network); default: none for any task")
     g.add_argument("--temperature", type=float, default=1.0, help="sampling temperature; log-probs use logits / T")
     g.add_argument("--seed", type=int, default=0, help="seeds the task draws and the sampling")
     g = p.add_argument_group("tasks and rollouts")
     g.add_argument("--chat-template", default="native", help="'native' (the checkpoint's), 'prefix', or a .jinja")
     g.add_argument("--kinds", type=lambda v: v.split(","), metavar="KIND,...", help="train only on the tasks of "
                    "these kinds (task.toml's [metadata] kind), e.g. the ones the policy solves sometimes")
-    g.add_argument("--grammar", **terminus.GRAMMAR_FLAG)
+    g.add_argument("--grammar", **grammar.GRAMMAR_FLAG)
     g.add_argument("--dynamic-sampling", type=int, default=0, metavar="MAX_GROUPS", help="drop groups without "
                    "signal and draw more, --tasks-per-step at a time, until --tasks-per-step have signal or "
                    "MAX_GROUPS (a multiple of --tasks-per-step) were drawn; 0 = off")
@@ -292,7 +297,8 @@ def draw_episodes(llm, tok, tasks, template, args, step, rank, gen, draw, groups
     desc = f"step {step + 1} rollouts" + (f" (draw {draw + 1})" if draw else "")
     bar = tqdm(total=len(groups) * args.group_size, desc=desc, leave=False, disable=rank != 0, dynamic_ncols=True)
     policy = engine.VLLMPolicy(llm, tok, temperature=args.temperature, max_new_tokens=args.max_new_tokens,
-                               max_len=args.max_len, seed=step_seed(args.seed, step, rank, draw), grammar=args.grammar)
+                               max_len=args.max_len, seed=step_seed(args.seed, step, rank, draw), grammar=args.grammar,
+                               summarize=args.summarize)
     with engine.engine_threads():
         episodes = envs.run_episodes([tasks[g] for g in groups for _ in range(args.group_size)], policy,
                                      max_turns=args.max_turns, max_parse_errors=args.max_parse_errors,
@@ -340,18 +346,22 @@ def token_advantages(episode, adv, replies):
 
 def group_examples(episodes, adv, trains):
     """Episodes of consecutive groups, their advantages (G, S) and whether each trains (G, S) -> each group's
-    training examples (batches.Example: an episode's tokens, roles, wrapper, the log-probs vLLM sampled them with,
-    token_advantages; under a grammar its masks and forced tokens, which carry no loss)."""
+    training examples (batches.Example), one per context an episode sampled replies in (episode.segments: one, or
+    one more after each hand-off at --max-len): its tokens, roles, wrapper, the log-probs vLLM sampled them with,
+    token_advantages; under a grammar its masks and forced tokens, which carry no loss."""
     groups = [[] for _ in range(len(adv))]
     for i, e in enumerate(episodes):
         g, j = divmod(i, adv.shape[1])
-        if trains[g, j] and ACTION in e.roles:
-            grammar = {}
-            if e.masks:  # decoded under a grammar
-                grammar = dict(masks=e.masks, mask_ids=e.mask_ids, forced=engine.forced_tokens(e.masks, e.mask_ids))
-            groups[g].append(batches.Example(ids=e.token_ids, roles=e.roles, wrapper=e.obs_wrapper, behav=e.logprobs,
-                                             adv=token_advantages(e, float(adv[g, j]), engine.reply_spans(e.roles)),
-                                             **grammar))
+        if not trains[g, j]:
+            continue
+        advs = token_advantages(e, float(adv[g, j]), engine.reply_spans(e.roles))
+        forced = engine.forced_tokens(e.masks, e.mask_ids) if e.masks else None  # decoded under a grammar
+        for a, b in episode.segments(e):
+            if ACTION not in e.roles[a:b]:
+                continue
+            masked = dict(masks=e.masks, mask_ids=e.mask_ids[a:b], forced=forced[a:b]) if e.masks else {}
+            groups[g].append(batches.Example(ids=e.token_ids[a:b], roles=e.roles[a:b], wrapper=e.obs_wrapper[a:b],
+                                             behav=e.logprobs[a:b], adv=advs[a:b], **masked))
     return groups
 
 

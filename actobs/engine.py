@@ -7,12 +7,14 @@ at import: vLLM is imported when an engine or a policy is made.
 """
 import os
 import time
+import zlib
 from contextlib import contextmanager
 
 import numpy as np
 import torch
 
-from actobs import common, terminus
+from actobs import common, episode, handoff, terminus
+from actobs.grammar import close_reply, reply_grammar
 from actobs.labels import ACTION, PROMPT, defuse_specials, encode, encode_spans, generation_prompt
 
 
@@ -218,15 +220,21 @@ class VLLMPolicy:
     its observation is back; poll() runs one engine step (one decoding iteration of every running request).
     lockstep=True is the benchmark's baseline: rounds of generating every live episode's turn to the end, then
     stepping all their sandboxes. logprobs=False: replies without their log-probs (ep.logprobs 0.0 for them), for
-    runs that do not train on them. grammar ('reply' or 'think': terminus.GRAMMAR_FLAG's choices): every reply
-    decoded under terminus.reply_grammar, the think form with 'think'; with logprobs, each reply's masks are replayed
+    runs that do not train on them. grammar ('reply' or 'think': grammar.GRAMMAR_FLAG's choices): every reply
+    decoded under grammar.reply_grammar, the think form with 'think'; with logprobs, each reply's masks are replayed
     into the episode (ep.masks, one per distinct mask, and ep.mask_ids, per token
     its mask's index or -1 where nothing was masked). A reply cut at max_new_tokens comes back as a
-    terminus.CutReply (Terminus-2 asks again); under a grammar the engine instead closes it (terminus.close_reply:
-    the closing's tokens forced) and it runs, unless the closing does not fit the context."""
+    terminus.CutReply (Terminus-2 asks again); under a grammar the engine instead closes it (grammar.close_reply:
+    the closing's tokens forced) and it runs, unless the closing does not fit the context.
+
+    When an episode's next reply has no room in max_len: with summarize=True the episode is handed off as Terminus-2
+    does (handoff.hand_off: its calls are requests among the other episodes' turns, free text, no grammar, no
+    log-probs) and goes on in a new context, its tokens appended as a new segment (episode.segments) and the hand-off
+    recorded (ep.handoffs); a reply cut by the context's end is then a CutReply (Terminus-2's re-ask, which no longer
+    fits: the hand-off follows). Without, or where no context fits, the episode ends there (None: envs' max_len)."""
 
     def __init__(self, engine, tok, *, temperature, max_new_tokens, max_len, seed=0, lockstep=False, logprobs=True,
-                 grammar=None, top_p=1.0, top_k=0):
+                 grammar=None, top_p=1.0, top_k=0, summarize=False):
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
         self.engine, self.tok, self.max_new_tokens, self.max_len, self.seed = engine, tok, max_new_tokens, max_len, seed
@@ -241,7 +249,7 @@ class VLLMPolicy:
         self.compiled, self.grammar = None, grammar
         if grammar:
             self.end_of_turn = end_of_turn_id(tok)
-            ebnf = terminus.reply_grammar(think=grammar == "think")
+            ebnf = reply_grammar(think=grammar == "think")
             self.params["structured_outputs"] = StructuredOutputsParams(grammar=ebnf)
             if logprobs:  # the trainer needs the masks the log-probs were taken under
                 config = engine.llm_engine.model_config
@@ -252,7 +260,11 @@ class VLLMPolicy:
                 p.update_from_generation_config(config.try_get_generation_config(), tok.eos_token_id)
                 self.stop_ids = p.all_stop_token_ids
         self.SamplingParams = SamplingParams
+        self.summarize = summarize
+        # a hand-off's calls: free text (no grammar), no log-probs (not trained)
+        self.call_params = {k: v for k, v in self.params.items() if k != "structured_outputs"} | {"logprobs": None}
         self.requests, self.eps, self.closed, self.ready = {}, {}, {}, []
+        self.handing = {}  # key -> the hand-off in progress: [its generator, its Handoff record, its start time]
 
     def submit(self, key, ep):
         # the environment's text may hold a special token's string (`echo '<|im_end|>'`): defused in the
@@ -268,24 +280,91 @@ class VLLMPolicy:
         ep.obs_wrapper += wrapper
         ep.logprobs += [0.0] * len(ids)
         ep.mask_ids += [-1] * len(ids)
-        room = self.max_len - len(ep.token_ids)
-        if room < 1:  # no room for a reply: cut at max_len and end the episode
-            for field in ("token_ids", "roles", "obs_wrapper", "logprobs", "mask_ids"):
-                del getattr(ep, field)[self.max_len:]
+        self.eps[key] = ep
+        start = episode.segments(ep)[-1][0]  # the context's first token
+        room = self.max_len - (len(ep.token_ids) - start)
+        if room >= 1:
+            return self.queue_reply(key, ep, room)
+        for field in ("token_ids", "roles", "obs_wrapper", "logprobs", "mask_ids"):  # no room: cut at max_len
+            del getattr(ep, field)[start + self.max_len:]
+        if not self.summarize:  # the episode ends
             ep.truncated = True
             self.ready.append((key, None))
             return
-        turn = sum(m["role"] == "assistant" for m in ep.messages)
-        self.requests[self.add(key, turn, ep.token_ids, min(self.max_new_tokens, room))], self.eps[key] = key, ep
+        gen = handoff.hand_off(episode.contexts(ep)[-1], ep.instruction, handoff.latest_screen(ep.messages),
+                               self.tokens, self.max_len)
+        self.handing[key] = [gen, episode.Handoff(at=len(ep.messages)), time.time()]
+        self.step_handoff(key, None)
 
-    def add(self, key, turn, token_ids, max_tokens):
+    def queue_reply(self, key, ep, room):
+        turn = sum(m["role"] == "assistant" for m in ep.messages)
+        start = episode.segments(ep)[-1][0]
+        self.requests[self.add(key, turn, ep.token_ids[start:], min(self.max_new_tokens, room))] = key
+
+    def add(self, key, turn, token_ids, max_tokens, call=None):
         """Queue the reply of episode `key`'s turn `turn` to the context token_ids, sampled with a seed of (seed,
-        key, turn) alone: reproducible per turn, whatever else runs -> its request id."""
-        params = self.SamplingParams(max_tokens=max_tokens, **self.params,
-                                     seed=(self.seed * 1_000_003 + key * 1009 + turn) % 2**31)
-        rid = f"{key}-{turn}"
+        key, turn) alone: reproducible per turn, whatever else runs -> its request id. call: a hand-off's call (its
+        name, unique in the episode), sampled with call_params and a seed of its own."""
+        seed = (self.seed * 1_000_003 + key * 1009 + turn + (zlib.crc32(call.encode()) if call else 0)) % 2**31
+        params = self.SamplingParams(max_tokens=max_tokens, **(self.call_params if call else self.params), seed=seed)
+        rid = f"{key}-{turn}" + (f"-{call}" if call else "")
         self.engine.llm_engine.add_request(rid, {"prompt_token_ids": list(token_ids)}, params)
         return rid
+
+    def render(self, messages):
+        """-> (ids, messages): a fresh context of `messages` as the chat template renders it up to the reply's header,
+        and the messages it rendered: special-token strings defused (a reply the policy sampled may hold one)."""
+        messages = [dict(m, content=defuse_specials(self.tok, m["content"])) for m in messages]
+        return prompt_tokens(self.tok, messages)[0], messages
+
+    def tokens(self, messages):
+        return len(self.render(messages)[0])
+
+    def step_handoff(self, key, sent):
+        """Advance episode `key`'s hand-off: send its generator `sent` (the last call's content, None where it
+        failed), and queue its next call that fits; once it is done, the episode's next reply in the new context, or
+        the episode's end (None: max_len) where no context fit."""
+        gen, record, t0 = self.handing[key]
+        ep = self.eps[key]
+        while True:
+            try:
+                call = gen.send(sent)
+            except StopIteration as done:
+                return self.end_handoff(key, ep, record, done.value, t0)
+            ids, _ = self.render(call.messages)
+            record.calls.append({"name": call.name, "prompt_tokens": len(ids), "reply": "", "reply_tokens": 0,
+                                 "finish": "no room"})
+            if len(ids) < self.max_len:
+                turn = sum(m["role"] == "assistant" for m in ep.messages)
+                name = f"handoff{len(ep.handoffs) + 1}-{call.name}"
+                self.requests[self.add(key, turn, ids, min(self.max_new_tokens, self.max_len - len(ids)), name)] = key
+                return
+            sent = None  # its prompt does not fit: it fails
+
+    def handoff_reply(self, key, c):
+        """A hand-off call's output c: recorded, its content sent on; a reply cut at its token limit fails, as
+        Terminus-2's model call raises on a reply cut at its limit."""
+        ids, stopped = list(c.token_ids), c.finish_reason == "stop"
+        text = self.tok.decode(ids[:-1] if stopped else ids)
+        self.handing[key][1].calls[-1].update(reply=text, reply_tokens=len(ids), finish=c.finish_reason)
+        self.step_handoff(key, terminus.reply_content(text) if stopped else None)
+
+    def end_handoff(self, key, ep, record, outcome, t0):
+        del self.handing[key]
+        record.kept, record.fallback, record.seconds = outcome.kept, outcome.fallback, time.time() - t0
+        ep.handoffs.append(record)
+        if outcome.context is None:  # not even the task and the terminal alone fit: the episode ends
+            ep.truncated = True
+            self.ready.append((key, None))
+            return
+        ids, record.context = self.render(outcome.context)
+        record.start = len(ep.token_ids)
+        ep.token_ids += ids
+        ep.roles += [PROMPT] * len(ids)
+        ep.obs_wrapper += [False] * len(ids)
+        ep.logprobs += [0.0] * len(ids)
+        ep.mask_ids += [-1] * len(ids)
+        self.queue_reply(key, ep, self.max_len - len(ids))
 
     def reply_masks(self, ep, ids, forced=0):
         """Per id of a reply: the index in ep.masks of the mask it was sampled under (appended when new), or -1
@@ -321,12 +400,15 @@ class VLLMPolicy:
                 continue
             key = self.requests.pop(o.request_id)
             ep, c = self.eps[key], o.outputs[0]
-            ids, closing = list(c.token_ids), []
+            if key in self.handing:
+                self.handoff_reply(key, c)
+                continue
+            ids, closing, start = list(c.token_ids), [], episode.segments(ep)[-1][0]
             ep.cut_replies += c.finish_reason == "length"
             if self.grammar and c.finish_reason == "length":  # closed where the context has room for it
-                text = terminus.close_reply(self.tok.decode(ids), think=self.grammar == "think")
+                text = close_reply(self.tok.decode(ids), think=self.grammar == "think")
                 closing = self.tok(text, add_special_tokens=False)["input_ids"] + [self.end_of_turn]
-                if len(ep.token_ids) + len(ids) + len(closing) > self.max_len:
+                if len(ep.token_ids) - start + len(ids) + len(closing) > self.max_len:
                     closing = []
             logprobs = [d[t].logprob for d, t in zip(c.logprobs, ids)] if c.logprobs else [0.0] * len(ids)
             ids += closing
@@ -338,11 +420,12 @@ class VLLMPolicy:
             # ended with its end-of-turn (a stop token, or the closing's), included in ids
             self.closed[key] = c.finish_reason == "stop" or bool(closing)
             reply = self.tok.decode(ids[:-1] if self.closed[key] else ids)
-            if c.finish_reason == "length" and not closing and len(ep.token_ids) >= self.max_len:
-                ep.truncated = True  # the episode's context is full
+            full = len(ep.token_ids) - start >= self.max_len  # cut by the context's end, not max_new_tokens
+            if c.finish_reason == "length" and not closing and full and not self.summarize:
+                ep.truncated = True
                 out.append((key, None))
-            elif c.finish_reason == "length" and not closing:  # cut at max_new_tokens: the episode asks again
-                out.append((key, terminus.CutReply(reply, self.max_new_tokens)))
+            elif c.finish_reason == "length" and not closing:  # the episode asks again (a full context: the re-ask
+                out.append((key, terminus.CutReply(reply, self.max_new_tokens)))  # does not fit, it hands off)
             else:
                 out.append((key, reply))
         return out
@@ -350,7 +433,7 @@ class VLLMPolicy:
     def abort(self):
         if self.requests:
             self.engine.llm_engine.abort_request(list(self.requests))
-        self.requests, self.ready = {}, []
+        self.requests, self.ready, self.handing = {}, [], {}
 
 
 @contextmanager

@@ -1,7 +1,8 @@
 """
 An episode's record, as envs.run_episodes fills it and grpo.py, evaluate.py and the step log read it: the
 conversation, the reward and how it ended (the failure kinds), the token sequence a token-level policy saw and
-produced, and the tamper evidence. docs/sandboxes.md#how-episodes-end.
+produced, its hand-offs at the context limit (Handoff; the contexts they split it into: segments, contexts), and the
+tamper evidence. docs/sandboxes.md#how-episodes-end.
 """
 import dataclasses
 
@@ -25,9 +26,28 @@ def solved(reward):
 
 
 @dataclasses.dataclass
+class Handoff:
+    """One hand-off at the context limit (handoff.hand_off, run by engine.VLLMPolicy): where it happened, what the
+    unwinding kept, its model calls, the fallback that gave the context after it and that context."""
+    at: int  # len(messages) when the context was full: messages[at - 1], that observation, was never shown (it did
+    # not fit); the replies and observations from messages[at] on are in the context after the hand-off
+    kept: int = 0  # how many first messages of the context before it the unwinding kept (the calls' history)
+    # The model calls in order, each {"name": summary / questions / answers / short, "prompt_tokens", "reply" (the
+    # text sampled), "reply_tokens", "finish": "stop"; "length" (cut at its token limit) or "no room" (its prompt did
+    # not fit): failed}. They are not trained (docs/training.md#a-handed-off-episode)
+    calls: list = dataclasses.field(default_factory=list)
+    fallback: str | None = None  # "summary" (the three calls), "short", "state"; None: no context fit (max_len)
+    context: list = dataclasses.field(default_factory=list)  # the context after it (messages), [] when none fit
+    start: int | None = None  # where that context's tokens begin in token_ids (None when none fit)
+    seconds: float = 0.0  # from the full context to the reply queued in the new one
+
+
+@dataclasses.dataclass
 class Episode:
     task: str
-    messages: list  # Nemotron form: user (prompt), then assistant / user (observation) turns
+    # Nemotron form: user (prompt), then assistant / user (observation) turns, every one in order, across hand-offs
+    # (what each context held: contexts())
+    messages: list
     reward: float = 0.0
     turns: int = 0
     failure: str | None = None  # None or a failure kind (above; max_len: the policy's context was full)
@@ -41,10 +61,11 @@ class Episode:
     first_reward: float | None = None
     # start_s, env_s (terminal steps), policy_s (waits for its own replies), verify_s, total_s
     timings: dict = dataclasses.field(default_factory=dict)
-    # Filled by token-level policies (engine.VLLMPolicy): the one append-only sequence the policy saw and
-    # produced, one label per token (labels.PROMPT / ACTION / OBS), the behaviour log-prob of each token
-    # (0.0 where not sampled), which OBS tokens are the protocol's fixed wrapper text, and whether the context
-    # length cut the episode (then its messages end with the last observation).
+    instruction: str = ""  # the task's, as its prompt shows it (a hand-off's prompts repeat it)
+    # Filled by token-level policies (engine.VLLMPolicy): the append-only sequence the policy saw and produced, one
+    # context after another where it handed off (segments), one label per token (labels.PROMPT / ACTION / OBS), the
+    # behaviour log-prob of each token (0.0 where not sampled), which OBS tokens are the protocol's fixed wrapper
+    # text, and whether the context length cut the episode (then its messages end with the last observation).
     token_ids: list = dataclasses.field(default_factory=list)
     roles: list = dataclasses.field(default_factory=list)
     logprobs: list = dataclasses.field(default_factory=list)
@@ -54,7 +75,10 @@ class Episode:
     # token, its mask's index in them, -1 where nothing was masked.
     masks: list = dataclasses.field(default_factory=list)
     mask_ids: list = dataclasses.field(default_factory=list)
-    # Replies that reached the policy's max_new_tokens (under a grammar the engine closed each: close_reply)
+    # The hand-offs at the context limit (engine.VLLMPolicy with summarize): a Handoff each, the last one failed
+    # (fallback None) where the episode then ended at max_len
+    handoffs: list = dataclasses.field(default_factory=list)
+    # Replies that reached the policy's max_new_tokens (under a grammar the engine closed each: grammar.close_reply)
     cut_replies: int = 0
     # Tamper evidence: the verifier-loaded files the agent wrote (verify.prepare_verifier: anything in /tests, a
     # conftest.py or pytest ini in /, Python start-up hooks, pytest plugin registrations, the stand-in's uv and
@@ -62,3 +86,24 @@ class Episode:
     # then ends as `tampered`, reward 0; otherwise the verifier ran without the planted inputs where it could, and
     # the reward is what it then paid (evaluate.py counts these attempts).
     tampered: list = dataclasses.field(default_factory=list)
+
+
+def handed_off(ep):
+    """The hand-offs after which the episode went on (a failed last one ended it)."""
+    return [h for h in ep.handoffs if h.fallback is not None]
+
+
+def segments(ep):
+    """[(start, end)] of each context the policy sampled replies in, in token_ids: the first, then the one after
+    each hand-off. Each is a sequence the policy saw from its first token: its actions' log-probs are of it alone."""
+    starts = [0] + [h.start for h in handed_off(ep)]
+    return list(zip(starts, starts[1:] + [len(ep.token_ids)]))
+
+
+def contexts(ep):
+    """The messages of each context of segments(): the first, up to the first hand-off; each hand-off's context and
+    the messages after it up to the next. A context that was handed off ends with the observation that did not fit
+    (its tokens cut at the context length)."""
+    done = handed_off(ep)
+    ats = [h.at for h in done] + [len(ep.messages)]
+    return [ep.messages[:ats[0]]] + [h.context + ep.messages[h.at:end] for h, end in zip(done, ats[1:])]

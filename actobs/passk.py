@@ -12,10 +12,10 @@ from actobs import episode
 # Settings that change what an attempt means; a resumed run must have the same ones.
 RESUME_KEYS = ("model", "tasks", "attempts", "protocol", "temperature", "top_p", "top_k", "max_turns",
                "max_parse_errors", "max_new_tokens", "max_len", "prompt", "seed", "dtype", "network",
-               "keep_agent_processes", "second_try", "grammar")
+               "keep_agent_processes", "second_try", "grammar", "summarize")
 # absent from older results files: {key: the value they ran with} (the protocol: the project's own, before Harbor's)
 NEWER_KEYS = {"network": None, "keep_agent_processes": False, "second_try": False, "grammar": None, "top_p": 1.0,
-              "top_k": 0, "max_parse_errors": 3, "protocol": None}
+              "top_k": 0, "max_parse_errors": 3, "protocol": None, "summarize": False}
 
 
 def pass_at_k(n, c, k):

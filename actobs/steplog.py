@@ -13,7 +13,7 @@ from collections import Counter
 from pathlib import Path
 
 from actobs import terminus
-from actobs.episode import INFRA_FAILURES, solved
+from actobs.episode import INFRA_FAILURES, handed_off, solved
 from actobs.labels import ACTION
 
 
@@ -48,6 +48,7 @@ def step_record(s, *, lr, ppo_epochs, device):
                "signal": int(has_signal.sum()), "groups": len(has_signal), "turns": sum(e.turns for e in episodes),
                "tokens": sum(len(e.token_ids) for e in episodes), "truncated": sum(e.truncated for e in episodes),
                "cut_replies": sum(e.cut_replies for e in episodes),  # at --max-new-tokens (--grammar: closed)
+               "handoffs": sum(len(handed_off(e)) for e in episodes),  # at --max-len, the episode went on (--summarize)
                "gen_tokens": sum(e.roles.count(ACTION) for e in episodes),
                "parse_errors": sum(sum(terminus.unparsed_replies(e.messages)) for e in episodes),
                "gen_busy_s": gen["policy_s"], "gen_idle_s": gen["idle_s"], "rollout_s": gen["wall_s"]}
@@ -70,7 +71,8 @@ def step_record(s, *, lr, ppo_epochs, device):
            "rollout/turns_mean": sums["turns"] / sums["episodes"],
            "rollout/episode_tokens_mean": sums["tokens"] / sums["episodes"],
            "rollout/response_tokens_mean": sums["gen_tokens"] / turns,
-           "rollout/truncated": sums["truncated"], "rollout/parse_error_rate": sums["parse_errors"] / turns,
+           "rollout/truncated": sums["truncated"], "rollout/handoffs": sums["handoffs"],
+           "rollout/parse_error_rate": sums["parse_errors"] / turns,
            "rollout/cut_reply_rate": sums["cut_replies"] / turns,
            **{f"rollout/failures/{k}": n for k, n in sorted(failures.items())},
            "rollout/gen_tok_per_s": sums["gen_tokens"] / max(sums["gen_busy_s"], 1e-9),
@@ -153,18 +155,49 @@ def chosen_episodes(episodes, group_size):
     return list(pairs[0]) if pairs else done[:1] + failed[:1]
 
 
+def _text(title, text):
+    return [title, "", "````", terminus.truncate_output(text, MAX_TEXT), "````", ""]
+
+
+# How the context after a hand-off was made (episode.Handoff.fallback)
+FALLBACKS = {"summary": "the summary, the next agent's questions and the answers",
+             "short": "fallback: a short summary", "state": "fallback: the task and the terminal alone",
+             None: "nothing fit: the episode ends at --max-len"}
+
+
+def handoff_text(h, k, prompt):
+    """The k-th hand-off of an episode (episode.Handoff) in its transcript: how its context after was made, its
+    calls (free text, not trained) and that context, message by message (the first prompt named, not repeated)."""
+    lines = [f"### hand-off {k}: {FALLBACKS[h.fallback]}", "",
+             "The observation above did not fit in the context. The unwinding kept "
+             + ("the first message" if h.kept == 1 else f"its first {h.kept} messages") + f" for the calls "
+             f"({h.seconds:.1f}s in all); " + ("the replies after this answer the new context." if h.context else
+                                               "no context fit, and the episode ended."), ""]
+    for c in h.calls:
+        lines += _text(f"#### {c['name']} call: {c['prompt_tokens']} prompt tokens, reply {c['reply_tokens']} tokens "
+                       f"({c['finish']})", c["reply"])
+    for i, m in enumerate(h.context, 1):
+        text = "(the prompt above)" if m["content"] == prompt else m["content"]
+        lines += _text(f"#### new context, message {i} ({m['role']})", text)
+    return lines
+
+
 def transcript(episode, advantage):
-    """One episode as Markdown: its heading (solved / failed, task, reward, advantage, turns, how it ended), the
-    prompt, then each reply and the observation that answered it, each cut to MAX_TEXT."""
+    """One episode as Markdown: its heading (solved / failed, task, reward, advantage, turns, hand-offs, how it
+    ended), the prompt, then each reply and the observation that answered it, each cut to MAX_TEXT; a hand-off at
+    the context limit after the observation that did not fit (handoff_text)."""
     kind = "solved" if solved(episode.reward) else "failed"
     end = episode.failure or ("cut at --max-len" if episode.truncated else "ended by the agent")
+    n = len(handed_off(episode))
     lines = [f"## {kind}: {episode.task}, reward {episode.reward:.2f}, advantage {advantage:+.3f}, "
-             f"{episode.turns} turns, {end}", ""]
-    turn = 0
-    for m in episode.messages:
+             f"{episode.turns} turns, " + (f"{n} hand-off{'s' * (n > 1)}, " if n else "") + end, ""]
+    turn, at = 0, {h.at: (k, h) for k, h in enumerate(episode.handoffs, 1)}
+    for i, m in enumerate(episode.messages, 1):
         turn += m["role"] == "assistant"
         title = "prompt" if turn == 0 else f"reply {turn}" if m["role"] == "assistant" else f"observation {turn}"
-        lines += [f"### {title}", "", "````", terminus.truncate_output(m["content"], MAX_TEXT), "````", ""]
+        lines += _text(f"### {title}", m["content"])
+        if i in at:
+            lines += handoff_text(at[i][1], at[i][0], episode.messages[0]["content"])
     return "\n".join(lines)
 
 

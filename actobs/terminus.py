@@ -1,10 +1,10 @@
 """
 The Terminus-2 protocol as text, the one home of every string an agent and its harness exchange: the system
 prompt template, the observation headers, the truncation notice, the reply parser with its errors, warnings and
-auto-corrections, the parse-error / warnings / completion-check / cut-reply messages, and the recogniser that
-splits an observation into the harness's wrapper text and its payload (derived from the same templates, so the two
-cannot drift apart); and the readers of what tools print in the terminal that the harness acts on (a verifier's
-pytest that ran no test, a command that wanted the network).
+auto-corrections, the parse-error / warnings / completion-check / cut-reply messages, the prompts of the hand-off at
+the context limit, and the recogniser that splits an observation into the harness's wrapper text and its payload
+(derived from the same templates, so the two cannot drift apart); and the readers of what tools print in the terminal
+that the harness acts on (a verifier's pytest that ran no test, a command that wanted the network).
 
 The protocol is Harbor's Terminus-2 (the agent that wrote Nemotron-Terminal-Corpus): every text an agent is told,
 which commands run and when an episode is complete are what Harbor's TerminusJSONPlainParser and agent loop give
@@ -58,6 +58,37 @@ CUT_WARNINGS = "\n\nParser warnings from your truncated response:\n- {warnings}"
 # aider's second try (evaluate.py --second-try; not Terminus-2's): the verifier's output once, then a new terminal.
 SECOND_TRY = ("The tests failed. Their output:\n{output}\n\nFix the problem and mark the task complete again "
               "when it is done. The terminal was restarted:\n{observation}")
+
+# The hand-off at the context limit (Terminus-2's summarisation; handoff.py runs it, docs/sandboxes.md#the-hand-off-at-
+# the-context-limit). The words are written here for this project, not Harbor's text; each prompt has the purpose
+# and the structure of Terminus-2's. The calls: a hand-over note on the (unwound) history; in a fresh context the next
+# agent's questions about it, given the task, the note and the terminal; the answers on the history. The context after
+# the hand-off: the first prompt, HANDOFF_QUESTIONS and its questions, then HANDOFF with the answers.
+HANDOFF_SUMMARY = ("Your context is full: another agent will carry on with this task in your place. Write it a "
+                   "hand-over note.\n\nThe task:\n{instruction}\n\nFrom the conversation so far, set out in "
+                   "detail:\n1. The actions you took: every command that mattered and what it showed you.\n"
+                   "2. What you found out: files and where they are, settings, error messages, the state of the "
+                   "system.\n3. The problems you ran into and how you got past them.\n4. Where the task stands: "
+                   "what is done and what is left to do.\n\nLeave nothing out: the next agent will know only what "
+                   "this note says.")
+HANDOFF_QUESTIONS = ("You are taking over a task that another agent started.\n\nThe task:\n{instruction}\n\n"
+                     "The other agent's hand-over note:\n{summary}\n\nThe terminal now:\n{screen}\n\nBefore "
+                     "you carry on, ask the other agent about the state of the work where its note leaves you "
+                     "unsure: at least five questions, more if you need them. After its answers you are on your "
+                     "own, so ask for everything you need to know.")
+HANDOFF_ANSWERS = ("The agent taking over from you asks the questions below. Answer every one of them, in turn and "
+                   "in detail:\n\n{questions}")
+HANDOFF = ("The other agent's answers:\n\n{answers}\n\nCarry on with the task from the point where it stopped. "
+           "You can ask no more questions; reply in the format the task's instructions give.")
+# The fallbacks, when a call does not fit the context or is cut at the reply's token limit: a short summary from one
+# call that sees only HANDOFF_SHORT, the context after it the unwound history and HANDOFF_NOTE; failing that, no
+# call, the unwound history and HANDOFF_STATE. Both show the terminal's last SCREEN_TAIL characters.
+HANDOFF_SHORT = ("Carry on with this task: {instruction}\n\nThe terminal now: {screen}\n\nWhat are the next "
+                 "steps? Two or three sentences:")
+HANDOFF_NOTE = "{instruction}\n\nWhere the work stands: {summary}"
+HANDOFF_STATE = "{instruction}\n\nThe terminal now: {screen}"
+SCREEN_TAIL = 1000
+UNWIND_FREE = 4000  # tokens the unwinding frees in the context before the calls (Terminus-2's)
 
 # The parser's errors (the reply is not run) and warnings (it is), in Terminus-2's words.
 NO_JSON = "No valid JSON found in response"
@@ -395,156 +426,6 @@ def _flat_object(text):
     return None
 
 
-# The reply as a grammar (xgrammar's EBNF, which vLLM's structured outputs take): exactly the text the toy expert's
-# replies are (taskgen._reply: json.dumps with its default separators and key order, one line, ASCII with \u
-# escapes), so a constrained policy chooses only the free values: the strings, each duration, task_complete. No free
-# whitespace: a random policy cannot fill a reply with blanks. A string's characters are printable ASCII (plain) or
-# escapes, and a '<' is never followed by 't' or '/' (write \u003c there): a '</think>' inside a value would cut
-# the reply where reply_content splits the think block off (the expert's '<<' and '< file' pass). A duration has at
-# most two digits either side of its point (parse_reply caps it at MAX_DURATION anyway). With think, an optional
-# <think>...</think> block first, as Qwen3-style models write it and reply_content strips it; its text holds
-# no '<', so the block ends only with </think>. Strings are right-recursive rules: xgrammar then computes a token
-# mask inside a string in ~30 us on a 2k vocabulary; as one `(a | b | c)*` loop it took 1.6 ms (measured).
-# The reply's parts in order: fixed text, or a free value (a rule of _VALUE_EBNF); a command's the same. The grammar's
-# reply and command rules are written from them, and so is close_reply's completion of a cut reply.
-STRING, NUMBER, BOOL, COMMANDS = "string", "number", "bool", "commands"
-_REPLY_PARTS = ('{"analysis": ', STRING, ', "plan": ', STRING, ', "commands": [', COMMANDS,
-                '], "task_complete": ', BOOL, "}")
-_COMMAND_PARTS = ('{"keystrokes": ', STRING, ', "duration": ', NUMBER, "}")
-_COMMAND_SEP = ", "
-_THINK_END = THINK_CLOSE + "\n\n"  # a think block's end in the grammar
-_VALUE_EBNF = r"""
-commands ::= (command (COMMAND_SEP command)*)?
-bool ::= "true" | "false"
-string ::= "\"" chars "\""
-chars ::= "" | plain chars | escape chars | "<" lt
-lt ::= "" | "<" lt | safe chars | escape chars
-plain ::= [ !#-;=-\[\]-~]
-safe ::= [ !#-.0-;=-\[\]-su-~]
-escape ::= "\\" (["\\bfnrt] | "u" hex hex hex hex)
-hex ::= [0-9a-f]
-number ::= ("0" | [1-9] [0-9]?) ("." [0-9] [0-9]?)?
-"""
-
-
-def _ebnf_rule(name, parts):
-    return f"{name} ::= " + " ".join(json.dumps(p) if p not in (STRING, NUMBER, BOOL, COMMANDS) else p
-                                     for p in parts)
-
-
-def reply_grammar(think=False):
-    """The grammar of a reply (xgrammar's EBNF), with or without the optional <think> block before its JSON."""
-    return "\n".join(["root ::= think? reply" if think else "root ::= reply", _ebnf_rule("reply", _REPLY_PARTS),
-                      _ebnf_rule("command", _COMMAND_PARTS),
-                      f"think ::= {json.dumps(THINK_OPEN)} [^<]* {json.dumps(_THINK_END)}",
-                      _VALUE_EBNF.replace("COMMAND_SEP", json.dumps(_COMMAND_SEP)).strip()])
-
-
-# A reply cut by --max-new-tokens under the grammar is closed by the engine with the shortest text that completes
-# it (close_reply), so every reply a constrained policy writes parses: the cut value at its shortest end, every
-# part after it at its shortest. Each part's scanner takes (text, pos) and returns the position after the part, or,
-# where the text ends inside it, the text that completes it.
-_SHORTEST = {STRING: '""', NUMBER: "0", BOOL: "false", COMMANDS: ""}
-_NUMBER = re.compile(r"[0-9]*(\.[0-9]*)?")
-
-
-def _shortest(parts):
-    return "".join(_SHORTEST.get(p, p) for p in parts)
-
-
-def _fixed(part, text, pos):
-    if text.startswith(part, pos):
-        return pos + len(part)
-    if part.startswith(text[pos:]):
-        return part[len(text) - pos:]
-    raise ValueError(f"not a prefix of a reply the grammar admits: {part!r} expected at {pos} of {text!r}")
-
-
-def _string(text, pos):
-    if pos == len(text):
-        return _SHORTEST[STRING]
-    i = _fixed('"', text, pos)
-    while i < len(text) and text[i] != '"':
-        if text[i] != "\\":
-            i += 1
-        elif i + 1 == len(text):
-            return 'n"'  # the shortest escape
-        elif text[i + 1] == "u":  # \uXXXX: the cut digits as 0
-            if len(text) < i + 6:
-                return "0" * (i + 6 - len(text)) + '"'
-            i += 6
-        else:
-            i += 2
-    return i + 1 if i < len(text) else '"'
-
-
-def _number(text, pos):
-    end = _NUMBER.match(text, pos).end()
-    if end == len(text) and (end == pos or text.endswith(".")):
-        return "0"  # no digit yet, or none after the point
-    return end
-
-
-def _bool(text, pos):
-    for word in ("true", "false"):
-        if text.startswith(word, pos):
-            return pos + len(word)
-    return _fixed("false" if text.startswith("f", pos) or pos == len(text) else "true", text, pos)
-
-
-def _commands(text, pos):
-    first = True
-    while pos < len(text) and text[pos] != "]":
-        if not first:
-            pos = _fixed(_COMMAND_SEP, text, pos)
-            if isinstance(pos, str):
-                return pos + _shortest(_COMMAND_PARTS)
-        pos, first = _parts(text, pos, _COMMAND_PARTS), False
-        if isinstance(pos, str):
-            return pos
-    return pos
-
-
-_SCAN = {STRING: _string, NUMBER: _number, BOOL: _bool, COMMANDS: _commands}
-
-
-def _parts(text, pos, parts):
-    """Scan `parts` from pos: -> the position after them, or the completion of the text cut inside them."""
-    for k, part in enumerate(parts):
-        pos = _SCAN[part](text, pos) if part in _SCAN else _fixed(part, text, pos)
-        if isinstance(pos, str):
-            return pos + _shortest(parts[k + 1:])
-    return pos
-
-
-def close_reply(text, think=False):
-    """The shortest text that makes `text`, a prefix of a reply reply_grammar(think) admits (one cut by
-    --max-new-tokens), a whole reply the grammar admits; "" for a whole reply. Raises ValueError for a text that
-    is no such prefix."""
-    pos = 0
-    if think and text.startswith("<"):  # the think block: its text holds no '<' but the one of its end
-        pos = _fixed(THINK_OPEN, text, 0)
-        if isinstance(pos, str):
-            return pos + _THINK_END + _shortest(_REPLY_PARTS)
-        end = text.find("<", pos)
-        pos = len(text) if end < 0 else _fixed(_THINK_END, text, end)
-        if end < 0 or isinstance(pos, str):
-            return (_THINK_END if end < 0 else pos) + _shortest(_REPLY_PARTS)
-    pos = _parts(text, pos, _REPLY_PARTS)
-    if isinstance(pos, str):
-        return pos
-    if pos != len(text):
-        raise ValueError(f"text after a whole reply at {pos} of {text!r}")
-    return ""
-
-
-# --grammar of the scripts that roll out (grpo.py, evaluate.py): whether, and under which grammar, replies are decoded
-GRAMMAR_FLAG = dict(nargs="?", const="reply", choices=["reply", "think"], help="decode every reply under the "
-                    "protocol's grammar (terminus.reply_grammar; vLLM structured outputs), so only its free values "
-                    "are sampled: 'reply' (the bare flag) the JSON reply alone, as the SFT data writes it; 'think' "
-                    "an optional <think> block before it (reasoning models)")
-
-
 def _feedback(error, warnings):
     """The parser's feedback: its error line, its warnings, or both, one per line."""
     return "\n".join(([ERROR_LINE.format(error=error)] if error is not None else [])
@@ -633,6 +514,20 @@ def unparsed_replies(messages):
 
 def is_completion_check(observation):
     return _CHECK.fullmatch(observation) is not None
+
+
+_LAST_TERMINAL = re.compile(f".*(?:{re.escape(OUTPUT_HEADER)}|{re.escape(SCREEN_HEADER)})(?P<rest>.*)", re.S)
+
+
+def terminal_text(message):
+    """The terminal's text a user message of the protocol shows last: what follows its last output or screen
+    header (an observation's new output or screen, the first prompt's screen, a second try's), the completion
+    check's question left out; None for a message that shows none (a parse error, a cut reply's answer)."""
+    if _PARSE.fullmatch(message) or _CUT.fullmatch(message):
+        return None
+    m = _CHECK.fullmatch(message)
+    m = _LAST_TERMINAL.match(m["rest"] if m else message)
+    return None if m is None else m["rest"]
 
 
 def wrapper_spans(observation):

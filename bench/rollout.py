@@ -43,7 +43,7 @@ from actobs.tasks import load_tasks
 # request's setting, not the engine's); "today" is every ratio's baseline
 LEVERS = {
     "today": {},
-    "grammar": {"grammar": "reply"},  # --grammar: every reply under terminus.reply_grammar, its masks replayed
+    "grammar": {"grammar": "reply"},  # --grammar: every reply under grammar.reply_grammar, its masks replayed
     "compiled": {"enforce_eager": False},  # inductor on CPU: the model's forward as generated code
     "no-logprobs": {"logprobs": False},  # what an evaluation needs: no log-prob or rank per sampled token
     "bf16": {"dtype": "bf16"},  # bf16 weights and KV cache (AVX512-BF16): other numerics

@@ -91,9 +91,9 @@ def get_parser():
                    "GRPO (tasks/rl-heldout)")
     g.add_argument("--offline-images", action="store_true", help="use the task images' FROM and prebuilt images as "
                    "they are here (the stand-in) instead of pulling them")
-    g.add_argument("--network", choices=(network.EGRESS, network.HOST), help="the network of the oracle pass, for tasks that allow "
-                   "the internet (Endless Terminals' verifiers fetch uv): egress (the internet through NAT, nothing of "
-                   "the host's), host; default none")
+    g.add_argument("--network", choices=(network.EGRESS, network.HOST), help="the network of the oracle pass, for "
+                   "tasks that allow the internet (Endless Terminals' verifiers fetch uv): egress (the internet "
+                   "through NAT, nothing of the host's), host; default none")
     g.add_argument("--concurrency", type=int, default=8, help="sandboxes of the oracle pass at once")
     g.add_argument("--build-concurrency", type=int, default=4, help="task images built at once")
     p.add_argument("--cache", type=Path, default=Path(os.environ.get("ACTOBS_CACHE", "~/.cache/actobs")).expanduser())

@@ -16,7 +16,7 @@ import torch
 from conftest import ScriptedAsync
 import envs
 import grpo
-from actobs import batches, common, engine, episode, labels, terminus
+from actobs import batches, common, engine, episode, labels, steplog, terminus
 from actobs.labels import ACTION, OBS, PROMPT
 from actobs.tasks import Task
 
@@ -368,3 +368,171 @@ def test_learning_moves_reward_with_its_sign(llm, vllm_dir, sign):
     first, last = sum(curve[:5]) / 5, sum(curve[-5:]) / 5
     assert 0.1 < first < 0.45, curve  # about a quarter at the start
     assert (last > 0.8) if sign > 0 else (last < 0.1), curve
+
+
+# ---------------------------------------------------------------------------------------------- the hand-off
+
+HANDOFF_TASK = Task("handoff", "Copy the file that holds key7 to /app/out.", memory_mb=256,
+                    tests={"test.sh": b"echo 0 > /logs/verifier/reward.txt\n"})
+
+
+def ending_model(path, eos_id, lift=1.7):
+    """The random model made to end its replies: every token's embedding gets a 1 in dimension 0 and the end of turn's
+    `lift` there, so after any context the end of turn's logit stands out by about 8 (lift - 1): about one token in
+    ten ends the reply (the random model alone: one in 2048). Its hand-off calls then end, as a real model's do."""
+    m = hf_model(path)
+    with torch.no_grad():
+        m.model.embed_tokens.weight[:, 0] = 1.0
+        m.model.embed_tokens.weight[eos_id, 0] = lift
+    return m
+
+
+def first_prompt_tokens(tok):
+    """The tokens of HANDOFF_TASK's first prompt in the sandbox (its first screen: the fixed hostname's prompt)."""
+    first = terminus.fill_prompt(terminus.DEFAULT_PROMPT, HANDOFF_TASK.instruction,
+                                 terminus.SCREEN_HEADER + "root@sandbox:/app#\n")
+    return len(engine.prompt_tokens(tok, [{"role": "user", "content": first}])[0])
+
+
+def hand_off_run(llm, tok, model, *, max_len, max_new_tokens, summarize=True, n=2, max_turns=8):
+    """n episodes of HANDOFF_TASK in real sandboxes sampled by `model` (synced into the engine), with a small
+    max_len so they fill it."""
+    engine.sync_weights(llm, model)
+    policy = engine.VLLMPolicy(llm, tok, temperature=1.0, max_new_tokens=max_new_tokens, max_len=max_len, seed=0,
+                               summarize=summarize)
+    with engine.engine_threads():
+        return envs.run_episodes([HANDOFF_TASK] * n, policy, max_turns=max_turns, concurrency=n)
+
+
+CALLS = ("summary", "questions", "answers")
+
+
+def check_handoffs(ep, tok, max_len):
+    """What every hand-off of an episode must be: its calls as hand_off makes them for its fallback (the full
+    hand-off's three all ended; a fallback after the first call that failed, or after all three when their context
+    did not fit), the observation that did not fit before it, its context's tokens rendered as a fresh prompt at
+    its start, every context at most max_len tokens and each one handed off cut at exactly max_len; one reply span
+    per reply, across the contexts (and one more where the context's end cut the last reply with the hand-off off:
+    the episode ended without it)."""
+    segments = episode.segments(ep)
+    for h in ep.handoffs:
+        names, ends = [c["name"] for c in h.calls], [c["finish"] for c in h.calls]
+        if h.fallback == "summary":
+            assert names == list(CALLS) and ends == ["stop"] * 3, h.calls
+        else:  # the full hand-off's calls up to the first that failed (all three: their context did not fit)
+            k = names.index("short")
+            assert names[:k] == list(CALLS[:k]) and names[k:] == ["short"] and 1 <= k <= 3, h.calls
+            assert ends[:k - 1] == ["stop"] * (k - 1) and (k == 3 or ends[k - 1] != "stop"), h.calls
+            assert h.fallback != "short" or ends[-1] == "stop", h.calls
+        assert all(c["reply_tokens"] == 0 for c in h.calls if c["finish"] == "no room")
+        assert ep.messages[h.at - 1]["role"] == "user"
+        if h.fallback is not None:
+            prompt = engine.prompt_tokens(tok, h.context)[0]
+            assert ep.token_ids[h.start:h.start + len(prompt)] == prompt and h.context[0] == ep.messages[0]
+            assert ep.roles[h.start:h.start + len(prompt)] == [PROMPT] * len(prompt)
+    assert all(b - a <= max_len for a, b in segments) and all(b - a == max_len for a, b in segments[:-1])
+    replies = sum(len(engine.reply_spans(ep.roles[a:b])) for a, b in segments)
+    assert ep.turns == sum(m["role"] == "assistant" for m in ep.messages)
+    assert replies - ep.turns == (ep.truncated and not ep.handoffs and ep.roles[-1] == ACTION)
+
+
+@pytest.fixture(scope="module")
+def handed_off(llm, vllm_dir, base_image):
+    """Two episodes of the ending model at --max-len 800 (the first prompt is ~500 tokens): they fill their context
+    every few turns, and hand off."""
+    tok = labels.load_tokenizer(vllm_dir, "prefix")
+    model = ending_model(vllm_dir, tok.convert_tokens_to_ids("<|im_end|>"))
+    yield model, tok, hand_off_run(llm, tok, model, max_len=800, max_new_tokens=48, max_turns=10)
+    engine.sync_weights(llm, hf_model(vllm_dir))
+
+
+def test_an_episode_that_fills_its_context_is_handed_off_and_goes_on(handed_off):
+    """At --max-len the episodes hand off (summary, questions, answers: each its own request) and go on in the new
+    context to their turn limit, not to max_len; the record holds each hand-off where it happened, its calls and the
+    context after, whose tokens follow the context before it; the hand-offs' time is on the agent's clock."""
+    _, tok, eps = handed_off
+    for ep in eps:
+        assert ep.failure == "max_turns" and not ep.truncated and ep.turns == 10, (ep.failure, ep.error)
+        assert episode.handed_off(ep) == ep.handoffs and len(ep.handoffs) >= 2
+        check_handoffs(ep, tok, 800)
+        assert ep.timings["policy_s"] >= sum(h.seconds for h in ep.handoffs) > 0
+    full = [h for ep in eps for h in ep.handoffs if h.fallback == "summary"]
+    assert full, [h.calls for ep in eps for h in ep.handoffs]
+    h = full[0]
+    summary, questions, answers = (c["reply"] for c in h.calls)
+    assert h.context[1]["content"] == labels.defuse_specials(tok, terminus.HANDOFF_QUESTIONS.format(
+        instruction=HANDOFF_TASK.instruction, summary=terminus.reply_content(summary), screen="root@sandbox:/app#"))
+    assert h.context[2] == {"role": "assistant", "content": labels.defuse_specials(tok, terminus.reply_content(
+        questions))}
+    assert h.context[3]["content"] == labels.defuse_specials(tok, terminus.HANDOFF.format(
+        answers=terminus.reply_content(answers)))
+
+
+def test_a_handed_off_episodes_transcript(handed_off):
+    """Its transcript (steplog.transcript: what grpo.py writes and the report links) shows each hand-off after the
+    observation that did not fit: its calls and the context the next reply answers."""
+    _, _, eps = handed_off
+    ep = eps[0]
+    text = steplog.transcript(ep, 0.0)
+    assert text.startswith(f"## failed: handoff, reward 0.00, advantage +0.000, 10 turns, {len(ep.handoffs)} "
+                           "hand-offs, max_turns\n")
+    at = 0
+    for k, h in enumerate(ep.handoffs, 1):
+        turn = sum(m["role"] == "assistant" for m in ep.messages[:h.at])
+        for s in [f"### observation {turn}", f"### hand-off {k}: {steplog.FALLBACKS[h.fallback]}"] + [
+                f"#### {c['name']} call: {c['prompt_tokens']} prompt tokens" for c in h.calls] + [
+                f"#### new context, message {i}" for i in range(1, len(h.context) + 1)] + [f"### reply {turn + 1}"]:
+            at = text.index(s, at)
+
+
+def test_a_handed_off_episode_trains_its_contexts_at_the_sampled_log_probs(handed_off):
+    """GRPO trains each context of a handed-off episode as a sequence of its own (grpo.group_examples): the
+    trainer's log-probs of its replies (batches.policy_logprobs, from that context's first token) are those vLLM
+    sampled them with, within 1e-5 in fp32; the hand-off's calls are in none of them."""
+    model, _, eps = handed_off
+    adv = torch.tensor([[0.5, -0.5]])
+    groups = grpo.group_examples(eps, adv, torch.ones_like(adv, dtype=torch.bool))
+    examples = groups[0]
+    assert len(examples) == sum(len(episode.segments(ep)) for ep in eps)
+    assert [ex.ids for ex in examples] == [ep.token_ids[a:b] for ep in eps for a, b in episode.segments(ep)]
+    lps = batches.policy_logprobs(model, examples, 1.0, 100_000, 0, torch.device("cpu"), contextlib.nullcontext())
+    gaps = [abs(lp - b) for ex, lp_ in zip(examples, lps) for lp, b, r in zip(lp_, ex.behav, ex.roles) if r == ACTION]
+    assert len(gaps) == sum(ep.roles.count(ACTION) for ep in eps) and max(gaps) <= 1e-5, max(gaps)
+
+
+@pytest.mark.parametrize("case", ["short", "state", "none", "off"])
+def test_the_hand_offs_fallbacks_and_the_flag_off(llm, vllm_dir, base_image, no_leftovers, case):
+    """Forced fallbacks. short: --max-len leaves the summary call no room (its prompt: the first prompt and the
+    summary's request), so a short summary from one bare call hands off. state: the random model's calls are cut
+    at --max-new-tokens, so they fail and the task and the terminal alone hand off. none: not even those fit beside
+    the first prompt: the episode ends as max_len, the failed hand-off recorded, as --no-summarize (off) ends it
+    with none."""
+    tok = labels.load_tokenizer(vllm_dir, "prefix")
+    p = first_prompt_tokens(tok)
+    eos = tok.convert_tokens_to_ids("<|im_end|>")
+    model = ending_model(vllm_dir, eos) if case == "short" else hf_model(vllm_dir)
+    max_len = {"short": p + 120, "state": 800}.get(case, p + 8)
+    try:
+        eps = hand_off_run(llm, tok, model, max_len=max_len, max_new_tokens=48 if case == "short" else 16,
+                           summarize=case != "off", n=1, max_turns=6)
+    finally:
+        engine.sync_weights(llm, hf_model(vllm_dir))
+    ep = eps[0]
+    assert len(engine.prompt_tokens(tok, ep.messages[:1])[0]) == p  # the first prompt as first_prompt_tokens has it
+    check_handoffs(ep, tok, max_len)
+    if case in ("short", "state"):
+        assert ep.failure == "max_turns" and ep.handoffs and not ep.truncated, (ep.failure, ep.error)
+        assert {h.fallback for h in ep.handoffs} == {case}, [(h.fallback, h.calls) for h in ep.handoffs]
+    if case == "short":  # the summary call never fits; the short one does, and ends
+        assert all([c["finish"] for c in h.calls] == ["no room", "stop"] for h in ep.handoffs)
+    if case == "state":  # every call cut
+        assert all(c["finish"] == "length" and c["reply_tokens"] == 16 for h in ep.handoffs for c in h.calls)
+    if case in ("none", "off"):
+        assert ep.failure == "max_len" and ep.truncated and len(ep.token_ids) == max_len, (ep.failure, ep.error)
+    if case == "none":
+        h, = ep.handoffs
+        assert h.fallback is None and h.context == [] and h.start is None and episode.segments(ep) == [(0, max_len)]
+        assert [c["finish"] for c in h.calls] == ["no room", "length"]
+        assert ep.error == "the episode reached the context length; no context of the hand-off fit in it"
+    if case == "off":
+        assert ep.handoffs == [] and ep.error == "the episode reached the context length"

@@ -236,6 +236,18 @@ def test_compare_known_answers(tmp_path):
     assert out["rows"][0]["ci"][1] == r1["ci"][1] and png.stat().st_size > 5000
 
 
+def test_results_record_the_hand_off_setting_and_each_attempts_hand_offs(tmp_path):
+    """--summarize (on by default, as Harbor's Terminus-2) is in the results' settings; an attempt's record lists how
+    each of its hand-offs made its new context, None for one after which none fit; one without hand-offs has none."""
+    base = ["--model", "m", "--tasks", str(tmp_path)]
+    assert evaluate.settings_of(evaluate.parse_args(base))["summarize"] is True
+    assert evaluate.settings_of(evaluate.parse_args(base + ["--no-summarize"]))["summarize"] is False
+    ep = episode.Episode("t", [], handoffs=[episode.Handoff(at=3, fallback="summary", start=10),
+                                            episode.Handoff(at=7, fallback=None)])
+    assert evaluate.attempt_record(0, ep)["handoffs"] == ["summary", None]
+    assert "handoffs" not in evaluate.attempt_record(0, episode.Episode("t", []))
+
+
 def test_compare_by_kind_and_changed_settings(tmp_path, capsys):
     a = results({"a1": ("archive", [1, 0]), "f1": ("find_copy", [0, 0]), "f2": ("find_copy", [1, 1])}, attempts=2)
     b = results({"a1": ("archive", [1, 1]), "f1": ("find_copy", [1, 0]), "f2": ("find_copy", [1, 1])}, attempts=2)

@@ -22,7 +22,7 @@ import torch
 
 import grpo
 from actobs import batches, common, engine, labels, taskgen
-from actobs.episode import Episode
+from actobs.episode import Episode, Handoff
 from actobs.labels import ACTION, OBS, PROMPT
 from actobs.sandbox import daemon
 
@@ -390,7 +390,8 @@ def test_help_puts_the_recipe_first():
     text = (ROOT / "ablation.sh").read_text()
     given = (re.findall(r"\b(?:GRPO|ECHO|PTF|NET)\+?=\((.*?)\)", text, re.S)
              + re.findall(r"^grpo\(\) \{(.*?)\); \}$", text, re.M | re.S))
-    flags = {f[2:].replace("-", "_") for f in re.findall(r"(?<![\w-])--[a-z][a-z-]*", " ".join(given))}
+    flags = {f[2:].removeprefix("no-").replace("-", "_")  # --no-summarize: summarize's
+             for f in re.findall(r"(?<![\w-])--[a-z][a-z-]*", " ".join(given))}
     parser = grpo.get_parser()
     groups = {g.title: {a.dest for a in g._group_actions} for g in parser._action_groups[2:]}
     assert list(groups) == ["recipe", "tasks and rollouts", "objective", "optimizer", "execution", "run"]
@@ -524,6 +525,65 @@ def test_examples_under_a_grammar_carry_its_masks_and_forced_tokens():
     plain = examples_of([episode(1.0), episode(0.0)], args_for("--group-size", "2"))[0][0][0]
     assert plain.masks is None and plain.forced is None and grpo.loss_tokens(plain) == 2
     assert "grammar" not in grpo.FREE_ON_RESUME and args_for("--grammar").grammar == "reply"
+
+
+def handed_off(reward, seed=0):
+    """An episode handed off once (episode.Handoff at token 6): its first context holds 3 action tokens (two
+    replies), the one after it 2; random ids of the tiny vocabulary, no log-probs yet."""
+    g = torch.Generator().manual_seed(seed)
+    roles = [PROMPT] * 2 + [ACTION] * 2 + [OBS] + [ACTION] + [PROMPT] * 3 + [ACTION] * 2
+    return Episode("t", [], reward=reward, token_ids=torch.randint(10, 2000, (len(roles),), generator=g).tolist(),
+                   roles=roles, logprobs=[0.0] * len(roles), obs_wrapper=[False] * len(roles),
+                   handoffs=[Handoff(at=4, fallback="summary", start=6)])
+
+
+def test_a_handed_off_episode_trains_each_context_it_sampled_in():
+    """Each context of a handed-off episode is an example of its own (episode.segments), every token with the
+    episode's advantage, its tokens and log-probs those of that context alone; under a grammar its slice of the mask
+    indices and forced tokens, with the episode's masks. A context with no reply in it (a hand-off after which the
+    episode ended) is no example."""
+    eps = [handed_off(1.0), handed_off(0.0, seed=1)]
+    eps[0].logprobs = [float(-i) for i in range(len(eps[0].roles))]
+    groups, _, _ = examples_of(eps, args_for("--group-size", "2"))
+    assert [len(g) for g in groups] == [4]
+    first, second = groups[0][:2]
+    assert first.ids == eps[0].token_ids[:6] and second.ids == eps[0].token_ids[6:]
+    assert first.roles == eps[0].roles[:6] and second.behav == eps[0].logprobs[6:]
+    assert first.adv == [0.5] * 6 and second.adv == [0.5] * 5 and groups[0][2].adv == [-0.5] * 6
+    assert [grpo.loss_tokens(ex) for ex in groups[0]] == [3, 2, 3, 2]
+    one, two = (np.packbits(np.isin(np.arange(32), ok), bitorder="little") for ok in ([6], [6, 7]))
+    masked = dataclasses.replace(handed_off(1.0), masks=[one, two], mask_ids=[-1, -1, 0, 1, -1, 1, -1, -1, -1, 0, 1])
+    ex = examples_of([masked, handed_off(0.0)], args_for("--group-size", "2"))[0][0][1]
+    assert ex.mask_ids == [-1, -1, -1, 0, 1] and ex.masks == [one, two]
+    assert ex.forced == [False, False, False, True, False]
+    ended = dataclasses.replace(handed_off(1.0), token_ids=[5] * 8, roles=[PROMPT] * 2 + [ACTION] * 4 + [PROMPT] * 2,
+                                logprobs=[0.0] * 8, obs_wrapper=[False] * 8)
+    group = examples_of([ended, handed_off(0.0, seed=1)], args_for("--group-size", "2"))[0][0]
+    assert [ex.ids for ex in group] == [[5] * 6] + [ex.ids for ex in groups[0][2:]]
+
+
+@pytest.mark.parametrize("norm", ["token", "sequence", "constant"])
+def test_how_the_normalisers_weigh_a_handed_off_episode(model, norm):
+    """A group of two: X handed off once (contexts of 3 and 2 action tokens, advantage +0.5), Y not (one context of
+    4, advantage -0.5). At ratio 1 the policy-gradient loss is -sum_i n_i A: token weighs every action token alike,
+    as if X's contexts were one sequence; sequence makes each context a sequence, its mean over its own tokens (X
+    counts twice); constant weighs every token 1 / (--max-len x the step's sequences), contexts counted."""
+    x = handed_off(1.0)
+    roles = [PROMPT] * 2 + [ACTION] * 2 + [OBS] + [ACTION] * 2
+    y = Episode("t", [], reward=0.0, token_ids=list(range(20, 20 + len(roles))), roles=roles,
+                logprobs=[0.0] * len(roles), obs_wrapper=[False] * len(roles))
+    args = args_for("--group-size", "2", "--loss-norm", norm, "--max-len", "64")
+    examples = examples_of([x, y], args)[0][0]
+    behav = batches.policy_logprobs(model, examples, args.temperature, 10_000, 0, torch.device("cpu"),
+                                    contextlib.nullcontext())
+    examples = [dataclasses.replace(ex, behav=lp) for ex, lp in zip(examples, behav)]  # the trainer's: ratio 1
+    norm_ = grpo.Normalisers(act_tokens=sum(map(grpo.loss_tokens, examples)), seqs=len(examples), echo_seqs=0)
+    with torch.no_grad():
+        loss, st = grpo.pg_loss(model, batches.collate(examples, 0), grpo.objective(args), norm_)
+    want = {"token": -(0.5 * 5 - 0.5 * 4) / 9, "sequence": -(0.5 + 0.5 - 0.5) / 3,
+            "constant": -(0.5 * 5 - 0.5 * 4) / (64 * 3)}[norm]
+    assert len(examples) == 3 and st["act_tokens"] == 9
+    assert loss.item() == pytest.approx(want, rel=1e-5, abs=1e-7)
 
 
 # ---------------------------------------------------------------------------------------------- end to end

@@ -6,6 +6,7 @@ import sys
 from types import SimpleNamespace
 
 from actobs import steplog, terminus
+from actobs.episode import Handoff
 
 
 def episode(task, reward, failure=None, replies=("{}",), truncated=False):
@@ -16,7 +17,7 @@ def episode(task, reward, failure=None, replies=("{}",), truncated=False):
         if k + 1 < len(replies):
             messages.append({"role": "user", "content": f"output {k + 1}"})
     return SimpleNamespace(task=task, reward=reward, failure=failure, truncated=truncated, turns=len(replies),
-                           messages=messages)
+                           messages=messages, handoffs=[])
 
 
 def test_a_step_writes_a_solved_and_a_failed_episode_of_one_group(tmp_path):
@@ -51,6 +52,40 @@ def test_a_step_without_one_kind_writes_what_it_has(tmp_path):
     lost = [episode("a", 0.0, failure="image_build_error")] * 2
     assert steplog.write_transcripts(tmp_path, 2, lost, [0.0] * 2, 2).read_text().endswith(
         "No episode ended solved or failed.\n")
+
+
+def test_a_handed_off_episode_shows_each_hand_off_where_it_happened():
+    """An episode handed off after its second observation (the full hand-off) and at its end (nothing fit): each
+    hand-off follows the observation that did not fit, with its calls' replies and the context the next replies
+    answer (the first prompt named, not repeated); the heading counts the hand-offs the episode went on after."""
+    ep = episode("b", 0.0, failure="max_len", replies=("r1", "r2", "r3", "r4"), truncated=True)
+    ep.messages.append({"role": "user", "content": "output 4"})
+    calls = [{"name": n, "prompt_tokens": 700 + k, "reply": f"{n} reply", "reply_tokens": 5, "finish": "stop"}
+             for k, n in enumerate(("summary", "questions", "answers"))]
+    ep.handoffs = [
+        Handoff(at=5, kept=1, calls=calls, fallback="summary", start=800, seconds=1.5,
+                context=[ep.messages[0], {"role": "user", "content": "the questions' prompt"},
+                         {"role": "assistant", "content": "questions reply"},
+                         {"role": "user", "content": "the answers' prompt"}]),
+        Handoff(at=9, kept=3, fallback=None, calls=[{"name": "summary", "prompt_tokens": 900, "reply": "",
+                                                     "reply_tokens": 0, "finish": "no room"}])]
+    text = steplog.transcript(ep, -0.5)
+    assert text.startswith("## failed: b, reward 0.00, advantage -0.500, 4 turns, 1 hand-off, max_len\n")
+    sections = ["### observation 2", "output 2", f"### hand-off 1: {steplog.FALLBACKS['summary']}",
+                "kept the first message", "1.5s", "the replies after this answer the new context.",
+                "#### summary call: 700 prompt tokens, reply 5 tokens (stop)", "summary reply",
+                "#### questions call: 701 prompt tokens", "questions reply", "#### answers call", "answers reply",
+                "#### new context, message 1 (user)", "(the prompt above)",
+                "#### new context, message 2 (user)", "the questions' prompt",
+                "#### new context, message 3 (assistant)", "questions reply",
+                "#### new context, message 4 (user)", "the answers' prompt", "### reply 3", "r3",
+                "### observation 4", "output 4", f"### hand-off 2: {steplog.FALLBACKS[None]}", "its first 3 messages",
+                "no context fit, and the episode ended.",
+                "#### summary call: 900 prompt tokens, reply 0 tokens (no room)"]
+    at = 0
+    for s in sections:  # each after the one before
+        at = text.index(s, at)
+    assert text.count("### hand-off") == 2 and text.count("Solve b.") == 1
 
 
 def test_pick_transcripts_takes_the_last_step_with_each_kind(tmp_path):

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from actobs import taskgen, terminus
+from actobs import grammar, taskgen, terminus
 from conftest import FIXTURES, nemotron_rows, split_observation
 
 GOOD = {"analysis": "a", "plan": "p", "commands": [{"keystrokes": "ls\n", "duration": 0.1}], "task_complete": False}
@@ -278,13 +278,13 @@ def expert_replies():
 
 
 def test_the_reply_grammar_admits_the_sft_replies_and_nothing_looser(tokenizer):
-    """terminus.reply_grammar (compiled as the engine compiles it) admits every reply of the toy expert, each of
+    """grammar.reply_grammar (compiled as the engine compiles it) admits every reply of the toy expert, each of
     which parses without a warning, and nothing looser: no whitespace of its own, no other key order or
     separators, no '<think>' or '</think>' inside a value (parse_reply would trip on it; a '<' before anything else
     passes, as in a heredoc), no block before the JSON; the think form also admits a <think> block first."""
     from actobs import engine
     xgr = pytest.importorskip("xgrammar")
-    plain, think = (engine.compile_grammar(tokenizer, terminus.reply_grammar(t), len(tokenizer)) for t in (False, True))
+    plain, think = (engine.compile_grammar(tokenizer, grammar.reply_grammar(t), len(tokenizer)) for t in (False, True))
 
     def admits(compiled, text):
         m = xgr.GrammarMatcher(compiled)
@@ -327,14 +327,14 @@ def test_every_observation_of_an_expert_episode_splits():
 
 
 def test_close_reply_completes_every_cut_reply_at_its_shortest(tokenizer):
-    """A reply cut anywhere (as --max-new-tokens cuts one under the grammar) plus terminus.close_reply's text is a
+    """A reply cut anywhere (as --max-new-tokens cuts one under the grammar) plus grammar.close_reply's text is a
     whole reply the grammar admits and parse_reply reads without a warning, and the completion is the shortest:
     the cut value closed (an escape's missing digits as 0, a duration's missing decimal as 0), every later part at
     its shortest (no further command, empty strings, task_complete false). A whole reply needs nothing; a text the
     grammar does not begin is refused."""
     from actobs import engine
     xgr = pytest.importorskip("xgrammar")
-    plain, think = (engine.compile_grammar(tokenizer, terminus.reply_grammar(t), len(tokenizer)) for t in (False, True))
+    plain, think = (engine.compile_grammar(tokenizer, grammar.reply_grammar(t), len(tokenizer)) for t in (False, True))
 
     def admits(compiled, text):
         m = xgr.GrammarMatcher(compiled)
@@ -343,9 +343,9 @@ def test_close_reply_completes_every_cut_reply_at_its_shortest(tokenizer):
         {"keystrokes": "ls -la\n", "duration": d} for d in (0.1, 10.25, 5)], "task_complete": True})]
     replies = expert_replies()[::10] + crafted
     for reply in replies:
-        assert terminus.close_reply(reply) == ""
+        assert grammar.close_reply(reply) == ""
         for k in range(len(reply)):
-            text = reply[:k] + terminus.close_reply(reply[:k])
+            text = reply[:k] + grammar.close_reply(reply[:k])
             assert admits(plain, text), (reply[:k], text)
             assert terminus.parse_reply(text)[1:] == (None, []), text
     shortest = '{"analysis": "", "plan": "", "commands": [], "task_complete": false}'
@@ -355,9 +355,9 @@ def test_close_reply_completes_every_cut_reply_at_its_shortest(tokenizer):
              crafted[0][:crafted[0].index("true") + 2]: 'ue}',
              crafted[0][:crafted[0].index("}, {") + 2]: ' {"keystrokes": "", "duration": 0}], "task_complete": false}'}
     for cut, completion in cases.items():
-        assert terminus.close_reply(cut) == completion, cut
+        assert grammar.close_reply(cut) == completion, cut
     block = "<think>hm, a plan\n</think>\n\n" + replies[0]
     for k in range(len(block)):
-        assert admits(think, block[:k] + terminus.close_reply(block[:k], think=True)), block[:k]
+        assert admits(think, block[:k] + grammar.close_reply(block[:k], think=True)), block[:k]
     with pytest.raises(ValueError, match="not a prefix"):
-        terminus.close_reply('{"analysis": 1')
+        grammar.close_reply('{"analysis": 1')
