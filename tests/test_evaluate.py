@@ -163,9 +163,8 @@ def test_second_try_needs_network_and_tampered_are_reported_apart():
 def test_results_from_before_the_network_options_resume_with_them_off(tmp_path):
     """A results file from before a setting was recorded resumes where the run asks what it ran with; one from before
     the protocol was Harbor's Terminus-2 (no protocol recorded) never does: its attempts were told other things."""
-    args = evaluate.parse_args(["--model", "m", "--tasks", str(tmp_path), "--out", str(tmp_path / "r.json"),
-                                "--max-parse-errors", "3"])
-    now = evaluate.settings_of(args)
+    ran = ["--model", "m", "--tasks", str(tmp_path), "--max-parse-errors", "3", "--no-summarize"]  # as they ran
+    now = evaluate.settings_of(evaluate.parse_args(ran))
     old = {k: v for k, v in now.items() if k not in passk.NEWER_KEYS or k == "protocol"}
     (tmp_path / "r.json").write_text(json.dumps({"settings": old, "config": {}, "sessions": 1, "tasks": {}}))
     assert evaluate.open_results(tmp_path / "r.json", now)["sessions"] == 1
@@ -174,11 +173,10 @@ def test_results_from_before_the_network_options_resume_with_them_off(tmp_path):
     with pytest.raises(SystemExit, match=r"\(protocol differ"):
         evaluate.open_results(tmp_path / "older.json", now)
     with pytest.raises(SystemExit, match="network differ"):
-        evaluate.open_results(tmp_path / "r.json", evaluate.settings_of(evaluate.parse_args(
-            ["--model", "m", "--tasks", str(tmp_path), "--network", "host", "--max-parse-errors", "3"])))
+        evaluate.open_results(tmp_path / "r.json", evaluate.settings_of(evaluate.parse_args(ran + ["--network", "host"])))
     with pytest.raises(SystemExit, match="top_p, top_k differ"):  # they sampled the full softmax
         evaluate.open_results(tmp_path / "r.json", evaluate.settings_of(evaluate.parse_args(
-            ["--model", "m", "--tasks", str(tmp_path), "--top-p", "0.95", "--top-k", "20", "--max-parse-errors", "3"])))
+            ran + ["--top-p", "0.95", "--top-k", "20"])))
 
 
 def test_a_policy_that_trains_samples_the_full_softmax(tokenizer):
