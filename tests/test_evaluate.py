@@ -173,7 +173,8 @@ def test_results_from_before_the_network_options_resume_with_them_off(tmp_path):
     with pytest.raises(SystemExit, match=r"\(protocol differ"):
         evaluate.open_results(tmp_path / "older.json", now)
     with pytest.raises(SystemExit, match="network differ"):
-        evaluate.open_results(tmp_path / "r.json", evaluate.settings_of(evaluate.parse_args(ran + ["--network", "host"])))
+        evaluate.open_results(tmp_path / "r.json",
+                              evaluate.settings_of(evaluate.parse_args(ran + ["--network", "host"])))
     with pytest.raises(SystemExit, match="top_p, top_k differ"):  # they sampled the full softmax
         evaluate.open_results(tmp_path / "r.json", evaluate.settings_of(evaluate.parse_args(
             ran + ["--top-p", "0.95", "--top-k", "20"])))
