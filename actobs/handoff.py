@@ -1,10 +1,10 @@
 """
 The hand-off at the context limit, as Harbor's Terminus-2 summarises a conversation that no longer fits its model's
-context: the context is unwound (its last exchanges dropped until terminus.UNWIND_FREE tokens are free), the policy
+context: the context is unwound (its last exchanges dropped until UNWIND_FREE tokens are free), the policy
 writes a hand-over note on that history, a fresh context of it asks the questions the note leaves open, the history
 answers them, and the episode goes on in a new context: the first prompt, the questions and the answers. When a call
 does not fit or is cut at the reply's token limit, a short summary from one bare call stands in; failing that, the
-task and the terminal alone; when not even that fits, nothing does. The prompts are terminus.py's.
+task and the terminal alone; when not even that fits, nothing does.
 
 hand_off is the procedure on messages, a generator: it yields each model call (Call: its messages) and is sent the
 call's reply, so that engine.VLLMPolicy runs the calls as engine requests among the other episodes' turns. Pure: no
@@ -15,6 +15,36 @@ import dataclasses
 
 from actobs import terminus
 from actobs.sandbox.sandbox import SCREEN
+
+# The prompts. The words are written here for this project, not Harbor's text; each prompt has the purpose and the
+# structure of Terminus-2's. The calls: a hand-over note on the (unwound) history; in a fresh context the next
+# agent's questions about it, given the task, the note and the terminal; the answers on the history. The context after
+# the hand-off: the first prompt, HANDOFF_QUESTIONS and its questions, then HANDOFF with the answers.
+HANDOFF_SUMMARY = ("Your context is full: another agent will carry on with this task in your place. Write it a "
+                   "hand-over note.\n\nThe task:\n{instruction}\n\nFrom the conversation so far, set out in "
+                   "detail:\n1. The actions you took: every command that mattered and what it showed you.\n"
+                   "2. What you found out: files and where they are, settings, error messages, the state of the "
+                   "system.\n3. The problems you ran into and how you got past them.\n4. Where the task stands: "
+                   "what is done and what is left to do.\n\nLeave nothing out: the next agent will know only what "
+                   "this note says.")
+HANDOFF_QUESTIONS = ("You are taking over a task that another agent started.\n\nThe task:\n{instruction}\n\n"
+                     "The other agent's hand-over note:\n{summary}\n\nThe terminal now:\n{screen}\n\nBefore "
+                     "you carry on, ask the other agent about the state of the work where its note leaves you "
+                     "unsure: at least five questions, more if you need them. After its answers you are on your "
+                     "own, so ask for everything you need to know.")
+HANDOFF_ANSWERS = ("The agent taking over from you asks the questions below. Answer every one of them, in turn and "
+                   "in detail:\n\n{questions}")
+HANDOFF = ("The other agent's answers:\n\n{answers}\n\nCarry on with the task from the point where it stopped. "
+           "You can ask no more questions; reply in the format the task's instructions give.")
+# The fallbacks, when a call does not fit the context or is cut at the reply's token limit: a short summary from one
+# call that sees only HANDOFF_SHORT, the context after it the unwound history and HANDOFF_NOTE; failing that, no
+# call, the unwound history and HANDOFF_STATE. Both show the terminal's last SCREEN_TAIL characters.
+HANDOFF_SHORT = ("Carry on with this task: {instruction}\n\nThe terminal now: {screen}\n\nWhat are the next "
+                 "steps? Two or three sentences:")
+HANDOFF_NOTE = "{instruction}\n\nWhere the work stands: {summary}"
+HANDOFF_STATE = "{instruction}\n\nThe terminal now: {screen}"
+SCREEN_TAIL = 1000
+UNWIND_FREE = 4000  # tokens the unwinding frees in the context before the calls (Terminus-2's)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,26 +102,26 @@ def hand_off(context, instruction, screen, count, max_len):
     fit: the short summary, on [HANDOFF_SHORT] alone, the new context [history, HANDOFF_NOTE]; then [history,
     HANDOFF_STATE], with no call."""
     history = context[:-1]
-    kept = history[:unwind(history, count, max_len - terminus.UNWIND_FREE)]
-    ask_summary = user(terminus.HANDOFF_SUMMARY.format(instruction=instruction))
+    kept = history[:unwind(history, count, max_len - UNWIND_FREE)]
+    ask_summary = user(HANDOFF_SUMMARY.format(instruction=instruction))
     summary = yield Call("summary", kept + [ask_summary])
     if summary is not None:
-        ask_questions = user(terminus.HANDOFF_QUESTIONS.format(instruction=instruction, summary=summary,
+        ask_questions = user(HANDOFF_QUESTIONS.format(instruction=instruction, summary=summary,
                                                                screen=screen))
         questions = yield Call("questions", [ask_questions])
         if questions is not None:
             answers = yield Call("answers", kept + [ask_summary, {"role": "assistant", "content": summary},
-                                                    user(terminus.HANDOFF_ANSWERS.format(questions=questions))])
+                                                    user(HANDOFF_ANSWERS.format(questions=questions))])
             if answers is not None:
                 new = [context[0], ask_questions, {"role": "assistant", "content": questions},
-                       user(terminus.HANDOFF.format(answers=answers))]
+                       user(HANDOFF.format(answers=answers))]
                 if count(new) < max_len:
                     return Outcome(len(kept), "summary", new)
-    tail = screen[-terminus.SCREEN_TAIL:]
-    short = yield Call("short", [user(terminus.HANDOFF_SHORT.format(instruction=instruction, screen=tail))])
+    tail = screen[-SCREEN_TAIL:]
+    short = yield Call("short", [user(HANDOFF_SHORT.format(instruction=instruction, screen=tail))])
     if short is not None:
-        new = kept + [user(terminus.HANDOFF_NOTE.format(instruction=instruction, summary=short))]
+        new = kept + [user(HANDOFF_NOTE.format(instruction=instruction, summary=short))]
         if count(new) < max_len:
             return Outcome(len(kept), "short", new)
-    new = kept + [user(terminus.HANDOFF_STATE.format(instruction=instruction, screen=tail))]
+    new = kept + [user(HANDOFF_STATE.format(instruction=instruction, screen=tail))]
     return Outcome(len(kept), "state", new) if count(new) < max_len else Outcome(len(kept), None, None)

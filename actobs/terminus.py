@@ -1,10 +1,10 @@
 """
-The Terminus-2 protocol as text, the one home of every string an agent and its harness exchange: the system
-prompt template, the observation headers, the truncation notice, the reply parser with its errors, warnings and
-auto-corrections, the parse-error / warnings / completion-check / cut-reply messages, the prompts of the hand-off at
-the context limit, and the recogniser that splits an observation into the harness's wrapper text and its payload
-(derived from the same templates, so the two cannot drift apart); and the readers of what tools print in the terminal
-that the harness acts on (a verifier's pytest that ran no test, a command that wanted the network).
+The Terminus-2 protocol as text, the one home of every string an agent and its harness exchange turn by turn (the
+hand-off at the context limit has its prompts in handoff.py): the system prompt template, the observation headers,
+the truncation notice, the reply parser with its errors, warnings and auto-corrections, the parse-error / warnings /
+completion-check / cut-reply messages, and the recogniser that splits an observation into the harness's wrapper text
+and its payload (derived from the same templates, so the two cannot drift apart); and the readers of what tools print
+in the terminal that the harness acts on (a verifier's pytest that ran no test, a command that wanted the network).
 
 The protocol is Harbor's Terminus-2 (the agent that wrote Nemotron-Terminal-Corpus): every text an agent is told,
 which commands run and when an episode is complete are what Harbor's TerminusJSONPlainParser and agent loop give
@@ -59,36 +59,6 @@ CUT_WARNINGS = "\n\nParser warnings from your truncated response:\n- {warnings}"
 SECOND_TRY = ("The tests failed. Their output:\n{output}\n\nFix the problem and mark the task complete again "
               "when it is done. The terminal was restarted:\n{observation}")
 
-# The hand-off at the context limit (Terminus-2's summarisation; handoff.py runs it, docs/sandboxes.md#the-hand-off-at-
-# the-context-limit). The words are written here for this project, not Harbor's text; each prompt has the purpose
-# and the structure of Terminus-2's. The calls: a hand-over note on the (unwound) history; in a fresh context the next
-# agent's questions about it, given the task, the note and the terminal; the answers on the history. The context after
-# the hand-off: the first prompt, HANDOFF_QUESTIONS and its questions, then HANDOFF with the answers.
-HANDOFF_SUMMARY = ("Your context is full: another agent will carry on with this task in your place. Write it a "
-                   "hand-over note.\n\nThe task:\n{instruction}\n\nFrom the conversation so far, set out in "
-                   "detail:\n1. The actions you took: every command that mattered and what it showed you.\n"
-                   "2. What you found out: files and where they are, settings, error messages, the state of the "
-                   "system.\n3. The problems you ran into and how you got past them.\n4. Where the task stands: "
-                   "what is done and what is left to do.\n\nLeave nothing out: the next agent will know only what "
-                   "this note says.")
-HANDOFF_QUESTIONS = ("You are taking over a task that another agent started.\n\nThe task:\n{instruction}\n\n"
-                     "The other agent's hand-over note:\n{summary}\n\nThe terminal now:\n{screen}\n\nBefore "
-                     "you carry on, ask the other agent about the state of the work where its note leaves you "
-                     "unsure: at least five questions, more if you need them. After its answers you are on your "
-                     "own, so ask for everything you need to know.")
-HANDOFF_ANSWERS = ("The agent taking over from you asks the questions below. Answer every one of them, in turn and "
-                   "in detail:\n\n{questions}")
-HANDOFF = ("The other agent's answers:\n\n{answers}\n\nCarry on with the task from the point where it stopped. "
-           "You can ask no more questions; reply in the format the task's instructions give.")
-# The fallbacks, when a call does not fit the context or is cut at the reply's token limit: a short summary from one
-# call that sees only HANDOFF_SHORT, the context after it the unwound history and HANDOFF_NOTE; failing that, no
-# call, the unwound history and HANDOFF_STATE. Both show the terminal's last SCREEN_TAIL characters.
-HANDOFF_SHORT = ("Carry on with this task: {instruction}\n\nThe terminal now: {screen}\n\nWhat are the next "
-                 "steps? Two or three sentences:")
-HANDOFF_NOTE = "{instruction}\n\nWhere the work stands: {summary}"
-HANDOFF_STATE = "{instruction}\n\nThe terminal now: {screen}"
-SCREEN_TAIL = 1000
-UNWIND_FREE = 4000  # tokens the unwinding frees in the context before the calls (Terminus-2's)
 
 # The parser's errors (the reply is not run) and warnings (it is), in Terminus-2's words.
 NO_JSON = "No valid JSON found in response"

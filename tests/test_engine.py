@@ -16,7 +16,7 @@ import torch
 from conftest import ScriptedAsync
 import envs
 import grpo
-from actobs import batches, common, engine, episode, labels, steplog, terminus
+from actobs import batches, common, engine, episode, handoff, labels, steplog, terminus
 from actobs.labels import ACTION, OBS, PROMPT
 from actobs.tasks import Task
 
@@ -460,11 +460,11 @@ def test_an_episode_that_fills_its_context_is_handed_off_and_goes_on(handed_off)
     assert full, [h.calls for ep in eps for h in ep.handoffs]
     h = full[0]
     summary, questions, answers = (c["reply"] for c in h.calls)
-    assert h.context[1]["content"] == labels.defuse_specials(tok, terminus.HANDOFF_QUESTIONS.format(
+    assert h.context[1]["content"] == labels.defuse_specials(tok, handoff.HANDOFF_QUESTIONS.format(
         instruction=HANDOFF_TASK.instruction, summary=terminus.reply_content(summary), screen="root@sandbox:/app#"))
     assert h.context[2] == {"role": "assistant", "content": labels.defuse_specials(tok, terminus.reply_content(
         questions))}
-    assert h.context[3]["content"] == labels.defuse_specials(tok, terminus.HANDOFF.format(
+    assert h.context[3]["content"] == labels.defuse_specials(tok, handoff.HANDOFF.format(
         answers=terminus.reply_content(answers)))
 
 

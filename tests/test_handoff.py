@@ -59,17 +59,17 @@ def test_the_full_hand_off_calls_and_the_context_after(monkeypatch):
     """The history unwound to max_len - UNWIND_FREE (here the prompt and the first exchange); the summary on it, the
     questions on a context of their own, the answers on the history with the summary; the context after: the first
     prompt, the questions' prompt and the questions, then the answers in the hand-off's prompt."""
-    monkeypatch.setattr(terminus, "UNWIND_FREE", 900)
+    monkeypatch.setattr(handoff, "UNWIND_FREE", 900)
     calls, out = drive(hand_off(1020), {"summary": "S", "questions": "Q?", "answers": "A."})
     kept = CONTEXT[:2]  # 110 characters: at most 1020 - 900
-    ask_summary = user(terminus.HANDOFF_SUMMARY.format(instruction="Fix it."))
-    ask_questions = user(terminus.HANDOFF_QUESTIONS.format(instruction="Fix it.", summary="S", screen="$ ls\nout.txt"))
+    ask_summary = user(handoff.HANDOFF_SUMMARY.format(instruction="Fix it."))
+    ask_questions = user(handoff.HANDOFF_QUESTIONS.format(instruction="Fix it.", summary="S", screen="$ ls\nout.txt"))
     assert [c.name for c in calls] == ["summary", "questions", "answers"]
     assert calls[0].messages == kept + [ask_summary]
     assert calls[1].messages == [ask_questions]
-    assert calls[2].messages == kept + [ask_summary, bot("S"), user(terminus.HANDOFF_ANSWERS.format(questions="Q?"))]
+    assert calls[2].messages == kept + [ask_summary, bot("S"), user(handoff.HANDOFF_ANSWERS.format(questions="Q?"))]
     assert out == handoff.Outcome(2, "summary", [user(PROMPT), ask_questions, bot("Q?"),
-                                                 user(terminus.HANDOFF.format(answers="A."))])
+                                                 user(handoff.HANDOFF.format(answers="A."))])
 
 
 @pytest.mark.parametrize("failed", ["summary", "questions", "answers"])
@@ -82,8 +82,8 @@ def test_a_failed_call_falls_back_to_a_short_summary(failed):
     names = ["summary", "questions", "answers"]
     assert [c.name for c in calls] == names[:names.index(failed) + 1] + ["short"]
     tail = "$ ls\nout.txt"
-    assert calls[-1].messages == [user(terminus.HANDOFF_SHORT.format(instruction="Fix it.", screen=tail))]
-    assert out == handoff.Outcome(1, "short", [user(PROMPT), user(terminus.HANDOFF_NOTE.format(
+    assert calls[-1].messages == [user(handoff.HANDOFF_SHORT.format(instruction="Fix it.", screen=tail))]
+    assert out == handoff.Outcome(1, "short", [user(PROMPT), user(handoff.HANDOFF_NOTE.format(
         instruction="Fix it.", summary="Do X then Y."))])
 
 
@@ -91,11 +91,11 @@ def test_a_context_after_that_does_not_fit_falls_back_in_turn():
     """The full hand-off's context after does not fit (long answers): the short summary; its context does not fit
     either (a long summary): the task and the terminal, no call; and when not even that fits, no context."""
     long = "x" * 2000
-    note = terminus.HANDOFF_NOTE.format(instruction="Fix it.", summary="short")
+    note = handoff.HANDOFF_NOTE.format(instruction="Fix it.", summary="short")
     need = count([user(PROMPT), user(note)])
     calls, out = drive(hand_off(need + 1), {"summary": "S", "questions": "Q?", "answers": long, "short": "short"})
     assert [c.name for c in calls] == ["summary", "questions", "answers", "short"] and out.fallback == "short"
-    state = [user(PROMPT), user(terminus.HANDOFF_STATE.format(instruction="Fix it.", screen="$ ls\nout.txt"))]
+    state = [user(PROMPT), user(handoff.HANDOFF_STATE.format(instruction="Fix it.", screen="$ ls\nout.txt"))]
     calls, out = drive(hand_off(count(state) + 1), {"summary": None, "short": long})
     assert out == handoff.Outcome(1, "state", state)
     calls, out = drive(hand_off(count(state)), {"summary": None, "short": None})  # room for no token of reply
@@ -105,8 +105,8 @@ def test_a_context_after_that_does_not_fit_falls_back_in_turn():
 def test_the_fallbacks_show_the_terminals_last_characters():
     screen = "\n".join(f"line {i}" for i in range(400))
     _, out = drive(handoff.hand_off(CONTEXT, "Fix it.", screen, count, 10_000), {"summary": None, "short": None})
-    assert out.context[-1]["content"] == terminus.HANDOFF_STATE.format(instruction="Fix it.",
-                                                                      screen=screen[-terminus.SCREEN_TAIL:])
+    assert out.context[-1]["content"] == handoff.HANDOFF_STATE.format(instruction="Fix it.",
+                                                                      screen=screen[-handoff.SCREEN_TAIL:])
 
 
 def test_the_screen_is_the_latest_terminal_text():
