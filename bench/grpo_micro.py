@@ -54,20 +54,28 @@ def synthetic_examples(rng, n, group_size, tokens, vocab):
     return out
 
 
-def update(model_dir, examples, micro_tokens, behav):
-    """One grpo.train_batch from the weights in model_dir at --micro-tokens micro_tokens.
-    -> (seconds, the updated weights)."""
-    args = grpo.get_parser().parse_args(["--init", str(model_dir), "--tasks", "-", "--out", "-", "--lr", "1e-4",
-                                         "--kl-coef", "0.05", "--micro-tokens", str(micro_tokens)])
-    device = torch.device("cpu")
-    ctx, dtype, _ = common.autocast(args.dtype, device)
-    lm = common.load_model(model_dir, device)
-    init_lm = common.load_model(model_dir, device).to(dtype).requires_grad_(False).eval()
+def trainer(model_dir, flags):
+    """grpo.py's trainer on this CPU, from the weights in model_dir under grpo.py's `flags`: -> (its flags parsed,
+    the autocast context, the policy (in train mode), the initial policy in the compute dtype, what trains, the
+    optimizer). bench/grpo_update.py's too."""
+    args = grpo.get_parser().parse_args(["--init", str(model_dir), "--tasks", "-", "--out", "-", *flags])
+    ctx, dtype, _ = common.autocast(args.dtype, torch.device("cpu"))
+    lm = common.load_model(model_dir, torch.device("cpu"))
+    init_lm = common.load_model(model_dir, torch.device("cpu")).to(dtype).requires_grad_(False).eval()
     wrapped = common.LossModule(lm)
     opt = common.adamw(wrapped.parameters(), lr=args.lr, betas=args.adam_betas, eps=args.adam_eps,
                        weight_decay=args.weight_decay)
-    exs = [batches.Example(**ex, behav=b) for ex, b in zip(examples, behav)]
     lm.train()
+    return args, ctx, lm, init_lm, wrapped, opt
+
+
+def update(model_dir, examples, micro_tokens, behav):
+    """One grpo.train_batch from the weights in model_dir at --micro-tokens micro_tokens.
+    -> (seconds, the updated weights)."""
+    args, ctx, lm, init_lm, wrapped, opt = trainer(model_dir, ["--lr", "1e-4", "--kl-coef", "0.05", "--micro-tokens",
+                                                               str(micro_tokens)])
+    device = torch.device("cpu")
+    exs = [batches.Example(**ex, behav=b) for ex, b in zip(examples, behav)]
     t = time.perf_counter()
     grpo.train_batch(wrapped, init_lm, opt, exs, grpo.objective(args), 0, device, ctx, 0, print,
                      ppo_epochs=args.ppo_epochs, micro_tokens=args.micro_tokens, grad_clip=args.grad_clip, fsdp=False)

@@ -31,6 +31,7 @@ import torch
 
 import grpo
 from actobs import batches, common, head, tiny
+from bench import grpo_micro
 from bench.grpo_micro import synthetic_examples
 
 
@@ -86,16 +87,8 @@ WAYS = {"per-token terms, head's grads in forward": per_token_loss, "grpo.pg_los
 def update(model_dir, examples, loss, dtype, clock):
     """One grpo.train_batch of the ablation's recipe from the weights in model_dir, its loss computed by `loss`.
     -> (seconds on clock, the step's loss, the updated weights)."""
-    args = grpo.get_parser().parse_args(["--init", str(model_dir), "--tasks", "-", "--out", "-", *RECIPE, "--dtype",
-                                         dtype])
+    args, ctx, lm, init_lm, wrapped, opt = grpo_micro.trainer(model_dir, [*RECIPE, "--dtype", dtype])
     device = torch.device("cpu")
-    ctx, cdtype, _ = common.autocast(args.dtype, device)
-    lm = common.load_model(model_dir, device)
-    init_lm = common.load_model(model_dir, device).to(cdtype).requires_grad_(False).eval()
-    wrapped = common.LossModule(lm)
-    opt = common.adamw(wrapped.parameters(), lr=args.lr, betas=args.adam_betas, eps=args.adam_eps,
-                       weight_decay=args.weight_decay)
-    lm.train()
     with mock.patch.object(grpo, "pg_loss", loss):
         t = clock()
         tot, _ = grpo.train_batch(wrapped, init_lm, opt, examples, grpo.objective(args), 0, device, ctx, 0, print,
