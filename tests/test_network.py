@@ -209,7 +209,7 @@ def test_rules_undone_while_the_run_goes_on_are_put_back(base_image):
     """What a node can do to the rules between two sandboxes: a flush of the project's chains (`iptables -F` flushes
     every chain) and another daemon's jumps put first in FORWARD and nat PREROUTING (Docker's DOCKER-USER on each
     restart). The next egress sandbox finds them and puts the rules back before it gets a network: it still reaches
-    nothing of the host's, and each jump is first again."""
+    nothing of the host's, and each jump is first again, one copy of it (the one the foreign jump pushed down goes)."""
     net = network.ensure()
     for cmd in (["-F", network.CHAIN_FWD], ["-F", network.CHAIN_IN], ["-I", "FORWARD", "1", "-j", "ACCEPT"],
                 ["-t", "nat", "-I", "PREROUTING", "1", "-j", "RETURN"]):
@@ -224,6 +224,12 @@ def test_rules_undone_while_the_run_goes_on_are_put_back(base_image):
         finally:
             anywhere.close()
         assert network._placed(net) and anywhere.peers == []
+        for table, chain, jumps in (("filter", "FORWARD", [f"-i {network.BRIDGE} -j {network.CHAIN_FWD}",
+                                                           f"-o {network.BRIDGE} -j {network.CHAIN_FWD}"]),
+                                    ("nat", "PREROUTING", [f"-i {network.BRIDGE} -j RETURN"])):
+            rules = [ln[len(f"-A {chain} "):] for ln in subprocess.check_output(
+                ["iptables", "-w", "-t", table, "-S", chain], text=True).splitlines() if ln.startswith("-A ")]
+            assert rules[:len(jumps)] == jumps and all(rules.count(j) == 1 for j in jumps), rules
     finally:  # the foreign jumps go (the project's stay first in any case)
         subprocess.run(["iptables", "-w", "-D", "FORWARD", "-j", "ACCEPT"], check=True)
         subprocess.run(["iptables", "-w", "-t", "nat", "-D", "PREROUTING", "-j", "RETURN"], check=True)

@@ -170,16 +170,21 @@ def _placed(net):
 
 
 def _place(net):
-    """The project's chains filled (ruleset) and each jump put first where it is not (a copy further down that
-    another rule put above it left is harmless: the project's chains decide every packet they get). Under LOCK."""
+    """The project's chains filled (ruleset) and each jump put first where it is not, in one commit per table: the
+    copies a jump has anywhere in its chain deleted and the jumps inserted at the top together, so no packet passes
+    between the two and repeated placements (a flush, another daemon's jumps put first) leave one copy. Under LOCK."""
     _run(["iptables-restore", "-w", "--noflush"], ruleset(net.subnet, net.nameservers, net.networks))
+    commits = {}
     for tool, table, chain, rules in _jumps(net.subnet):
-        if tool == "ip6tables" and shutil.which("ip6tables") is None:
-            raise NetworkUnavailable("ip6tables is not installed (iptables' package has it)")
+        if shutil.which(f"{tool}-restore") is None:
+            raise NetworkUnavailable(f"{tool}-restore is not installed (iptables' package has it)")
         have = _listed(tool, table).get(chain, [])
-        if have[:len(rules)] != rules:
-            for i, rule in enumerate(rules, 1):
-                _run([tool, "-w", "-t", table, "-I", chain, str(i), *rule.split()])
+        if have[:len(rules)] != rules or any(have.count(r) > 1 for r in rules):
+            commits.setdefault((tool, table), []).extend(
+                [f"-D {chain} {r}" for r in rules for _ in range(have.count(r))]
+                + [f"-I {chain} {i} {r}" for i, r in enumerate(rules, 1)])
+    for (tool, table), lines in commits.items():
+        _run([f"{tool}-restore", "-w", "--noflush"], "\n".join([f"*{table}", *lines, "COMMIT", ""]))
 
 
 def _setup():
