@@ -4,6 +4,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -142,3 +143,58 @@ def test_a_failing_stage_names_its_line_and_command(tmp_path):
     assert "==> stage 2/8: corpus" in run.stdout
     assert (f"line {line}: stage corpus failed (exit 7) after 0s: python -c import sys; sys.exit(7) --seed 5"
             in run.stderr), run.stderr
+
+
+def snippet(start, end):
+    """The part of ablation.sh from `start` to the next `end`, to run on its own."""
+    script = (ROOT / "ablation.sh").read_text()
+    at = script.index(start)
+    return script[at:script.index(end, at)]
+
+
+def test_a_driver_torch_cannot_use_stops_the_run_with_its_versions(tmp_path):
+    # nvidia-smi answers (a fake one first on PATH: GPU 0, driver 535) while this CPU build of torch sees no GPU:
+    # the run stops there, naming the driver and torch's CUDA build, rather than run the CPU branch on a GPU node
+    bin_ = tmp_path / "bin"
+    bin_.mkdir()
+    (bin_ / "nvidia-smi").write_text('#!/bin/sh\ncase "$*" in *driver_version*) echo 535.104.05 ;;\n'
+                                     '*) echo "GPU 0: NVIDIA H100 80GB HBM3" ;; esac\n')
+    (bin_ / "nvidia-smi").chmod(0o755)
+    test = tmp_path / "t.sh"
+    test.write_text("set -Eeuo pipefail\n" + snippet("GPUS=$(python", "# The GPUs this job was given")
+                    + "echo went on\n")
+    env = {**os.environ, "PATH": f"{bin_}:{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    run = subprocess.run(["bash", str(test)], capture_output=True, text=True, timeout=120, env=env)
+    assert run.returncode == 1 and "went on" not in run.stdout, (run.stdout, run.stderr)
+    assert "nvidia-smi sees GPUs (driver 535.104.05) but torch " in run.stderr and " sees none" in run.stderr
+    assert "built for CUDA None" in run.stderr  # this machine's CPU torch
+    test.write_text(test.read_text().replace("GPUS=$(python", "PATH=${PATH#*:}; GPUS=$(python"))  # no nvidia-smi
+    run = subprocess.run(["bash", str(test)], capture_output=True, text=True, timeout=120, env=env)
+    assert run.returncode == 0 and run.stdout == "went on\n", (run.stdout, run.stderr)
+
+
+def test_evaluations_run_on_the_gpus_the_job_was_given(tmp_path):
+    # spread() under a scheduler's CUDA_VISIBLE_DEVICES=5,7 on 2 GPUs: 5 evaluations (a `python` that records the
+    # GPU it was given, and how many ran at once), each on 5 or 7, never two on one GPU, never more than 2 at once
+    test = tmp_path / "t.sh"
+    log = tmp_path / "log"
+    test.write_text(
+        "set -Eeuo pipefail\nGPUS=2\n"
+        f'python() {{ echo "start $CUDA_VISIBLE_DEVICES $3" >> {log}; sleep 0.$((RANDOM % 5 + 1)); '
+        f'echo "end $CUDA_VISIBLE_DEVICES $3" >> {log}; }}\n'
+        + snippet("if [ -n \"${CUDA_VISIBLE_DEVICES:-}\" ]", "if [ $MODE = real ]")
+        + snippet("spread() {", "trained() {")
+        + "spread evaluate.py " + " ::: ".join(f"--run {i}" for i in range(5)) + "\n")
+    run = subprocess.run(["bash", str(test)], capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "CUDA_VISIBLE_DEVICES": "5,7"})
+    assert run.returncode == 0, run.stderr
+    events = [ln.split() for ln in log.read_text().splitlines()]
+    assert sorted(e[2] for e in events if e[0] == "start") == ["0", "1", "2", "3", "4"]
+    busy = set()
+    for what, gpu, _ in events:
+        assert gpu in ("5", "7")
+        if what == "start":
+            assert gpu not in busy
+            busy.add(gpu)
+        else:
+            busy.remove(gpu)
