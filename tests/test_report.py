@@ -1,11 +1,11 @@
 """scripts/report.py and scripts/checks.py: the run folder's settings guard and the output checks that make the quick
 ablation fail CI."""
 import json
-from types import SimpleNamespace
 
 import pytest
 
 from actobs import compare, labels, passk, steplog, taskgen
+from actobs.episode import Episode
 from actobs.sandbox import daemon
 from scripts import checks, report
 
@@ -358,10 +358,8 @@ def test_the_report_links_a_solved_and_a_failed_transcript_per_grpo_run(tmp_path
     (steplog.pick_transcripts), as paths within the run folder; a run without transcripts says so."""
     synthetic_run(tmp_path)
     folder = tmp_path / "actobs-grpo" / "transcripts"
-    episode = lambda reward: SimpleNamespace(task="t0", reward=reward, failure=None, truncated=False,  # noqa: E731
-                                             turns=1,
-                                             messages=[{"role": "user", "content": "go"},
-                                                       {"role": "assistant", "content": "{}"}])
+    episode = lambda reward: Episode("t0", [{"role": "user", "content": "go"},  # noqa: E731
+                                            {"role": "assistant", "content": "{}"}], reward=reward, turns=1)
     steplog.write_transcripts(folder, 1, [episode(1.0), episode(0.0)], [0.5, -0.5], 2)
     steplog.write_transcripts(folder, 2, [episode(0.0), episode(0.0)], [0.0, 0.0], 2)
     assert report.build(tmp_path) == []

@@ -18,10 +18,10 @@ import pytest
 import envs
 import evaluate
 from actobs import tasks as tasks_module
+from actobs import terminus
 from actobs.sandbox import daemon, sandbox
 from actobs.sandbox.sandbox import DEFAULT_STORAGE_MB
 from actobs.tasks import Task, load_task
-from scripts import fetch
 
 FIXTURES = Path(__file__).parent / "fixtures"
 AIDER, ENDLESS, HARBOR = FIXTURES / "aider", FIXTURES / "endless", FIXTURES / "harbor"
@@ -185,10 +185,10 @@ CURRENT = {
 
 def harbors_reading(paths, tmp_path):
     """{path: the fields} of each task.toml as Harbor's TaskConfig reads it: its published wheel (the version
-    fetch.py reads its prompt from), imported in a child process (its `toml` dump library stubbed: only reading)."""
+    terminus.HARBOR_VERSION names), imported in a child process (its `toml` dump library stubbed: only reading)."""
     wheels = tmp_path / "wheels"
     subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary", ":all:",
-                    "--python-version", "3.12", "-d", str(wheels), f"harbor=={fetch.HARBOR_VERSION}"], check=True)
+                    "--python-version", "3.12", "-d", str(wheels), f"harbor=={terminus.HARBOR_VERSION}"], check=True)
     zipfile.ZipFile(next(wheels.glob("*.whl"))).extractall(tmp_path / "harbor")
     code = f"""import json, sys, tomllib, types
 sys.path.insert(0, {str(tmp_path / "harbor")!r}); sys.modules["toml"] = types.ModuleType("toml")
