@@ -6,6 +6,7 @@ daemon's store of fixed size (.ci/dockerd.sh), which keeps the host from filling
 import multiprocessing
 import os
 import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -91,6 +92,27 @@ def test_the_verifiers_walk_is_held_to_the_inode_budget(no_quota, monkeypatch):
         found = [(rel, name) for _, rel, name, _ in container_files.walk_layer(upper, 10**6)]
         deep = [rel for rel, name in found if name == "f"]  # the file at the bottom, past PATH_MAX from this host
         assert len(deep) == 1 and len(f"{upper}{deep[0]}") > 4096 and deep[0].count("/d") == 100, deep
+
+
+def test_a_command_started_while_a_walk_holds_the_sandbox_frozen_runs_once_it_is_thawed(no_quota):
+    """The watch freezes the sandbox to walk its layer at rest; a command started then (a terminal step, the
+    verifier) is refused by the runtime ("cannot exec in a paused container": it never ran). Sandbox.exec starts it
+    again once the walk thawed the sandbox: its output, and nothing lost (the verifier's refusal once scored a solved
+    episode verifier_error)."""
+    with sandbox.Sandbox(daemon.BASE_IMAGE, storage_mb=256) as sb:
+        sb.container.reload()
+        pid = sb.container.attrs["State"]["Pid"]
+        sb.disk._freeze(sb.container, pid, True)  # as _watch_layer does before a walk at rest
+        refused = sb.container.exec_run(["echo", "ran"])
+        assert refused.exit_code == 126 and b"paused" in refused.output, refused  # what the runtime does
+        thaw = threading.Timer(1.0, sb.disk._freeze, (sb.container, pid, False))
+        thaw.start()
+        t0 = time.monotonic()
+        try:
+            code, out = sb.exec("echo ran >> /app/log; cat /app/log")
+        finally:
+            thaw.join()
+        assert (code, out) == (0, b"ran\n") and time.monotonic() - t0 >= 0.9, (code, out)
 
 
 @pytest.fixture

@@ -15,6 +15,7 @@ from actobs.terminus import (MAX_DURATION, OUTPUT_HEADER, SCREEN_HEADER, decode,
                              visible_screen)
 
 SCREEN = (160, 40)  # tmux window (columns, rows)
+PAUSED = b"cannot exec in a paused container"  # the runtime's refusal of a command in a frozen sandbox
 DEFAULT_STORAGE_MB = 10240  # disk budget when a task names none (Harbor's default)
 STEP_READS = 3  # reads of a terminal step's result file when its exec's output came back incomplete
 # How long a terminal step may run past its duration before it is killed (and its episode lost to the
@@ -271,9 +272,16 @@ class Sandbox:
             cmd = ["bash", "-c", cmd]
         if timeout is not None:
             cmd = ["timeout", "-k", "2", str(timeout)] + cmd
-        res = self.container.exec_run(cmd, user=user or self.user, workdir=self.workdir,
-                                      environment={"LANG": "C.UTF-8", **(env or {})})
-        return res.exit_code, res.output
+        # The disk watch freezes the sandbox while it walks the layer at rest (disk.Budget): the runtime refuses to
+        # start a process in it then, and the command never ran, so it starts again once the walk thawed the sandbox
+        # (a walk is bounded by WALK_DEADLINE_S, its freeze and thaw by FREEZE_S each)
+        deadline = time.monotonic() + disk.WALK_DEADLINE_S + 2 * disk.FREEZE_S
+        while True:
+            res = self.container.exec_run(cmd, user=user or self.user, workdir=self.workdir,
+                                          environment={"LANG": "C.UTF-8", **(env or {})})
+            if res.exit_code != 126 or PAUSED not in res.output or time.monotonic() > deadline:
+                return res.exit_code, res.output
+            time.sleep(0.05)
 
     def _shell_gone(self):
         """True only when a probe ran and found no shell (a probe that cannot even start says nothing)."""
