@@ -98,7 +98,7 @@ def test_a_command_started_while_a_walk_holds_the_sandbox_frozen_runs_once_it_is
     """The watch freezes the sandbox to walk its layer at rest; a command started then (a terminal step, the
     verifier) is refused by the runtime ("cannot exec in a paused container": it never ran). Sandbox.exec starts it
     again once the walk thawed the sandbox: its output, and nothing lost (the verifier's refusal once scored a solved
-    episode verifier_error)."""
+    episode verifier_error). A command that prints the refusal itself runs once."""
     with sandbox.Sandbox(daemon.BASE_IMAGE, storage_mb=256) as sb:
         sb.container.reload()
         pid = sb.container.attrs["State"]["Pid"]
@@ -113,6 +113,10 @@ def test_a_command_started_while_a_walk_holds_the_sandbox_frozen_runs_once_it_is
         finally:
             thaw.join()
         assert (code, out) == (0, b"ran\n") and time.monotonic() - t0 >= 0.9, (code, out)
+        # the refusal without a freeze of the watch's (a command that prints it and exits 126): run once, as it ended
+        code, out = sb.exec("echo ran >> /app/log; echo 'cannot exec in a paused container'; exit 126")
+        assert (code, out) == (126, b"cannot exec in a paused container\n")
+        assert sb.exec("cat /app/log") == (0, b"ran\nran\n")
 
 
 @pytest.fixture

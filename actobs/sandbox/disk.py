@@ -286,7 +286,10 @@ class Budget:
         self.qgroup = None  # the sysfs folder of the writable layer's qgroup, on a btrfs daemon with quotas
         self.checked = time.monotonic()  # when the watch last measured or looked at the counters
         self.peak = (0, 0)  # the largest layer a walk measured: bytes (deleted files held included), entries
-        self.frozen = False  # the sandbox's processes are stopped for a walk (thawed before the watch lets go)
+        # The sandbox's processes are stopped for a walk (thawed before the watch lets go): set before the freeze
+        # begins and cleared once the thaw is done, so a command the runtime refused meanwhile knows why (Sandbox.exec)
+        self.frozen = False
+        self.freezes = 0  # freezes begun
         self._closed = threading.Event()
 
     def create_options(self):
@@ -362,6 +365,8 @@ class Budget:
                 pass
 
     def _freeze(self, container, pid, frozen):
+        if frozen:
+            self.freezes, self.frozen = self.freezes + 1, True
         freeze(container, pid, frozen)
         self.frozen = frozen
 

@@ -274,12 +274,15 @@ class Sandbox:
             cmd = ["timeout", "-k", "2", str(timeout)] + cmd
         # The disk watch freezes the sandbox while it walks the layer at rest (disk.Budget): the runtime refuses to
         # start a process in it then, and the command never ran, so it starts again once the walk thawed the sandbox
-        # (a walk is bounded by WALK_DEADLINE_S, its freeze and thaw by FREEZE_S each)
+        # (a walk is bounded by WALK_DEADLINE_S, its freeze and thaw by FREEZE_S each). Only where a freeze of the
+        # watch's overlapped the command: a command of the agent's that prints the refusal and exits 126 runs once.
         deadline = time.monotonic() + disk.WALK_DEADLINE_S + 2 * disk.FREEZE_S
         while True:
+            frozen, freezes = self.disk.frozen, self.disk.freezes
             res = self.container.exec_run(cmd, user=user or self.user, workdir=self.workdir,
                                           environment={"LANG": "C.UTF-8", **(env or {})})
-            if res.exit_code != 126 or PAUSED not in res.output or time.monotonic() > deadline:
+            watched = frozen or self.disk.frozen or self.disk.freezes != freezes
+            if res.exit_code != 126 or PAUSED not in res.output or not watched or time.monotonic() > deadline:
                 return res.exit_code, res.output
             time.sleep(0.05)
 
