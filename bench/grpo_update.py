@@ -31,8 +31,7 @@ import torch
 
 import grpo
 from actobs import batches, common, head, tiny
-from bench import grpo_micro
-from bench.grpo_micro import synthetic_examples
+from bench.grpo_micro import synthetic_examples, trainer
 
 
 def get_parser():
@@ -87,7 +86,7 @@ WAYS = {"per-token terms, head's grads in forward": per_token_loss, "grpo.pg_los
 def update(model_dir, examples, loss, dtype, clock):
     """One grpo.train_batch of the ablation's recipe from the weights in model_dir, its loss computed by `loss`.
     -> (seconds on clock, the step's loss, the updated weights)."""
-    args, ctx, lm, init_lm, wrapped, opt = grpo_micro.trainer(model_dir, [*RECIPE, "--dtype", dtype])
+    args, ctx, lm, init_lm, wrapped, opt = trainer(model_dir, [*RECIPE, "--dtype", dtype])
     device = torch.device("cpu")
     with mock.patch.object(grpo, "pg_loss", loss):
         t = clock()

@@ -161,7 +161,9 @@ def _placed(net):
     want = ruleset(net.subnet, net.nameservers, net.networks).splitlines()
     tables = {}
     for tool, table, chain, rules in _jumps(net.subnet):
-        have = tables.setdefault((tool, table), _listed(tool, table))
+        if (tool, table) not in tables:
+            tables[tool, table] = _listed(tool, table)
+        have = tables[tool, table]
         if have.get(chain, [])[:len(rules)] != rules:
             return False
     counts = {c: sum(ln.startswith(f"-A {c} ") for ln in want) for c in (CHAIN_IN, CHAIN_FWD, CHAIN_NAT)}
@@ -174,11 +176,13 @@ def _place(net):
     copies a jump has anywhere in its chain deleted and the jumps inserted at the top together, so no packet passes
     between the two and repeated placements (a flush, another daemon's jumps put first) leave one copy. Under LOCK."""
     _run(["iptables-restore", "-w", "--noflush"], ruleset(net.subnet, net.nameservers, net.networks))
-    commits = {}
+    tables, commits = {}, {}
     for tool, table, chain, rules in _jumps(net.subnet):
         if shutil.which(f"{tool}-restore") is None:
             raise NetworkUnavailable(f"{tool}-restore is not installed (iptables' package has it)")
-        have = _listed(tool, table).get(chain, [])
+        if (tool, table) not in tables:  # one listing a table (filter holds two of the chains)
+            tables[tool, table] = _listed(tool, table)
+        have = tables[tool, table].get(chain, [])
         if have[:len(rules)] != rules or any(have.count(r) > 1 for r in rules):
             commits.setdefault((tool, table), []).extend(
                 [f"-D {chain} {r}" for r in rules for _ in range(have.count(r))]
